@@ -1,0 +1,117 @@
+"""Choosing rewards by name (`correctness:2`), calling them safely, and stacking their outputs.
+
+`score_completions` is the single place where user reward code runs during training; anything it
+returns that the loss could not use (wrong length, a non-number, NaN or inf) or any exception it
+raises stops the step with the function's name and the row index, before an optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rewards.gsm8k import GSM8K_REWARDS
+from rewards.text import completion_text
+from rewards.toy import TOY_REWARDS
+
+RewardFn = Callable[..., list]
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {**GSM8K_REWARDS, **TOY_REWARDS}
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned something unusable; the message names it and the row."""
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward function with its weight in the weighted sum r_i = sum_k w_k r_ik."""
+
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+
+
+def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[RewardSpec]:
+    """Turn `["correctness:2", "int", my_fn]` into RewardSpecs; unknown names list the known ones."""
+    parsed = []
+    for spec in specs:
+        if isinstance(spec, RewardSpec):
+            parsed.append(spec)
+        elif callable(spec):
+            parsed.append(RewardSpec(getattr(spec, "__name__", "reward"), spec))
+        elif isinstance(spec, str):
+            name, _, weight_text = spec.partition(":")
+            name = name.strip()
+            if name not in REWARD_FUNCTIONS:
+                raise ValueError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARD_FUNCTIONS))}")
+            try:
+                weight = float(weight_text) if weight_text else 1.0
+            except ValueError:
+                raise ValueError(f"reward {spec!r}: weight {weight_text!r} is not a number") from None
+            if not math.isfinite(weight):
+                raise ValueError(f"reward {spec!r}: weight must be finite")
+            parsed.append(RewardSpec(name, REWARD_FUNCTIONS[name], weight))
+        else:
+            raise TypeError(f"a reward must be a name, a function or a RewardSpec, got {type(spec).__name__}")
+    if not parsed:
+        raise ValueError("at least one reward function is needed")
+    names = [spec.name for spec in parsed]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"reward(s) given twice: {duplicates}; give each once with a weight instead")
+    return parsed
+
+
+def _check_values(name: str, values, num_rows: int) -> list[float]:
+    if not isinstance(values, (list, tuple)):
+        raise RewardError(f"reward {name!r} returned {type(values).__name__}, expected a list of {num_rows} floats")
+    if len(values) != num_rows:
+        raise RewardError(f"reward {name!r} returned {len(values)} values for {num_rows} completions")
+    checked = []
+    for row, value in enumerate(values):
+        if value is None:
+            checked.append(math.nan)  # trl's convention: None = cannot score this row
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for row {row}")
+        if not math.isfinite(value):
+            raise RewardError(f"reward {name!r} returned a non-finite value {value} for row {row}")
+        checked.append(float(value))
+    return checked
+
+
+def _call(spec: RewardSpec, prompts: list, completions: list, columns: dict[str, list]) -> list:
+    try:
+        return spec.fn(prompts=prompts, completions=completions, **columns)
+    except Exception as batch_error:  # noqa: BLE001 - re-raised with the row that causes it
+        # Find the row that fails by scoring rows one at a time, so the message can name it.
+        for row in range(len(completions)):
+            row_columns = {key: values[row : row + 1] for key, values in columns.items()}
+            try:
+                spec.fn(prompts=prompts[row : row + 1], completions=completions[row : row + 1], **row_columns)
+            except Exception as row_error:  # noqa: BLE001
+                raise RewardError(
+                    f"reward {spec.name!r} raised {type(row_error).__name__} on row {row}: {row_error}"
+                ) from row_error
+        raise RewardError(
+            f"reward {spec.name!r} raised {type(batch_error).__name__} on the batch: {batch_error}"
+        ) from batch_error
+
+
+def score_completions(
+    specs: Sequence[RewardSpec], prompts: list, completions: list, columns: dict[str, list]
+) -> torch.Tensor:
+    """Rewards matrix (N, K) in fp32: row i, function k; NaN where a function returned None."""
+    num_rows = len(completions)
+    for key, values in columns.items():
+        if len(values) != num_rows:
+            raise ValueError(f"column {key!r} has {len(values)} values for {num_rows} completions")
+    per_function = [_check_values(spec.name, _call(spec, prompts, completions, columns), num_rows) for spec in specs]
+    return torch.tensor(per_function, dtype=torch.float32).T.reshape(num_rows, len(specs))  # (N, K)
+
+
+__all__ = ["REWARD_FUNCTIONS", "RewardError", "RewardSpec", "completion_text", "parse_reward_specs", "score_completions"]

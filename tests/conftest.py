@@ -1,0 +1,45 @@
+"""Shared fixtures. No test touches the network: HF_HUB_OFFLINE is forced before transformers loads."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+SHARED_GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from grpo.tiny_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_and_tokenizer(tokenizer):
+    from grpo.tiny_model import build_tiny_model
+
+    return build_tiny_model("tiny", seed=0, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from grpo.tiny_model import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_model"), "tiny", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def gsm8k_dir() -> Path | None:
+    return SHARED_GSM8K if (SHARED_GSM8K / "train.jsonl").exists() else None

@@ -1,0 +1,178 @@
+import math
+
+import pytest
+
+from rewards import (
+    RewardError,
+    correctness,
+    int_answer,
+    parse_reward_specs,
+    score_completions,
+    soft_format,
+    strict_format,
+    xmlcount,
+)
+from rewards.toy import tags
+
+GOOD = "<reasoning>\nline one\nline two\n</reasoning>\n<answer>\n18\n</answer>"
+
+
+def chat(text):
+    return [{"role": "assistant", "content": text}]
+
+
+def one(fn, text, **columns):
+    return fn(prompts=[None], completions=[chat(text)], **{k: [v] for k, v in columns.items()})[0]
+
+
+@pytest.mark.parametrize(
+    "answer_text, gold, expected",
+    [
+        ("18", "#### 18", 2.0),
+        ("18.0", "#### 18", 2.0),  # numbers, not strings
+        ("$18", "x\n#### 18", 2.0),
+        ("1,000", "#### 1000", 2.0),
+        ("$1,000", "#### 1,000", 2.0),
+        ("-5", "#### -5", 2.0),
+        ("17", "#### 18", 0.0),
+        ("eighteen", "#### 18", 0.0),
+        ("18", "18", 2.0),  # a bare-number gold column works too
+    ],
+)
+def test_correctness(answer_text, gold, expected):
+    text = f"<reasoning>\nr\n</reasoning>\n<answer>\n{answer_text}\n</answer>"
+    assert one(correctness, text, answer=gold) == expected
+
+
+def test_correctness_needs_an_answer_tag_and_takes_the_last():
+    assert one(correctness, "18", answer="#### 18") == 0.0  # no <answer>: not scored as correct
+    assert one(correctness, "", answer="#### 18") == 0.0  # empty completion
+    # Duplicated tags: the last <answer> is the answer.
+    assert one(correctness, "<answer>3</answer> then <answer>18</answer>", answer="#### 18") == 2.0
+    # Plain strings work as completions too.
+    assert correctness(prompts=[None], completions=[GOOD], answer=["#### 18"]) == [2.0]
+
+
+@pytest.mark.parametrize(
+    "answer_text, expected",
+    [("18", 0.5), ("-3", 0.5), ("18.0", 0.5), ("1,000", 0.5), ("2.5", 0.0), ("x", 0.0)],
+)
+def test_int(answer_text, expected):
+    assert one(int_answer, f"<answer>\n{answer_text}\n</answer>") == expected
+
+
+def test_int_without_answer_tag_is_zero():
+    assert one(int_answer, "18") == 0.0
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (GOOD, 0.5),  # multi-line reasoning: the copied regex (no DOTALL) gives 0 here
+        (GOOD + "\n", 0.5),  # one final newline allowed
+        (GOOD + "\nextra", 0.0),  # trailing text
+        ("<reasoning>\nr\n</reasoning><answer>\n1\n</answer>", 0.0),  # missing newline between blocks
+        ("<reasoning>\nr\n</reasoning>\n<answer>\n1\n</answer>\n<answer>\n2\n</answer>", 0.0),  # duplicated tag
+        ("<answer>\n1\n</answer>", 0.0),  # missing reasoning
+        ("", 0.0),
+    ],
+)
+def test_strict_format(text, expected):
+    assert one(strict_format, text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (GOOD, 0.5),
+        ("<reasoning>a\nb</reasoning> <answer>1</answer>", 0.5),  # multi-line, no newlines around tags
+        ("intro <reasoning>a</reasoning>\n\n<answer>1</answer> outro", 0.5),
+        ("<answer>1</answer><reasoning>a</reasoning>", 0.0),  # wrong order
+        ("<reasoning>a</reasoning>", 0.0),  # missing answer
+        ("", 0.0),
+    ],
+)
+def test_soft_format(text, expected):
+    assert one(soft_format, text) == expected
+
+
+def test_xmlcount_hand_derived():
+    # Four tags each on its own line: 4 * 0.125 = 0.5, nothing after </answer>.
+    assert one(xmlcount, GOOD) == pytest.approx(0.5)
+    # A final newline is free.
+    assert one(xmlcount, GOOD + "\n") == pytest.approx(0.5)
+    # "\nabc" after </answer>: the newline is free, 3 characters cost 0.003 -> 0.497.
+    assert one(xmlcount, GOOD + "\nabc") == pytest.approx(0.497)
+    # Only the reasoning pair: 0.25.
+    assert one(xmlcount, "<reasoning>\nx\n</reasoning>\n") == pytest.approx(0.25)
+    # Duplicated <reasoning>\n: that tag does not count -> 0.375.
+    assert one(xmlcount, "<reasoning>\n<reasoning>\nx\n</reasoning>\n<answer>\n1\n</answer>") == pytest.approx(0.375)
+    assert one(xmlcount, "") == 0.0
+
+
+def test_toy_tags_reward():
+    assert one(tags, "") == 0.0
+    assert one(tags, "<answer><answer>") == 0.25  # two tags * 0.125
+    assert one(tags, "<answer>" * 20) == 1.0  # capped at eight tags
+
+
+def test_parse_reward_specs():
+    specs = parse_reward_specs(["correctness:2", "int", xmlcount])
+    assert [(s.name, s.weight) for s in specs] == [("correctness", 2.0), ("int", 1.0), ("xmlcount", 1.0)]
+    with pytest.raises(ValueError, match="unknown reward 'corectness'.*correctness"):
+        parse_reward_specs(["corectness"])
+    with pytest.raises(ValueError, match="weight 'x' is not a number"):
+        parse_reward_specs(["int:x"])
+    with pytest.raises(ValueError, match="given twice"):
+        parse_reward_specs(["int", "int:2"])
+
+
+def test_score_completions_matrix_and_none():
+    def sometimes_none(prompts, completions, **kw):
+        return [None if i == 1 else 1.0 for i in range(len(completions))]
+
+    specs = parse_reward_specs(["int", sometimes_none])
+    rewards = score_completions(specs, [None] * 2, [chat("<answer>3</answer>"), chat("x")], {})
+    assert rewards.shape == (2, 2)
+    assert rewards[0].tolist() == [0.5, 1.0]
+    assert rewards[1, 0] == 0.0 and math.isnan(rewards[1, 1])
+
+
+def test_reward_that_raises_names_function_and_row():
+    def fragile(prompts, completions, **kw):
+        for c in completions:
+            if "boom" in c:
+                raise KeyError("boom")
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"reward 'fragile' raised KeyError on row 2"):
+        score_completions(parse_reward_specs([fragile]), [None] * 3, ["a", "b", "boom"], {})
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([1.0], "returned 1 values for 2 completions"),
+        ([1.0, float("nan")], "returned a non-finite value nan for row 1"),
+        ([float("inf"), 1.0], "returned a non-finite value inf for row 0"),
+        (["1", 1.0], "returned '1' \\(str\\) for row 0"),
+        (1.0, "returned float, expected a list"),
+    ],
+)
+def test_bad_reward_outputs_are_named(returned, message):
+    def bad(prompts, completions, **kw):
+        return returned
+
+    with pytest.raises(RewardError, match=f"reward 'bad' {message}"):
+        score_completions(parse_reward_specs([bad]), [None] * 2, ["a", "b"], {})
+
+
+def test_columns_reach_the_reward_functions():
+    seen = {}
+
+    def spy(prompts, completions, answer, level, **kw):
+        seen.update(answer=answer, level=level)
+        return [0.0] * len(completions)
+
+    score_completions(parse_reward_specs([spy]), [None] * 2, ["a", "b"], {"answer": ["1", "2"], "level": [1, 2]})
+    assert seen == {"answer": ["1", "2"], "level": [1, 2]}
