@@ -1,0 +1,151 @@
+"""Per-token log-probabilities of completion tokens, without materialising (N, T, V) logits.
+
+    log pi(o_t | q, o_<t) = z_t[o_t] - logsumexp(z_t),   z_t = W h_t / temperature
+
+Notation: N completions (rows), P prompt length (left-padded), T completion length (right-padded),
+H hidden size, V vocabulary, M = number of real completion tokens (mask == 1).
+
+The transformer trunk runs once over the full sequences; only the hidden states that predict a real
+completion token (M of the N*T positions) go through the output projection W (V, H), in chunks of
+rows. `_ChunkedTokenLogProbs` keeps only the (M, H) hidden states for backward and recomputes each
+chunk's logits there, so peak memory holds one (chunk, V) block instead of (N, T, V) logits and
+their softmax. The same trick as trl's `selective_log_softmax`, taken one step further (trl still
+builds the full logits tensor).
+
+Precision: under autocast the projection runs in the autocast dtype (bf16) and the log-softmax in
+fp32; gradients for fp32 weights are accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """(M, H) hidden states, (V, H) weight, (M,) targets -> (M,) log-probs and (M,) entropies (no grad).
+
+    Backward, per chunk of rows, with p = softmax(z) and g the incoming gradient of the log-probs:
+        d logp / d z_j = [j == target] - p_j           (so dz = g * (onehot - p))
+        dz/dh = W / temperature,  dz/dW = h / temperature
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool):
+        dtype = _compute_dtype(weight)
+        num_rows = hidden.shape[0]
+        logps = hidden.new_empty(num_rows, dtype=torch.float32)  # (M,)
+        lse = hidden.new_empty(num_rows, dtype=torch.float32)  # (M,)
+        entropy = hidden.new_zeros(num_rows, dtype=torch.float32) if with_entropy else None
+        w = weight.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, num_rows, chunk_size):
+                rows = slice(start, start + chunk_size)
+                logits = (hidden[rows].to(dtype) @ w.T).float() / temperature  # (chunk, V) fp32
+                chunk_lse = torch.logsumexp(logits, dim=-1)  # (chunk,)
+                lse[rows] = chunk_lse
+                logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - chunk_lse
+                if with_entropy:
+                    # H = lse - sum_j p_j z_j
+                    probs = torch.softmax(logits, dim=-1)
+                    entropy[rows] = chunk_lse - (probs * logits).sum(-1)
+                del logits
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        temperature, chunk_size, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
+        w = weight.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                h = hidden[rows].to(dtype)  # (chunk, H)
+                logits = (h @ w.T).float() / temperature  # (chunk, V), recomputed
+                g = grad_logps[rows].float()  # (chunk,)
+                grad_logits = torch.exp(logits - lse[rows, None]).mul_(-g[:, None])  # -g * p
+                grad_logits.scatter_add_(-1, targets[rows, None], g[:, None])  # + g * onehot
+                grad_logits = grad_logits.div_(temperature).to(dtype)  # dz/d(Wh) = 1 / temperature
+                if grad_hidden is not None:
+                    grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)  # (chunk, H)
+                if grad_weight is not None:
+                    grad_weight += (grad_logits.T @ h).float()  # (V, H)
+                del logits, grad_logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: 0 at each row's first real token (as `generate` does)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, L)
+
+
+def completion_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (N, T) of the last T tokens of `input_ids` (the completion), 0 where `completion_mask` is 0.
+
+    input_ids, attention_mask: (N, P + T), prompts left-padded, completions right-padded.
+    completion_mask: (N, T), 1 for real completion tokens. Returns (logps, entropy or None), fp32.
+    chunk_size: rows of logits computed at once; default: as many as fit in 2^25 fp32 values
+    (128 MiB, 220 rows at Qwen's 151,936 vocabulary).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    num_rows, total_len = input_ids.shape
+    completion_len = completion_mask.shape[1]
+    assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
+    trunk = getattr(model, model.base_model_prefix)
+    hidden = trunk(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state  # (N, P+T, H)
+    # Position t-1 predicts token t: the T hidden states before each completion token.
+    hidden = hidden[:, total_len - completion_len - 1 : total_len - 1]  # (N, T, H)
+    keep = completion_mask.bool()  # (N, T)
+    targets = input_ids[:, total_len - completion_len :][keep]  # (M,)
+    lm_head = model.get_output_embeddings()
+    chunk_size = chunk_size or max(16, (1 << 25) // lm_head.weight.shape[0])
+    if getattr(lm_head, "bias", None) is not None:
+        raise NotImplementedError("output projections with a bias are not supported")
+    token_logps, token_entropy = _ChunkedTokenLogProbs.apply(
+        hidden[keep], lm_head.weight, targets, float(temperature), chunk_size, with_entropy
+    )  # (M,), (M,)
+    logps = hidden.new_zeros(num_rows, completion_len, dtype=torch.float32).masked_scatter(keep, token_logps)  # (N, T)
+    entropy = None
+    if with_entropy:
+        entropy = hidden.new_zeros(num_rows, completion_len, dtype=torch.float32).masked_scatter(keep, token_entropy)
+    return logps, entropy
+
+
+def naive_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):
+    """Reference: full logits, log_softmax, gather. Materialises (N, T, V); for tests and the memory benchmark."""
+    completion_len = completion_mask.shape[1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).logits  # (N, L, V)
+    logits = logits[:, -completion_len - 1 : -1].float() / temperature  # (N, T, V)
+    targets = input_ids[:, -completion_len:]
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)  # (N, T)
+    return logps * completion_mask

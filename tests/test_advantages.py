@@ -1,0 +1,107 @@
+import math
+
+import pytest
+import torch
+
+from grpo.advantages import group_advantages, nanstd, reward_function_stats, weighted_rewards
+
+nan = float("nan")
+
+
+def test_hand_derived_group_case():
+    # Group of 4: rewards [1, 2, 3, 4]: mean 2.5, unbiased std sqrt(5/3) = 1.290994...
+    # A = (r - 2.5) / (1.290994 + 1e-4).
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    advantages, stats = group_advantages(rewards, group_size=4)
+    std = math.sqrt(5 / 3)
+    expected = torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (std + 1e-4)
+    torch.testing.assert_close(advantages, expected, rtol=1e-6, atol=0)
+    assert stats["reward"] == pytest.approx(2.5) and stats["frac_reward_zero_std"] == 0.0
+
+
+def test_equal_rewards_give_zero_advantage():
+    # Group 0 all equal (std 0 -> A = 0 / 1e-4 = 0); group 1 = [0, 1]: mean .5, std sqrt(.5) = .7071.
+    advantages, stats = group_advantages(torch.tensor([0.5, 0.5, 0.0, 1.0]), group_size=2)
+    assert advantages[:2].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(advantages[2:], torch.tensor([-0.5, 0.5]) / (math.sqrt(0.5) + 1e-4))
+    assert stats["frac_reward_zero_std"] == 0.5
+
+
+def test_unscorable_row_is_left_out_and_gets_zero():
+    # Function 0 returns None on row 1, function 1 on rows 1 and 3: row 1 is unscorable.
+    per_func = torch.tensor([[1.0, 0.0], [nan, nan], [3.0, nan], [0.0, nan]])
+    rewards = weighted_rewards(per_func, torch.tensor([1.0, 2.0]))
+    assert math.isnan(rewards[1]) and rewards[[0, 2, 3]].tolist() == [1.0, 3.0, 0.0]
+    # Group of 4 with row 1 out: mean of [1, 3, 0] = 4/3, std over those three = sqrt(7/3).
+    advantages, _ = group_advantages(rewards, group_size=4)
+    std = math.sqrt(((1 - 4 / 3) ** 2 + (3 - 4 / 3) ** 2 + (0 - 4 / 3) ** 2) / 2)
+    expected = torch.tensor([1 - 4 / 3, 0.0, 3 - 4 / 3, -4 / 3]) / (std + 1e-4)
+    expected[1] = 0.0
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_group_of_two_and_none_scaling():
+    # [0, 2]: mean 1, std sqrt(2); "none" keeps the centred reward (Dr. GRPO).
+    advantages, _ = group_advantages(torch.tensor([0.0, 2.0]), 2, "none")
+    assert advantages.tolist() == [-1.0, 1.0]
+    advantages, _ = group_advantages(torch.tensor([0.0, 2.0]), 2, "group")
+    torch.testing.assert_close(advantages, torch.tensor([-1.0, 1.0]) / (math.sqrt(2) + 1e-4))
+
+
+def test_batch_scaling_uses_the_batch_std_and_group_mean():
+    rewards = torch.tensor([0.0, 1.0, 5.0, 7.0])
+    advantages, _ = group_advantages(rewards, 2, "batch")
+    std = torch.tensor([0.0, 1.0, 5.0, 7.0]).std().item()  # unbiased over all four
+    torch.testing.assert_close(advantages, torch.tensor([-0.5, 0.5, -1.0, 1.0]) / (std + 1e-4))
+
+
+def _loop_advantages(rewards, group_size, scale):
+    """Plain-Python reference from the equations."""
+    values = rewards.tolist()
+    num_rows = len(values)
+
+    def std(xs):
+        xs = [x for x in xs if not math.isnan(x)]
+        if len(xs) < 2:
+            return nan
+        m = sum(xs) / len(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+    batch_std = std(values)
+    out = []
+    for i in range(num_rows):
+        group = values[(i // group_size) * group_size : (i // group_size + 1) * group_size]
+        scored = [x for x in group if not math.isnan(x)]
+        mean = sum(scored) / len(scored) if scored else nan
+        a = values[i] - mean
+        if scale == "group":
+            a = a / (std(group) + 1e-4)
+        elif scale == "batch":
+            a = a / (batch_std + 1e-4)
+        out.append(0.0 if math.isnan(a) else a)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("seed", range(5))
+def test_matches_python_loop_on_random_inputs(scale, seed):
+    generator = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 4, (24,), generator=generator).float() * 0.5
+    rewards[torch.rand(24, generator=generator) < 0.15] = nan
+    advantages, _ = group_advantages(rewards, 6, scale)
+    torch.testing.assert_close(advantages, _loop_advantages(rewards, 6, scale), rtol=1e-5, atol=1e-6)
+
+
+def test_reward_function_stats_and_nanstd():
+    per_func = torch.tensor([[1.0, nan], [3.0, 2.0]])
+    stats = reward_function_stats(per_func, ["a", "b"])
+    assert stats["rewards/a/mean"] == 2.0 and stats["rewards/a/std"] == pytest.approx(math.sqrt(2))
+    assert stats["rewards/b/mean"] == 2.0 and math.isnan(stats["rewards/b/std"])
+    assert math.isnan(nanstd(torch.tensor([1.0, nan])).item())
+
+
+def test_bad_group_size_is_reported():
+    with pytest.raises(ValueError, match="do not split into groups of 4"):
+        group_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="scale_rewards must be one of"):
+        group_advantages(torch.zeros(4), 2, "grp")
