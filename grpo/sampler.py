@@ -1,0 +1,233 @@
+"""Group sampling: each prompt is prefilled once, then its G completions are decoded together from a KV cache.
+
+    prefill   B distinct prompts, left-padded (B, P), positions skip the padding    -> KV cache (B, ., P, .)
+    expand    every cache tensor repeat_interleave(G) along the batch                -> (N, ., P, .), N = B * G
+    decode    one token for all N rows per step; rows stop at EOS (padding after);
+              the loop ends as soon as every row is done or T = max_completion_length tokens were made
+
+trl/transformers' `generate` prefills every prompt G times (N rows of P tokens); sharing the prefill
+saves (G - 1) / G of that work and of the prompt's KV cache writes.
+
+Next-token sampling (`sample_next_token`) is exact inverse-CDF sampling with one uniform number per
+row: softmax, cumulative sum, binary search. On a CPU at Qwen's 151,936-token vocabulary this costs
+less than `torch.multinomial` or exponential-noise (Gumbel) sampling; top-k, top-p and min-p filters
+only run when enabled. Temperature 0 is greedy (argmax).
+
+On CUDA, `static_cache=True` decodes into a preallocated StaticCache and `compile_decode=True`
+captures the decode step with `torch.compile(mode="reduce-overhead")` (CUDA graphs): small models'
+decoding is bound by per-kernel launch overhead, which the graph replays without Python.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from grpo.logprobs import position_ids_from_mask
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.x names the KV-cache argument `cache`; earlier releases `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. Names and defaults as trl's GRPOConfig."""
+
+    max_completion_length: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1.0 = off
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0.0 = off
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+
+
+@dataclass
+class GroupSample:
+    """The sampler's output. Rows are grouped: [prompt 0 x G, prompt 1 x G, ...]."""
+
+    prompt_ids: torch.Tensor  # (B, P) left-padded with pad_token_id
+    prompt_mask: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (N, T) right-padded with pad_token_id
+    completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
+    truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
+    num_generated_tokens: int  # real completion tokens (sum of completion_mask)
+    logprobs: torch.Tensor | None = None  # (N, T) log-probs of the chosen tokens under softmax(logits / temperature)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Set to -inf every logit outside top-k, the top-p nucleus, or below min_p * max prob. (N, V) -> (N, V).
+
+    top_p keeps the smallest set of most likely tokens whose probability reaches top_p (ties at the
+    boundary broken by sort order); min_p keeps tokens with p >= min_p * p_max (arXiv 2407.01082).
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (N, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (N, V)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # probability of strictly better tokens
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), filtered; (N, V) -> (N,). Exact inverse-CDF sampling."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k or top_p < 1.0 or min_p > 0.0:
+        logits = filter_logits(logits, top_k, top_p, min_p)
+    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)  # (N, V), non-decreasing, last ~= 1
+    uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
+    # First index whose cdf exceeds u * total: token j is chosen with probability p_j / total;
+    # zero-probability tokens occupy empty intervals and are never chosen.
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1)  # (N,)
+    return tokens.clamp_(max=logits.shape[-1] - 1)
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (B, P) ids left-padded with pad_token_id, and the (B, P) attention mask."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("every prompt needs at least one token")
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        ids[row, length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, length - len(tokens) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+class _StaticDecoder:
+    """Decode steps into a preallocated StaticCache, optionally captured with torch.compile (CUDA graphs)."""
+
+    def __init__(self, model, cache: DynamicCache, attention_mask: torch.Tensor, max_new_tokens: int, compile_decode: bool):
+        num_rows, prompt_len = attention_mask.shape
+        self.model, self.prompt_len, self.cache_kwarg = model, prompt_len, _cache_kwarg(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_new_tokens)
+        for layer, (keys, values) in zip(self.cache.layers, ((l.keys, l.values) for l in cache.layers)):
+            layer.update(keys, values)  # allocates (N, heads, P + T, d) and writes the prefilled P positions
+        # Static shapes: the mask covers the whole cache; the causal mask hides positions not yet written.
+        self.attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, max_new_tokens)], dim=1)
+        self.step_fn = torch.compile(self._step, mode="reduce-overhead", fullgraph=False) if compile_decode else self._step
+
+    def _step(self, tokens, position_ids, cache_position):
+        return self.model(
+            input_ids=tokens, attention_mask=self.attention_mask, position_ids=position_ids,
+            cache_position=cache_position, use_cache=True, **{self.cache_kwarg: self.cache},
+        ).logits[:, -1]
+
+    def __call__(self, tokens, position_ids, step: int):
+        cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)
+        return self.step_fn(tokens, position_ids, cache_position).float()
+
+
+@torch.no_grad()
+def sample_groups(
+    model,
+    prompts: list[list[int]],
+    group_size: int,
+    params: SamplingParams,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    return_logprobs: bool = False,
+    static_cache: bool = False,
+    compile_decode: bool = False,
+    step_callback=None,
+) -> GroupSample:
+    """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
+
+    `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
+    (tests use it to check that sharing the prefill changes no logit).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if not params.eos_token_ids:
+        raise ValueError("SamplingParams.eos_token_ids is empty: the sampler needs at least one EOS id")
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)
+    num_rows, max_new = len(prompts) * group_size, params.max_completion_length
+
+    # Prefill each distinct prompt once.
+    cache, cache_kwarg = DynamicCache(config=model.config), _cache_kwarg(model)
+    logits = model(
+        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+        use_cache=True, logits_to_keep=1, **{cache_kwarg: cache},
+    ).logits[:, -1].float()  # (B, V)
+    # Expand to the group: rows [prompt 0 x G, prompt 1 x G, ...].
+    cache.batch_repeat_interleave(group_size)
+    logits = logits.repeat_interleave(group_size, dim=0)  # (N, V)
+    attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
+    positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
+    decoder = _StaticDecoder(model, cache, attention_mask, max_new, compile_decode) if (static_cache or compile_decode) else None
+
+    eos = torch.tensor(sorted(set(params.eos_token_ids)), device=device)
+    completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(num_rows, max_new, device=device) if return_logprobs else None
+    done = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
+    for step in range(max_new):
+        if step_callback is not None:
+            step_callback(step, logits)
+        tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p, generator)
+        tokens = tokens.masked_fill(done, pad_token_id)  # (N,) finished rows are padded
+        completion_ids[:, step] = tokens
+        if return_logprobs:
+            scale = params.temperature if params.temperature > 0 else 1.0
+            logprobs[:, step] = torch.log_softmax(logits / scale, -1).gather(-1, tokens[:, None]).squeeze(-1) * ~done
+        hit_eos = torch.isin(tokens, eos) & ~done
+        lengths = torch.where(hit_eos, step + 1, lengths)
+        done |= hit_eos
+        if step == max_new - 1 or bool(done.all()):  # note: a CPU-GPU sync point, once per token
+            break
+        if decoder is not None:
+            logits = decoder(tokens[:, None], positions, step)
+        else:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
+            logits = model(
+                input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
+                use_cache=True, **{cache_kwarg: cache},
+            ).logits[:, -1].float()  # (N, V)
+        positions = positions + 1
+
+    steps = min(step + 1, max_new)
+    completion_ids = completion_ids[:, :steps]  # trim to the longest row
+    completion_mask = (torch.arange(steps, device=device)[None, :] < lengths[:, None]).long()  # (N, T)
+    return GroupSample(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=~done,
+        num_generated_tokens=int(completion_mask.sum()),
+        logprobs=None if logprobs is None else logprobs[:, :steps],
+    )

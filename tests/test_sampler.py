@@ -1,0 +1,148 @@
+import pytest
+import torch
+
+from grpo.logprobs import position_ids_from_mask
+from grpo.sampler import SamplingParams, filter_logits, left_pad, sample_groups, sample_next_token
+from grpo.tiny_model import build_tiny_model
+
+QUESTIONS = ["What is 2 + 3?", "Ava has 4 apples and buys 9 more. How many now?", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def peaked(tokenizer):
+    """A tiny model with large embeddings, so greedy decoding produces varied tokens, not one repeated."""
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # tied embeddings at init make "repeat the last token" the greedy choice
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
+        for q in QUESTIONS
+    ]
+
+
+def _generate(model, prompts, pad, eos, max_new):
+    ids, mask = left_pad(prompts, pad, "cpu")
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                         pad_token_id=pad, eos_token_id=list(eos))
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_greedy_matches_generate_with_and_without_early_eos(peaked, prompts, tokenizer, static_cache):
+    pad = tokenizer.pad_token_id
+    free = _generate(peaked, prompts, pad, [pad], 10)  # pad as EOS: never produced here
+    assert len(set(free[0].tolist())) > 2, "the greedy text should not be one repeated token"
+    for eos in ([pad], [free[0, 3].item()]):  # the second stops row 0 early, after 4 tokens
+        expected = _generate(peaked, prompts, pad, eos, 10)
+        params = SamplingParams(max_completion_length=10, temperature=0.0, eos_token_ids=tuple(eos))
+        sample = sample_groups(peaked, prompts, 1, params, pad, static_cache=static_cache)
+        got = sample.completion_ids
+        assert torch.equal(got, expected[:, : got.shape[1]])
+        assert (expected[:, got.shape[1]:] == pad).all()
+    assert sample.completion_mask[0].tolist() == [1, 1, 1, 1] + [0] * (got.shape[1] - 4)
+    assert not sample.truncated[0]
+
+
+def test_prefix_sharing_changes_no_logit(peaked, prompts, tokenizer):
+    from transformers import DynamicCache
+
+    from grpo.sampler import _cache_kwarg
+
+    group_size, pad = 3, tokenizer.pad_token_id
+    seen = []
+    params = SamplingParams(max_completion_length=6, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,))
+    sample = sample_groups(peaked, prompts, group_size, params, pad, generator=torch.Generator().manual_seed(0),
+                           step_callback=lambda step, logits: seen.append(logits.clone()))
+    # Without sharing: each prompt repeated G times is prefilled as its own row, then the same tokens decoded.
+    mask = sample.prompt_mask.repeat_interleave(group_size, 0)  # (N, P)
+    ids = sample.prompt_ids.repeat_interleave(group_size, 0)
+    cache, kwarg = DynamicCache(config=peaked.config), _cache_kwarg(peaked)
+    positions = position_ids_from_mask(mask)
+    with torch.no_grad():
+        for step, step_logits in enumerate(seen):
+            logits = peaked(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{kwarg: cache}).logits[:, -1]
+            torch.testing.assert_close(step_logits, logits, rtol=1e-5, atol=1e-5)
+            ids = sample.completion_ids[:, step : step + 1]
+            mask = torch.cat([mask, torch.ones_like(ids)], 1)
+            positions = positions[:, -1:] + 1
+    assert len(seen) == sample.completion_ids.shape[1] > 1
+
+
+def test_same_seed_same_completions_and_rows_differ(tiny_model_and_tokenizer, prompts):
+    model, tokenizer = tiny_model_and_tokenizer
+    params = SamplingParams(max_completion_length=8, eos_token_ids=(tokenizer.eos_token_id,))
+    run = lambda seed: sample_groups(model, prompts, 4, params, tokenizer.pad_token_id,
+                                     generator=torch.Generator().manual_seed(seed))
+    a, b, c = run(1), run(1), run(2)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    group = a.completion_ids[:4]
+    assert len({tuple(row.tolist()) for row in group}) == 4  # the G rows of one prompt differ
+    assert a.completion_ids.shape == (12, 8) and a.truncated.all() and a.num_generated_tokens == 96
+
+
+# Critical values of chi-square at a false failure rate of 1e-4 (upper 0.9999 quantile):
+# 7 degrees of freedom: 29.88; 3 degrees of freedom: 21.11. The seed is fixed, so the test is
+# deterministic; the quantile says how unlikely a failure of a correct sampler is for a new seed.
+CHI2_9999 = {7: 29.88, 3: 21.11}
+
+
+def _chi_square(tokens, probs):
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    expected = probs.double() * len(tokens)
+    keep = expected > 0
+    assert (counts[~keep] == 0).all(), "a zero-probability token was sampled"
+    return (((counts - expected) ** 2)[keep] / expected[keep]).sum().item(), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_empirical_distribution_matches_softmax(temperature):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    rows = 40_000
+    tokens = sample_next_token(logits.expand(rows, -1), temperature, generator=torch.Generator().manual_seed(7))
+    statistic, dof = _chi_square(tokens, torch.softmax(logits / temperature, -1))
+    assert statistic < CHI2_9999[dof], statistic
+
+
+def test_filtered_sampling_matches_the_renormalised_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    tokens = sample_next_token(logits.expand(40_000, -1), 1.0, top_k=4, generator=torch.Generator().manual_seed(8))
+    kept = torch.full_like(logits, float("-inf"))
+    kept[[0, 1, 6, 2]] = logits[[0, 1, 6, 2]]
+    statistic, dof = _chi_square(tokens, torch.softmax(kept, -1))
+    assert dof == 3 and statistic < CHI2_9999[dof], statistic
+
+
+def test_filters_keep_exactly_the_right_tokens():
+    probs = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04]])
+    logits = probs.log()
+    kept = lambda filtered: torch.isfinite(filtered[0]).nonzero().flatten().tolist()
+    assert kept(filter_logits(logits, top_k=2)) == [0, 1]
+    # top_p = 0.8: 0.40 + 0.25 = 0.65 < 0.8, + 0.15 = 0.80 reaches it -> tokens 0, 1, 2.
+    assert kept(filter_logits(logits, top_p=0.8)) == [0, 1, 2]
+    # top_p = 0.81 needs the 4th token too (0.80 < 0.81).
+    assert kept(filter_logits(logits, top_p=0.81)) == [0, 1, 2, 3]
+    # min_p = 0.3: keep p >= 0.3 * 0.40 = 0.12 -> tokens 0, 1, 2.
+    assert kept(filter_logits(logits, min_p=0.3)) == [0, 1, 2]
+    # Combined: top_k=5 then top_p=0.5 of the renormalised five -> 0.40/0.96 = 0.417 < 0.5 -> 0, 1.
+    assert kept(filter_logits(logits, top_k=5, top_p=0.5)) == [0, 1]
+    # Order does not matter: the kept set is the same for a shuffled vocabulary.
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    assert sorted(order[kept(filter_logits(logits[:, order], top_p=0.8))].tolist()) == [0, 1, 2]
+
+
+def test_greedy_is_argmax_and_params_are_validated():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
+    assert sample_next_token(logits, 0.0).tolist() == [1, 0]
+    for bad in (dict(top_p=0.0), dict(top_k=-1), dict(min_p=1.0), dict(temperature=-1.0), dict(max_completion_length=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(eos_token_ids=(1,), **bad)
