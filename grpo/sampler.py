@@ -103,10 +103,13 @@ def sample_next_token(
     """One token per row from softmax(logits / temperature), filtered; (N, V) -> (N,). Exact inverse-CDF sampling."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     if top_k or top_p < 1.0 or min_p > 0.0:
         logits = filter_logits(logits, top_k, top_p, min_p)
-    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)  # (N, V), non-decreasing, last ~= 1
+    # Unnormalised CDF of softmax: cumsum(exp(z - max)); the division by the total moves to the uniform.
+    cdf = (logits - logits.max(dim=-1, keepdim=True).values).exp_().cumsum_(dim=-1)  # (N, V)
     uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
     # First index whose cdf exceeds u * total: token j is chosen with probability p_j / total;
     # zero-probability tokens occupy empty intervals and are never chosen.
