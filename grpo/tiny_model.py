@@ -17,11 +17,12 @@ Shapes (`SHAPES`): `tiny` (the tokenizer's own ~600-token vocabulary, 2 layers),
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from data.prompts import SYSTEM_PROMPT
 from data.synthetic import make_synthetic_gsm8k
@@ -102,10 +103,23 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def build_tokenizer(bpe_vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on local GSM8K-shaped text, with Qwen2.5's special tokens and chat template."""
+# Qwen2's pre-tokenizer split (digits one by one, letters in words, punctuation runs, newlines).
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def build_tokenizer(bpe_vocab_size: int = 512):
+    """Byte-level BPE trained on local GSM8K-shaped text, with Qwen2.5's special tokens and chat template.
+
+    It uses Qwen2's pre-tokenizer, and is returned as `AutoTokenizer` loads it back from a model
+    folder, so the tokenizer a run starts with and the one it resumes with tokenize identically.
+    """
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     corpus = [SYSTEM_PROMPT] + [row["question"] + "\n" + row["answer"] for row in make_synthetic_gsm8k(2000, seed=0)]
     trainer = trainers.BpeTrainer(
@@ -128,10 +142,15 @@ def build_tokenizer(bpe_vocab_size: int = 512) -> PreTrainedTokenizerFast:
         padding_side="left",
     )
     wrapped.chat_template = QWEN25_CHAT_TEMPLATE
-    return wrapped
+    # Round-trip through a folder that looks like a Qwen2 checkpoint: AutoTokenizer then picks the
+    # class it will pick for every saved checkpoint of ours.
+    with tempfile.TemporaryDirectory() as folder:
+        wrapped.save_pretrained(folder)
+        (Path(folder) / "config.json").write_text('{"model_type": "qwen2"}')
+        return AutoTokenizer.from_pretrained(folder)
 
 
-def build_tiny_model(shape: str = "tiny", seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None):
+def build_tiny_model(shape: str = "tiny", seed: int = 0, tokenizer=None):
     """A randomly initialised Qwen2ForCausalLM of the named shape (fp32, eval mode) and its tokenizer."""
     if shape not in SHAPES:
         raise ValueError(f"unknown tiny model shape {shape!r}; choose from {sorted(SHAPES)}")

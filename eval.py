@@ -1,0 +1,112 @@
+"""Evaluate a model on GSM8K with greedy decoding: strict accuracy, lenient accuracy, format compliance.
+
+    python eval.py --model runs/smoke/checkpoints/step-000030 --dataset synthetic --limit 50
+    python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --split test
+    python eval.py --model runs/grpo/checkpoints/step-000500 --compare Qwen/Qwen2.5-0.5B-Instruct
+
+Writes <output-dir>/<model name>.samples.jsonl (one record per problem) and <model name>.summary.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.prompts import SYSTEM_PROMPT
+from grpo.config import _f, config_from_args
+
+
+@dataclass
+class EvalConfig:
+    """Every setting of an evaluation run (the flags are generated from these fields)."""
+
+    model: str = _f("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder or checkpoint, or `tiny`")
+    compare: str | None = _f(None, "a second model evaluated on the same problems, printed side by side")
+    dataset: str = _f("openai/gsm8k", "hub id, local .jsonl/.parquet file or folder, or `synthetic[:N]`")
+    split: str = _f("test", "dataset split")
+    limit: int = _f(0, "evaluate the first N problems (0 = all)")
+    system_prompt: str = _f(SYSTEM_PROMPT, "system prompt (the same as training)")
+    max_prompt_length: int = _f(512, "prompt tokens kept (truncated from the left)")
+    max_completion_length: int = _f(512, "completion token budget")
+    batch_size: int = _f(32, "prompts decoded together")
+    device: str = _f("auto", "cuda, cpu, or auto")
+    precision: str = _f("auto", "fp32, bf16 (autocast) or bf16-pure; auto = bf16 on CUDA", choices=("auto", "fp32", "bf16", "bf16-pure"))
+    trust_remote_code: bool = _f(False, "run model/tokenizer code from the hub")
+    skip_bad_rows: bool = _f(False, "drop rows without a question or parseable gold answer")
+    output_dir: str = _f("runs/eval", "where the per-sample JSONL and summary JSON go")
+
+    def validate(self) -> "EvalConfig":
+        problems = [f"{name} must be >= 1, got {getattr(self, name)}"
+                    for name in ("max_prompt_length", "max_completion_length", "batch_size") if getattr(self, name) < 1]
+        if self.limit < 0:
+            problems.append(f"limit must be >= 0, got {self.limit}")
+        if problems:
+            raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "config") -> "EvalConfig":
+        return cls(**values)
+
+
+def evaluate_model(config: EvalConfig, name: str, rows: list[dict]) -> dict:
+    import torch
+
+    from grpo.evaluation import evaluate
+    from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
+
+    device = resolve_device(config.device)
+    precision = resolve_precision(config.precision, device)
+    tokenizer = load_tokenizer(name, config.trust_remote_code)
+    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    model = load_model(name, device, dtype, config.trust_remote_code, tokenizer).eval()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
+                                config.max_completion_length, config.batch_size, autocast=autocast)
+    folder = Path(config.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip("/")) or "model"
+    with (folder / f"{stem}.samples.jsonl").open("w") as handle:
+        handle.writelines(json.dumps(record) + "\n" for record in records)
+    summary = {"model": name, "dataset": config.dataset, "split": config.split, **summary}
+    (folder / f"{stem}.summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(argv, EvalConfig, description=__doc__)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from data import DataError, add_prompts, load_gsm8k
+    from grpo.models import ModelError
+
+    try:
+        rows = load_gsm8k(config.dataset, config.split, config.skip_bad_rows)
+        rows = add_prompts(rows[: config.limit] if config.limit else rows, config.system_prompt)
+        summaries = [evaluate_model(config, name, rows) for name in [config.model, config.compare] if name]
+    except (ValueError, DataError, ModelError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    keys = ("strict_accuracy", "lenient_accuracy", "format_compliance", "mean_length")
+    width = max(len(s["model"]) for s in summaries)
+    print(f"{'model':{width}s}  " + "  ".join(f"{k:>17s}" for k in keys) + f"   ({len(rows)} problems)")
+    for summary in summaries:
+        print(f"{summary['model']:{width}s}  " + "  ".join(f"{summary[k]:17.4f}" for k in keys))
+    print(f"per-sample records and summaries in {config.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

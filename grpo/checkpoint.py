@@ -1,0 +1,87 @@
+"""Atomic checkpoints: written to a temporary folder, marked complete, then renamed into place.
+
+    <output_dir>/checkpoints/step-000010/
+        model.safetensors, config.json, generation_config.json   the policy, `from_pretrained`-loadable
+        tokenizer files + chat template
+        trainer_state.pt     optimizer, scheduler, RNG states, step, counters (loaded with weights_only=True)
+        run_config.json      the GRPOConfig of the run
+        COMPLETE             written last, before the rename
+
+A kill at any moment leaves either the previous checkpoints untouched or the new one complete:
+a half-written folder keeps its `.tmp-` name and is ignored (and cleaned up by the next save).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+CHECKPOINTS = "checkpoints"
+MARKER = "COMPLETE"
+
+
+def _fsync_tree(folder: Path) -> None:
+    for file in folder.iterdir():
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_state: dict, run_config: dict, keep: int = 0) -> Path:
+    """Write checkpoint `step` atomically and keep only the newest `keep` (0 = all). Returns its folder."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a save that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
+    (tmp / MARKER).write_text(str(step))
+    _fsync_tree(tmp)
+    final = root / f"step-{step:06d}"
+    if final.exists():  # the same step saved again (e.g. final save right after a periodic one)
+        old = root / f".tmp-old-{step:06d}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_tree(root)
+    if keep > 0:
+        for stale in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if (p / MARKER).exists() and (p / "trainer_state.pt").exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(path: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run folder, or the folder itself if it is a complete checkpoint."""
+    path = Path(path)
+    if (path / MARKER).exists():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None
+
+
+def load_trainer_state(checkpoint: str | Path) -> dict:
+    """The trainer state, loaded without unpickling arbitrary objects (weights_only=True)."""
+    return torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=True, map_location="cpu")

@@ -1,0 +1,100 @@
+"""One logger for metrics: a JSONL line per step, a console line per logging step, optional TensorBoard.
+
+metrics.jsonl and samples.jsonl are appended and flushed line by line, so they survive a crash; a
+resumed run first drops any line past its checkpoint's step, so no step appears twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep only the lines of a JSONL file whose `step` is <= step (and drop a torn last line)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    return value
+
+
+class _NoBackend:
+    def add_scalars(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _TensorBoard:
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:  # pragma: no cover - depends on the environment
+            raise RuntimeError("--report-to tensorboard needs `pip install tensorboard`") from error
+        self.writer = SummaryWriter(str(log_dir))
+
+    def add_scalars(self, step: int, metrics: dict) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MetricsLogger:
+    """Writes <run>/metrics.jsonl and <run>/samples.jsonl; `resume_step` drops lines a crash left past it."""
+
+    CONSOLE_KEYS = ("reward", "reward_std", "kl", "loss", "grad_norm", "completions/mean_length", "entropy", "step_time")
+
+    def __init__(self, run_dir: str | Path, report_to: str = "none", resume_step: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
+        if resume_step is not None:
+            _truncate_after(self.metrics_path, resume_step)
+            _truncate_after(self.samples_path, resume_step)
+        self._metrics = self.metrics_path.open("a", encoding="utf-8")
+        self._samples = self.samples_path.open("a", encoding="utf-8")
+        self.backend = _TensorBoard(self.run_dir / "tensorboard") if report_to == "tensorboard" else _NoBackend()
+
+    def log(self, step: int, metrics: dict, console: bool = True) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        self.backend.add_scalars(step, metrics)
+        if console:
+            shown = [f"{key}={metrics[key]:.4g}" for key in self.CONSOLE_KEYS if isinstance(metrics.get(key), (int, float))]
+            tqdm.write(f"step {step}: " + " ".join(shown))
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        for sample in samples:
+            self._samples.write(json.dumps({"step": step, **sample}) + "\n")
+        self._samples.flush()
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._samples.close()
+        self.backend.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

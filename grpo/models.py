@@ -1,0 +1,96 @@
+"""Loading the policy, the reference model and the tokenizer, with the checks that save a wasted GPU hour.
+
+`tiny` / `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py); anything else goes
+through `from_pretrained` (a hub id or a local folder), safetensors only, remote code only on request.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo.tiny_model import build_tiny_model
+
+logger = logging.getLogger("grpo")
+
+
+class ModelError(ValueError):
+    """A model or tokenizer that cannot be trained as it is; the message says how to fix it."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"--device {name}: CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def _check_local_folder(path: Path) -> None:
+    if not (path / "config.json").exists():
+        raise ModelError(f"{path}: not a model folder (no config.json)")
+    weights = list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json"))
+    if not weights:
+        others = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = f" It holds {others}: convert them to safetensors (we never load pickled weights)." if others else ""
+        raise ModelError(f"{path}: no model weights (*.safetensors) in the folder.{hint}")
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_file: str | None = None):
+    """The tokenizer, with a chat template and a pad token, or a ModelError that says what is missing."""
+    if name == "tiny" or name.startswith("tiny:"):
+        return build_tiny_model("tiny")[1]
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    if chat_template_file:
+        tokenizer.chat_template = Path(chat_template_file).read_text()
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(
+            f"the tokenizer of {name} has no chat template, so prompts cannot be built. Use an instruct/chat "
+            "model, or pass --chat-template FILE with a Jinja template (e.g. the ChatML template in "
+            "grpo/tiny_model.py, QWEN25_CHAT_TEMPLATE)."
+        )
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"the tokenizer of {name} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.warning("the tokenizer of %s has no pad token: using its EOS token %r for padding", name, tokenizer.eos_token)
+    return tokenizer
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, tokenizer=None):
+    """A causal LM in `dtype` on `device`. Local folders are checked for safetensors weights first."""
+    if name == "tiny" or name.startswith("tiny:"):
+        shape = name.split(":", 1)[1] if ":" in name else "tiny"
+        model, _ = build_tiny_model(shape, seed=0, tokenizer=tokenizer)
+    else:
+        path = Path(name).expanduser()
+        if path.exists():
+            _check_local_folder(path)
+        elif name.startswith((".", "/", "~")):
+            raise ModelError(f"--model {name}: no such folder")
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+        )
+    return model.to(device=device, dtype=dtype)
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """The tokenizer's EOS id and the generation config's (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if configured is not None:
+        ids.update(int(i) for i in (configured if isinstance(configured, (list, tuple)) else [configured]))
+    if not ids:
+        raise ModelError("neither the tokenizer nor the generation config defines an EOS token")
+    return tuple(sorted(ids))

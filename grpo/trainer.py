@@ -1,0 +1,458 @@
+"""The GRPO training loop: one step per rollout, composed from the pure functions of grpo/.
+
+    sample   B prompts x G completions                        grpo.sampler.sample_groups
+    reward   K reward functions -> (N, K)                     rewards.score_completions
+    advantage group-relative, scaled                          grpo.advantages.group_advantages
+    ref/old  log-probs without grad (ref if beta != 0,        grpo.logprobs.completion_logprobs
+             old if num_iterations > 1)
+    update   num_iterations x (shuffle N rows into micro-batches, loss + backward, clip, AdamW, LR step)
+    log      metrics.jsonl, samples.jsonl, console
+    save     atomic checkpoint every save_steps and at the end
+
+Notation: B prompts, G group size, N = B * G completions, P prompt tokens, T completion tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import get_scheduler
+
+from data import add_prompts, load_gsm8k
+from grpo.advantages import group_advantages, reward_function_stats, weighted_rewards
+from grpo.checkpoint import latest_checkpoint, list_checkpoints, load_trainer_state, save_checkpoint
+from grpo.config import GRPOConfig
+from grpo.evaluation import evaluate
+from grpo.logprobs import completion_logprobs
+from grpo.loss import aggregate_loss, per_token_loss
+from grpo.metrics import MetricsLogger
+from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
+from grpo.rollout import Rollout, encode_prompts
+from grpo.sampler import SamplingParams, sample_groups
+from rewards import completion_text, parse_reward_specs, score_completions
+
+logger = logging.getLogger("grpo")
+
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "eval", "run_config.json", "tensorboard")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many consecutive non-finite steps); the last good checkpoint is kept."""
+
+
+def _seeded(*numbers: int) -> torch.Generator:
+    """A CPU generator whose stream depends only on the numbers given (seed, step, ...)."""
+    seed = 0
+    for number in numbers:
+        seed = (seed * 1_000_003 + number) % (2**63)
+    return torch.Generator().manual_seed(seed)
+
+
+def _trim(tensor_prompt, tensor_prompt_mask, completion, completion_mask):
+    """Drop the columns that are padding in every row of a micro-batch (left of prompts, right of completions)."""
+    prompt_len = int(tensor_prompt_mask.sum(-1).max())
+    completion_len = max(1, int(completion_mask.sum(-1).max()))
+    return (tensor_prompt[:, -prompt_len:], tensor_prompt_mask[:, -prompt_len:],
+            completion[:, :completion_len], completion_mask[:, :completion_len])
+
+
+class Trainer:
+    """Holds the models, optimizer, data and run folder of one GRPO run; `train()` runs it.
+
+    `train_on_rollout(rollout)` is the update alone, for externally supplied rollouts.
+    """
+
+    def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None, eval_rows=None):
+        self.config = config.validate()
+        cfg = self.config
+        self.device = resolve_device(cfg.device)
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self.rewards = parse_reward_specs(reward_functions if reward_functions is not None else cfg.reward)
+        self.reward_weights = torch.tensor([spec.weight for spec in self.rewards], dtype=torch.float32)
+        self.run_dir = Path(cfg.output_dir)
+        self.resume_from = self._find_resume_checkpoint()
+        self._check_run_dir()
+
+        # --- data: loaded and checked before any model (a bad row fails in seconds, not after loading 1 GB) ---
+        self.tokenizer = tokenizer or load_tokenizer(
+            str(self.resume_from) if self.resume_from else cfg.model, cfg.trust_remote_code, cfg.chat_template
+        )
+        self.train_rows = self._prepare_rows(train_rows, cfg.train_split, "train")
+        self.train_prompt_ids, self.train_rows, _ = encode_prompts(
+            self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts, where=f"{cfg.dataset}[{cfg.train_split}]"
+        )
+        self.eval_rows = None
+        if cfg.eval_steps:
+            rows = eval_rows if eval_rows is not None else self._prepare_rows(None, cfg.eval_split, "eval")
+            self.eval_rows = rows[: cfg.eval_limit]
+
+        # --- models ---
+        weight_dtype = torch.bfloat16 if self.precision == "bf16-pure" else torch.float32
+        if policy is not None:
+            self.policy = policy.to(self.device, weight_dtype)
+        else:
+            source = str(self.resume_from) if self.resume_from else cfg.model
+            self.policy = load_model(source, self.device, weight_dtype, cfg.trust_remote_code, self.tokenizer)
+        self.ref_model = None
+        if cfg.beta != 0.0:  # beta = 0: no reference model at all
+            if self.resume_from is not None and policy is None:
+                reference = load_model(cfg.model, self.device, torch.float32, cfg.trust_remote_code, self.tokenizer)
+            else:
+                reference = copy.deepcopy(self.policy)
+            ref_dtype = torch.bfloat16 if self.precision != "fp32" else torch.float32
+            self.ref_model = reference.to(self.device, ref_dtype).eval().requires_grad_(False)
+        if cfg.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.policy.config.use_cache = False
+        self.policy.train()
+        self.eos_token_ids = eos_token_ids(self.policy, self.tokenizer)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16"
+                         else contextlib.nullcontext())
+
+        # --- optimizer and schedule: weight decay on matrices only (not on norms and biases, as HF Trainer) ---
+        decay = [p for p in self.policy.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.policy.parameters() if p.requires_grad and p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=1e-8,
+        )
+        self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_rows) / cfg.prompts_per_step)
+        total_updates = self.total_steps * cfg.num_iterations
+        self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer,
+                                       num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
+                                       num_training_steps=total_updates)
+        self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
+                                       self.eos_token_ids)
+        self.sample_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.step = 0
+        self.consecutive_bad_steps = 0
+        self.skipped_updates = 0
+        self._stop_signal = None
+        if self.resume_from is not None:
+            self._load_state(self.resume_from)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _find_resume_checkpoint(self):
+        if not self.config.resume:
+            return None
+        checkpoint = latest_checkpoint(self.config.resume)
+        if checkpoint is None:
+            raise ValueError(f"--resume {self.config.resume}: holds no complete checkpoint "
+                             f"(looked for {Path(self.config.resume) / 'checkpoints'}/step-*/COMPLETE)")
+        return checkpoint
+
+    def _check_run_dir(self):
+        existing = [name for name in RUN_FILES if (self.run_dir / name).exists()]
+        if not existing or self.resume_from is not None:
+            return
+        if not self.config.overwrite:
+            raise ValueError(f"--output-dir {self.run_dir} holds another run ({', '.join(existing)}); "
+                             "pass --resume to continue it or --overwrite to replace it")
+        for name in existing:
+            path = self.run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+    def _prepare_rows(self, rows, split, purpose):
+        cfg = self.config
+        rows = rows if rows is not None else load_gsm8k(cfg.dataset, split, cfg.skip_bad_rows)
+        if not rows:
+            raise ValueError(f"{cfg.dataset}[{split}]: the {purpose} dataset is empty")
+        if "prompt" not in rows[0]:
+            rows = add_prompts(rows, cfg.system_prompt)
+        return rows
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python_rng": random.getstate(),
+            "sample_generator": self.sample_generator.get_state(),
+            "consecutive_bad_steps": self.consecutive_bad_steps,
+            "skipped_updates": self.skipped_updates,
+        }
+
+    def _load_state(self, checkpoint: Path):
+        state = load_trainer_state(checkpoint)
+        self.step = state["step"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        random.setstate(state["python_rng"])
+        self.sample_generator.set_state(state["sample_generator"])
+        self.consecutive_bad_steps = state["consecutive_bad_steps"]
+        self.skipped_updates = state["skipped_updates"]
+        logger.info("resumed from %s at step %d", checkpoint, self.step)
+
+    def save(self) -> Path:
+        path = save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, self.state_dict(),
+                               self.config.to_dict(), self.config.save_total_limit)
+        return path
+
+    # ------------------------------------------------------------------ data order
+    def batch_indices(self, step: int) -> list[int]:
+        """Prompt indices of a step: a fresh seeded permutation per epoch, read B at a time (resumable from `step`)."""
+        size, count = len(self.train_rows), self.config.prompts_per_step
+        indices = []
+        for position in range(step * count, (step + 1) * count):
+            epoch, offset = divmod(position, size)
+            permutation = torch.randperm(size, generator=_seeded(self.config.seed, epoch))
+            indices.append(int(permutation[offset]))
+        return indices
+
+    # ------------------------------------------------------------------ sample + reward
+    def make_rollout(self, indices: list[int]) -> tuple[Rollout, list, list]:
+        """Sample G completions for each prompt, decode and score them. Returns (rollout, prompts, texts)."""
+        cfg, group = self.config, self.config.num_generations
+        rows = [self.train_rows[i] for i in indices]
+        self.policy.eval()
+        with torch.no_grad(), self.autocast:
+            sample = sample_groups(self.policy, [self.train_prompt_ids[i] for i in indices], group, self.sampling,
+                                   self.tokenizer.pad_token_id, generator=self.sample_generator,
+                                   static_cache=cfg.static_cache, compile_decode=cfg.compile_decode)
+        self.policy.train()
+        texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                 for ids, mask in zip(sample.completion_ids.cpu(), sample.completion_mask.cpu())]
+        completions = [[{"role": "assistant", "content": text}] for text in texts]  # trl's conversational shape
+        prompts = [row["prompt"] for row in rows for _ in range(group)]
+        columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in rows[0] if key != "prompt"}
+        rewards_per_func = score_completions(self.rewards, prompts, completions, columns)  # (N, K)
+        rollout = Rollout(
+            prompt_ids=sample.prompt_ids.repeat_interleave(group, 0),
+            prompt_mask=sample.prompt_mask.repeat_interleave(group, 0),
+            completion_ids=sample.completion_ids, completion_mask=sample.completion_mask,
+            truncated=sample.truncated, rewards_per_func=rewards_per_func,
+        )
+        return rollout, prompts, texts
+
+    # ------------------------------------------------------------------ the update
+    def _logprobs(self, model, ids, attention_mask, completion_mask, with_entropy=False):
+        with self.autocast:
+            return completion_logprobs(model, ids, attention_mask, completion_mask, self.config.temperature,
+                                       with_entropy=with_entropy, chunk_size=self.config.logprob_chunk_size)
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model, rollout_tensors, completion_mask) -> torch.Tensor:
+        """(N, T) log-probs computed micro-batch by micro-batch, without grad (reference or old policy)."""
+        prompt_ids, prompt_mask, completion_ids = rollout_tensors
+        out = torch.zeros(completion_ids.shape, dtype=torch.float32, device=self.device)
+        for rows in torch.arange(completion_ids.shape[0]).split(self.config.micro_batch_size):
+            p, pm, c, cm = _trim(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+            logps, _ = self._logprobs(model, torch.cat([p, c], 1), torch.cat([pm, cm], 1), cm)
+            out[rows, : c.shape[1]] = logps
+        return out
+
+    def train_on_rollout(self, rollout: Rollout, shuffle: bool = True) -> dict:
+        """Advantages, reference/old log-probs, then `num_iterations` optimizer updates on one rollout.
+
+        Returns the step's metrics. Micro-batch losses are summed into the accumulated gradient, so the
+        update equals the full-batch one (grpo.loss.aggregate_loss says exactly when).
+        """
+        cfg, device = self.config, self.device
+        num_rows = rollout.num_rows
+        if num_rows != cfg.completions_per_step or num_rows % cfg.num_generations:
+            raise ValueError(f"a rollout needs prompts_per_step * num_generations = {cfg.completions_per_step} "
+                             f"rows grouped by {cfg.num_generations}, got {num_rows}")
+        prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
+        completion_ids = rollout.completion_ids.to(device)
+        completion_mask = rollout.completion_mask.to(device)
+        truncated = rollout.truncated.to(device)
+
+        # --- advantages (DeepSeekMath 4.1.2): group-relative, scaled ---
+        rewards = weighted_rewards(rollout.rewards_per_func, self.reward_weights)  # (N,)
+        advantages, reward_stats = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        advantages = advantages.to(device)  # (N,)
+        if cfg.mask_truncated_completions:
+            completion_mask = completion_mask * (~truncated)[:, None]  # drops them from attention and loss, as trl
+        num_items_in_batch = completion_mask.sum().item()  # dapo's divisor: real tokens of the whole step
+        tensors = (prompt_ids, prompt_mask, completion_ids)
+
+        # --- reference and old log-probs, without grad ---
+        ref_logps = self._logprobs_no_grad(self.ref_model, tensors, completion_mask) if cfg.beta != 0.0 else None
+        old_logps = self._logprobs_no_grad(self.policy, tensors, completion_mask) if cfg.num_iterations > 1 else None
+
+        # --- num_iterations x (micro-batches -> loss -> backward; clip; AdamW; LR) ---
+        micro_stats, step_losses, grad_norms, micro_batch_losses = [], [], [], []
+        num_micro = cfg.gradient_accumulation_steps
+        for iteration in range(cfg.num_iterations):
+            order = (torch.randperm(num_rows, generator=_seeded(cfg.seed, self.step, iteration))
+                     if shuffle else torch.arange(num_rows))
+            step_loss, finite = 0.0, True
+            for rows in order.split(cfg.micro_batch_size):
+                rows = rows.to(device)
+                p, pm, c, cm = _trim(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
+                width = c.shape[1]
+                logps, entropy = self._logprobs(self.policy, torch.cat([p, c], 1), torch.cat([pm, cm], 1), cm,
+                                                with_entropy=True)  # (n, t)
+                old = old_logps[rows, :width] if old_logps is not None else logps.detach()  # on-policy: rho = 1
+                token_loss, stats = per_token_loss(
+                    logps, old, advantages[rows], cm,
+                    ref_logps=None if ref_logps is None else ref_logps[rows, :width],
+                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+                    kl_bias_correction=cfg.use_bias_correction_kl,
+                    importance_sampling_level=cfg.importance_sampling_level, entropy=entropy,
+                )
+                loss = aggregate_loss(token_loss, cm, cfg.loss_type, num_micro, cfg.max_completion_length,
+                                      num_items_in_batch)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                step_loss += loss.item()
+                micro_batch_losses.append(loss.item())
+                micro_stats.append(stats)
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm).item() if finite else float("nan")
+            if not finite or not math.isfinite(grad_norm):
+                self._skip_update(grad_norm)
+            else:
+                self.optimizer.step()
+                self.scheduler.step()
+                self.consecutive_bad_steps = 0
+            self.optimizer.zero_grad(set_to_none=True)
+            step_losses.append(step_loss)
+            grad_norms.append(grad_norm)
+
+        # --- metrics, with trl's names ---
+        lengths = completion_mask.sum(-1).float()  # after mask_truncated_completions, as the loss sees them
+        raw_lengths = rollout.completion_mask.sum(-1).float()
+
+        def mean_of(name):
+            values = [getattr(s, name) for s in micro_stats if getattr(s, name) is not None]
+            return sum(values) / len(values) if values else None
+
+        metrics = {
+            **reward_stats,
+            **reward_function_stats(rollout.rewards_per_func, [spec.name for spec in self.rewards]),
+            "advantages/abs_mean": advantages.abs().mean().item(),
+            "loss": sum(step_losses) / len(step_losses),
+            "grad_norm": grad_norms[-1],
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "entropy": mean_of("entropy"),
+            "clip_ratio/low_mean": mean_of("clip_low"),
+            "clip_ratio/high_mean": mean_of("clip_high"),
+            "clip_ratio/region_mean": mean_of("clip_region"),
+            "completions/mean_length": raw_lengths.mean().item(),
+            "completions/min_length": raw_lengths.min().item(),
+            "completions/max_length": raw_lengths.max().item(),
+            "completions/clipped_ratio": rollout.truncated.float().mean().item(),
+            "num_tokens": int(lengths.sum().item()),
+            "skipped_updates": self.skipped_updates,
+        }
+        if cfg.beta != 0.0:
+            metrics["kl"] = mean_of("kl")
+        self.last_micro_batch_losses = micro_batch_losses
+        return metrics
+
+    def _skip_update(self, grad_norm: float):
+        self.consecutive_bad_steps += 1
+        self.skipped_updates += 1
+        logger.warning("step %d: non-finite loss or gradient (grad_norm=%s): update skipped (%d in a row, limit %d)",
+                       self.step + 1, grad_norm, self.consecutive_bad_steps, self.config.max_bad_steps)
+        if self.consecutive_bad_steps >= self.config.max_bad_steps:
+            last = latest_checkpoint(self.run_dir)
+            raise TrainingError(
+                f"{self.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient; stopping. "
+                f"The last good checkpoint is {last or 'none (no checkpoint was saved yet)'}. Lower the learning "
+                "rate, check the reward functions, or use --precision fp32."
+            )
+
+    # ------------------------------------------------------------------ evaluation
+    def run_eval(self) -> dict:
+        cfg = self.config
+        records, summary = evaluate(self.policy, self.tokenizer, self.eval_rows, self.eos_token_ids, cfg.max_prompt_length,
+                                    cfg.eval_max_completion_length or cfg.max_completion_length, cfg.eval_batch_size,
+                                    autocast=self.autocast)
+        folder = self.run_dir / "eval"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"step-{self.step:06d}.json").write_text(json.dumps(summary, indent=2))
+        with (folder / f"step-{self.step:06d}.samples.jsonl").open("w") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in records)
+        return {f"eval/{key}": value for key, value in summary.items()}
+
+    # ------------------------------------------------------------------ the loop
+    def _request_stop(self, signum, frame):
+        if self._stop_signal is not None:  # a second signal: abandon the step now
+            raise KeyboardInterrupt
+        self._stop_signal = signal.Signals(signum).name
+        tqdm.write(f"{self._stop_signal} received: finishing step {self.step + 1}, then saving a checkpoint "
+                   "(send it again to stop at once)")
+
+    def train(self, until_step: int | None = None) -> dict:
+        """Run until max_steps (or `until_step`, saving there: training in pieces).
+
+        Returns {"status": "finished" | "paused" | "interrupted", "step", "first_reward", "last_reward", "signal"}.
+        """
+        cfg = self.config
+        stop_at = min(until_step or self.total_steps, self.total_steps)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        metrics_logger = MetricsLogger(self.run_dir, cfg.report_to, resume_step=self.step if self.resume_from else None)
+        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        first_reward = last_reward = None
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", dynamic_ncols=True)
+        try:
+            while self.step < stop_at and self._stop_signal is None:
+                started = time.perf_counter()
+                # sample -> reward
+                rollout, prompts, texts = self.make_rollout(self.batch_indices(self.step))
+                sampled = time.perf_counter()
+                # advantage -> reference/old log-probs -> loss and update
+                metrics = self.train_on_rollout(rollout)
+                self.step += 1
+                elapsed = time.perf_counter() - started
+                metrics.update({"step_time": elapsed, "sample_time": sampled - started,
+                                "tokens_per_second": rollout.completion_mask.sum().item() / max(sampled - started, 1e-9)})
+                first_reward = metrics["reward"] if first_reward is None else first_reward
+                last_reward = metrics["reward"]
+                # evaluate -> log -> checkpoint
+                if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == self.total_steps):
+                    metrics.update(self.run_eval())
+                console = self.step % cfg.logging_steps == 0 or self.step == self.total_steps
+                metrics_logger.log(self.step, metrics, console=console)
+                if cfg.log_completions_steps and self.step % cfg.log_completions_steps == 0:
+                    metrics_logger.log_samples(self.step, self._samples(prompts, texts, rollout))
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl') or 0:.4f}",
+                                len=f"{metrics['completions/mean_length']:.0f}")
+                if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == stop_at or self._stop_signal:
+                    self.save()
+        finally:
+            bar.close()
+            metrics_logger.close()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        status = "finished" if self.step >= self.total_steps else "interrupted" if self._stop_signal else "paused"
+        if status == "interrupted":
+            tqdm.write(f"stopped by {self._stop_signal} after step {self.step}; checkpoint saved. "
+                       f"Resume with: python train.py --resume {self.run_dir} (and the same settings)")
+        return {"status": status, "step": self.step, "first_reward": first_reward, "last_reward": last_reward,
+                "signal": self._stop_signal}
+
+    def _samples(self, prompts, texts, rollout) -> list[dict]:
+        """The first group of the step: its prompt, each completion and its rewards."""
+        group = self.config.num_generations
+        question = prompts[0][-1]["content"] if isinstance(prompts[0], list) else str(prompts[0])
+        names = [spec.name for spec in self.rewards]
+        return [{"prompt": question, "completion": texts[row],
+                 "rewards": {name: (None if math.isnan(v) else v) for name, v in zip(names, rollout.rewards_per_func[row].tolist())}}
+                for row in range(group)]
+
+
+__all__ = ["Trainer", "TrainingError", "Rollout", "completion_text"]

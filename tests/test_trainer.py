@@ -1,0 +1,164 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo.config import GRPOConfig
+from grpo.metrics import read_jsonl
+from grpo.rollout import Rollout
+from grpo.trainer import Trainer
+
+BASE = dict(
+    model="tiny", dataset="synthetic:64", prompts_per_step=2, num_generations=4, micro_batch_size=8,
+    max_prompt_length=128, max_completion_length=8, learning_rate=1e-3, reward=["tags"], device="cpu",
+    precision="fp32", save_steps=0, log_completions_steps=0, logging_steps=100, warmup_ratio=0.0,
+)
+
+
+def make_config(tmp_path, **overrides) -> GRPOConfig:
+    return GRPOConfig(**{**BASE, "output_dir": str(tmp_path / "run"), **overrides})
+
+
+def fixed_rollout(trainer: Trainer, seed: int = 0) -> Rollout:
+    """A rollout with random completions and rewards, the same for every trainer given the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = trainer.config
+    vocab = len(trainer.tokenizer)
+    prompts, completions = [], []
+    for index in range(cfg.prompts_per_step):
+        prompt = trainer.train_prompt_ids[index]
+        for _ in range(cfg.num_generations):
+            length = int(torch.randint(2, cfg.max_completion_length + 1, (1,), generator=g))
+            prompts.append(prompt)
+            completions.append(torch.randint(3, vocab, (length,), generator=g).tolist())
+    rewards = torch.rand(len(completions), generator=g)
+    return Rollout.from_token_lists(prompts, completions, rewards, trainer.eos_token_ids, trainer.tokenizer.pad_token_id)
+
+
+def params_of(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_gradient_accumulation_is_exact(tmp_path, loss_type):
+    # Same rollout, one micro-batch of N = 8 vs four of N / 4 = 2 (shuffled): the accumulated gradient
+    # equals the full-batch one to fp32 rounding, and so do the parameters after the AdamW step.
+    grads, params = [], []
+    for micro in (8, 2):
+        trainer = Trainer(make_config(tmp_path / f"{micro}", micro_batch_size=micro, loss_type=loss_type, beta=0.04))
+        before = params_of(trainer.policy)
+        step = trainer.optimizer.step
+
+        def capture(step=step, trainer=trainer):
+            grads.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
+            return step()
+
+        trainer.optimizer.step = capture
+        trainer.train_on_rollout(fixed_rollout(trainer))
+        params.append(params_of(trainer.policy))
+    assert any(not torch.equal(before[n], params[0][n]) for n in before), "the step changed nothing"
+    for name, full in grads[0].items():
+        # rtol 1e-5 of the tensor's largest gradient: sums of fp32 terms in another order differ by ~1e-7 of it.
+        torch.testing.assert_close(grads[1][name], full, rtol=0, atol=1e-5 * full.abs().max().item(), msg=name)
+    lr = trainer.config.learning_rate
+    for name, full in params[0].items():
+        # AdamW's first step moves a weight by lr * g / (|g| + 1e-8): for |g| near 1e-8 that amplifies a
+        # 1e-10 rounding difference of g by ~1e7, so parameters agree to a small fraction of one step
+        # (observed < 0.6% of lr), not to 1e-7. The gradients above are the exact check.
+        torch.testing.assert_close(params[1][name], full, rtol=0, atol=0.02 * lr, msg=name)
+
+
+def test_resume_is_exact(tmp_path):
+    overrides = dict(max_steps=6, save_steps=3, lr_scheduler_type="cosine", warmup_ratio=0.2, beta=0.04)
+    straight = Trainer(make_config(tmp_path / "a", **overrides))
+    straight.train()
+    first = Trainer(make_config(tmp_path / "b", **overrides))
+    assert first.train(until_step=3)["status"] == "paused"
+    resumed = Trainer(make_config(tmp_path / "b", resume=str(tmp_path / "b" / "run"), **overrides))
+    assert resumed.step == 3
+    resumed.train()
+    a = read_jsonl(tmp_path / "a" / "run" / "metrics.jsonl")
+    b = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
+    assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
+    for key in ("reward", "loss", "kl", "learning_rate", "grad_norm"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    for name, value in params_of(straight.policy).items():
+        assert torch.equal(value, dict(resumed.policy.named_parameters())[name]), name
+
+
+# Learning: a random tiny policy writes a format tag in ~1% of its tokens (4 tags in a ~520-token
+# vocabulary), so the `tags` reward starts near 0.03 (8 tokens x 1% x 0.125 x ...); a policy that
+# learned to emit tags gets up to 1.0. A rise of 0.15 between the first and the last five steps is
+# several times the step-to-step noise of the mean reward (std over 8 completions ~ 0.05) and far
+# below what 40 steps reach in practice (0.4 to 0.9), so the margin fails only if learning is broken.
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("grpo", 0.04), ("dapo", 0.0), ("dapo", 0.04)])
+def test_the_loop_learns_a_toy_reward(tmp_path, loss_type, beta):
+    config = make_config(tmp_path, loss_type=loss_type, beta=beta, max_steps=40, learning_rate=3e-3,
+                         max_grad_norm=1.0, weight_decay=0.0, warmup_ratio=0.0, lr_scheduler_type="constant",
+                         max_completion_length=16, num_generations=8, prompts_per_step=2, micro_batch_size=16)
+    Trainer(config).train()
+    rewards = [m["reward"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    early, late = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert late > early + 0.15, (early, late, rewards)
+
+
+def test_bf16_autocast_tracks_fp32(tmp_path):
+    # Same three rollouts into an fp32 and a bf16-autocast trainer (fp32 master weights).
+    # On-policy, the surrogate term of the loss is exactly -mean(A) in both; what differs is the KL to
+    # the bf16 reference and the log-probs, which carry bf16's ~3 significant digits (about 1e-2 on
+    # log-probs of -6, see test_logprobs). The step losses are O(1e-2) here, so they must agree to 1e-3.
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        trainer = Trainer(make_config(tmp_path / precision, precision=precision, beta=0.04, learning_rate=1e-3))
+        losses[precision] = [trainer.train_on_rollout(fixed_rollout(trainer, seed))["loss"] for seed in range(3)]
+        if precision == "bf16":
+            assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())  # master weights
+            assert next(trainer.ref_model.parameters()).dtype == torch.bfloat16
+    torch.testing.assert_close(torch.tensor(losses["bf16"]), torch.tensor(losses["fp32"]), rtol=0, atol=1e-3)
+    assert losses["fp32"] != losses["bf16"]  # the bf16 path really ran in bf16
+
+
+def test_beta_zero_loads_no_reference_model(tmp_path):
+    trainer = Trainer(make_config(tmp_path, beta=0.0))
+    assert trainer.ref_model is None
+    metrics = trainer.train_on_rollout(fixed_rollout(trainer))
+    assert "kl" not in metrics
+
+
+def test_external_rollout_metrics(tmp_path):
+    trainer = Trainer(make_config(tmp_path, beta=0.04))
+    rollout = fixed_rollout(trainer)
+    metrics = trainer.train_on_rollout(rollout)
+    assert metrics["reward"] == pytest.approx(rollout.rewards_per_func.mean().item())
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference before the first update
+    assert metrics["completions/mean_length"] == rollout.completion_mask.sum(-1).float().mean().item()
+    for key in ("loss", "grad_norm", "learning_rate", "entropy", "clip_ratio/region_mean", "rewards/tags/mean",
+                "frac_reward_zero_std", "completions/clipped_ratio"):
+        assert key in metrics, key
+
+
+def test_rollout_from_token_lists_masks_after_first_eos():
+    rollout = Rollout.from_token_lists([[5, 6], [7]], [[1, 9, 2, 4], [3, 3]], [1.0, 0.0], eos_token_ids=(2,), pad_token_id=0)
+    assert rollout.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
+    assert rollout.completion_ids.tolist() == [[1, 9, 2, 0], [3, 3, 0, 0]]
+    assert rollout.truncated.tolist() == [False, True]
+    assert rollout.prompt_ids.tolist() == [[5, 6], [0, 7]] and rollout.prompt_mask.tolist() == [[1, 1], [0, 1]]
+
+
+@pytest.mark.slow
+def test_smoke_preset_end_to_end(tmp_path, capsys):
+    import train
+
+    out = tmp_path / "smoke"
+    assert train.main(["--preset", "smoke", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mean reward: first step" in printed
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert len(metrics) == 30 and metrics[-1]["reward"] > metrics[0]["reward"]
+    assert read_jsonl(out / "samples.jsonl")
+    summary = json.loads((out / "eval" / "step-000030.json").read_text())
+    assert set(summary) >= {"strict_accuracy", "lenient_accuracy", "format_compliance", "mean_length"}
+    model = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-000030")
+    assert model.config.vocab_size > 0

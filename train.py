@@ -1,0 +1,48 @@
+"""Train a policy with GRPO. Every flag comes from grpo/config.py's GRPOConfig (see --help).
+
+    python train.py --preset smoke                              # tiny local model, CPU, about a minute
+    python train.py --model Qwen/Qwen2.5-0.5B-Instruct          # the GSM8K recipe on one GPU
+    python train.py --resume runs/grpo                          # continue the latest complete checkpoint
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from grpo.config import config_from_args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(argv, description=__doc__)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    from data import DataError
+    from grpo.models import ModelError
+    from grpo.trainer import Trainer, TrainingError
+    from rewards import RewardError
+
+    print("settings:", ", ".join(f"{k}={v!r}" for k, v in config.to_dict().items() if k != "system_prompt"))
+    try:
+        trainer = Trainer(config)
+        print(f"device={trainer.device} precision={trainer.precision} steps={trainer.total_steps} "
+              f"completions/step={config.completions_per_step} micro-batches/step={config.gradient_accumulation_steps}"
+              + (f" (resumed at step {trainer.step})" if trainer.resume_from else ""))
+        result = trainer.train()
+    except (ValueError, DataError, ModelError, RewardError, TrainingError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if result["first_reward"] is not None:
+        print(f"mean reward: first step {result['first_reward']:.4f} -> last step {result['last_reward']:.4f}")
+    print(f"run folder: {config.output_dir}")
+    if result["status"] == "interrupted":
+        return 130 if result["signal"] == "SIGINT" else 143
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
