@@ -9,8 +9,7 @@ The transformer trunk runs once over the full sequences; only the hidden states 
 completion token (M of the N*T positions) go through the output projection W (V, H), in chunks of
 rows. `_ChunkedTokenLogProbs` keeps only the (M, H) hidden states for backward and recomputes each
 chunk's logits there, so peak memory holds one (chunk, V) block instead of (N, T, V) logits and
-their softmax. The same trick as trl's `selective_log_softmax`, taken one step further (trl still
-builds the full logits tensor).
+their softmax (trl 1.16's fused LM head does the same with tiles; older trl built the full logits).
 
 Precision: under autocast the projection runs in the autocast dtype (bf16) and the log-softmax in
 fp32; gradients for fp32 weights are accumulated in fp32.

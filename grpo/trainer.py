@@ -232,6 +232,8 @@ class Trainer:
         completions = [[{"role": "assistant", "content": text}] for text in texts]  # trl's conversational shape
         prompts = [row["prompt"] for row in rows for _ in range(group)]
         columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in rows[0] if key != "prompt"}
+        # As trl: reward functions may also read the completion token ids.
+        columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(sample.completion_ids.cpu(), sample.completion_mask.cpu())]
         rewards_per_func = score_completions(self.rewards, prompts, completions, columns)  # (N, K)
         rollout = Rollout(
             prompt_ids=sample.prompt_ids.repeat_interleave(group, 0),
@@ -357,7 +359,9 @@ class Trainer:
         }
         if cfg.beta != 0.0:
             metrics["kl"] = mean_of("kl")
-        self.last_micro_batch_losses = micro_batch_losses
+        # The step's intermediate values, kept for inspection (the trl parity tests read them).
+        self.last_step = {"advantages": advantages, "ref_logps": ref_logps, "old_logps": old_logps,
+                          "micro_batch_losses": micro_batch_losses, "micro_batch_stats": micro_stats}
         return metrics
 
     def _skip_update(self, grad_norm: float):

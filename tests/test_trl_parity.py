@@ -1,0 +1,267 @@
+"""Parity with trl 1.16's GRPOTrainer: the same model, prompts, completions and rewards in, the same numbers out.
+
+Both trainers start from one tiny Qwen2 model saved to a folder, fp32 on CPU. trl gets its
+completions from a `rollout_func` that returns fixed token ids; ours gets the same ids through
+`Trainer.train_on_rollout`. trl is driven the way its `_prepare_inputs`/`training_step` drive it
+(one generation batch split into gradient-accumulation chunks, `compute_loss`, backward, clip,
+optimizer step), without its micro-batch shuffle; ours runs with shuffle=False, so both see the
+same micro-batches. Compared: advantages, per-token log-probs of the policy and the reference,
+each micro-batch's loss, the gradient, the logged kl and clip_ratio metrics, and the parameters
+after three rollouts (three optimizer steps, six with num_iterations=2).
+
+Tolerances: rtol 1e-5 / atol 1e-6 on fp32 values. Parameters after AdamW steps are compared with
+atol 2e-2 * lr: AdamW moves a weight by lr * m / (sqrt(v) + 1e-8), which amplifies fp32 rounding
+differences of gradients near 1e-8 by ~1e7 (see test_trainer.test_gradient_accumulation_is_exact);
+the gradients themselves are compared at rtol 1e-5 and atol 1e-6 of the model's largest gradient entry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[parity]' (trl==1.16.0)")
+datasets = pytest.importorskip("datasets")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from data import add_prompts, make_synthetic_gsm8k  # noqa: E402
+from grpo.config import GRPOConfig  # noqa: E402
+from grpo.rollout import Rollout, encode_prompt  # noqa: E402
+from grpo.tiny_model import save_tiny_model  # noqa: E402
+from grpo.trainer import Trainer  # noqa: E402
+from rewards import RewardSpec, completion_text, score_completions  # noqa: E402
+
+pytestmark = [pytest.mark.parity, pytest.mark.slow]
+os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+
+PROMPTS, GROUP, MAX_LEN, LR = 3, 4, 7, 1e-4
+NUM_ROLLOUTS = 3
+
+
+def reward_length(prompts, completions, **kwargs):
+    """A reward that spreads: completion characters mod 7, scaled."""
+    return [len(completion_text(c)) % 7 / 3.0 for c in completions]
+
+
+def reward_sometimes_none(prompts, completions, completion_ids, **kwargs):
+    """None (cannot score) for completions whose first token id is divisible by 5; 1.0 for even lengths."""
+    return [None if ids[0] % 5 == 0 else float(len(ids) % 2 == 0) for ids in completion_ids]
+
+
+def reward_none_for_one_row(prompts, completions, completion_ids, **kwargs):
+    """None for exactly the completions that `reward_sometimes_none` also cannot score, on odd first ids."""
+    return [None if ids[0] % 5 == 0 and ids[0] % 2 else 0.5 for ids in completion_ids]
+
+
+REWARDS = [reward_length, reward_sometimes_none, reward_none_for_one_row]
+WEIGHTS = [1.0, 2.0, 1.0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("parity_model"), "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return add_prompts(make_synthetic_gsm8k(PROMPTS * NUM_ROLLOUTS, seed=3))
+
+
+def fixed_completions(rollout_index: int, vocab: int, eos: int, num_rows: int):
+    """Deterministic completions: random tokens, most ending in EOS, every fourth truncated at the budget."""
+    g = torch.Generator().manual_seed(1000 + rollout_index)
+    completions = []
+    for row in range(num_rows):
+        if row % 4 == 1:  # truncated: the whole budget, no EOS
+            completions.append(torch.randint(3, vocab, (MAX_LEN,), generator=g).tolist())
+        else:
+            length = int(torch.randint(1, MAX_LEN, (1,), generator=g))
+            completions.append(torch.randint(3, vocab, (length,), generator=g).tolist() + [eos])
+    return completions
+
+
+def make_trl(model_dir, rows, settings):
+    from trl import GRPOConfig as TrlConfig, GRPOTrainer
+
+    ga = settings["ga"]
+    args = TrlConfig(
+        output_dir=str(model_dir / f"trl_out_{os.getpid()}"), use_cpu=True, bf16=False, report_to="none",
+        gradient_checkpointing=False, per_device_train_batch_size=PROMPTS * GROUP // ga,
+        gradient_accumulation_steps=ga, num_generations=GROUP, max_completion_length=MAX_LEN,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.1, adam_beta1=0.9,
+        adam_beta2=0.99, adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch", temperature=0.7,
+        beta=settings["beta"], use_bias_correction_kl=settings["bias_kl"], epsilon=settings["epsilon"],
+        epsilon_high=settings["epsilon_high"], loss_type=settings["loss_type"], scale_rewards=settings["scale"],
+        num_iterations=settings["iterations"], importance_sampling_level=settings["level"],
+        mask_truncated_completions=settings["mask_truncated"], reward_weights=WEIGHTS, seed=0, logging_steps=1,
+        max_steps=NUM_ROLLOUTS * settings["iterations"], shuffle_dataset=False,
+    )
+    state = {"rollout": 0, "completions": None}
+
+    def rollout_func(prompts, trainer):
+        tokenizer = trainer.processing_class
+        prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        completions = fixed_completions(state["rollout"], len(tokenizer), eos, len(prompts))
+        state["completions"] = completions
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=REWARDS, args=args,
+                          train_dataset=datasets.Dataset.from_list(rows), rollout_func=rollout_func)
+    trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
+    return trainer, state
+
+
+def trl_step(trainer, state, inputs, rollout_index, ga, iterations):
+    """One rollout through trl, as _prepare_inputs + training_step do it (no micro-batch shuffle)."""
+    from trl.trainer.utils import split_tensor_dict
+
+    model = trainer.model
+    model.train()
+    state["rollout"] = rollout_index
+    batch = trainer._generate_and_score_completions(inputs)
+    chunks = split_tensor_dict(batch, ga)
+    trainer.current_gradient_accumulation_steps = ga
+    record = {"batch": batch, "losses": [], "grads": []}
+    for _ in range(iterations):
+        for chunk in chunks:
+            loss = trainer.compute_loss(model, chunk)
+            loss.backward()
+            record["losses"].append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
+        record["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})  # clipped, as ours
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        model.zero_grad(set_to_none=True)
+    return record
+
+
+def make_ours(model_dir, rows, settings, tmp_path):
+    config = GRPOConfig(
+        model=str(model_dir), output_dir=str(tmp_path / "ours"), prompts_per_step=PROMPTS, num_generations=GROUP,
+        micro_batch_size=PROMPTS * GROUP // settings["ga"], max_completion_length=MAX_LEN, max_prompt_length=512,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_ratio=0.0, weight_decay=0.1, adam_beta1=0.9,
+        adam_beta2=0.99, max_grad_norm=1.0, temperature=0.7, beta=settings["beta"],
+        use_bias_correction_kl=settings["bias_kl"], epsilon=settings["epsilon"], epsilon_high=settings["epsilon_high"],
+        loss_type=settings["loss_type"], scale_rewards=settings["scale"], num_iterations=settings["iterations"],
+        importance_sampling_level=settings["level"], mask_truncated_completions=settings["mask_truncated"],
+        device="cpu", precision="fp32", reward=["int"], max_steps=NUM_ROLLOUTS,
+    )
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    specs = [RewardSpec(fn.__name__, fn, w) for fn, w in zip(REWARDS, WEIGHTS)]
+    return Trainer(config, policy=policy, reward_functions=specs, train_rows=rows)
+
+
+def our_step(trainer, inputs, completions, grads_out):
+    tokenizer = trainer.tokenizer
+    prompts = [row["prompt"] for row in inputs]
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    chat = [[{"role": "assistant", "content": t}] for t in texts]
+    columns = {"answer": [r["answer"] for r in inputs], "question": [r["question"] for r in inputs],
+               "completion_ids": completions}
+    rewards = score_completions(trainer.rewards, prompts, chat, columns)
+    rollout = Rollout.from_token_lists([encode_prompt(tokenizer, p) for p in prompts], completions, rewards,
+                                       trainer.eos_token_ids, tokenizer.pad_token_id)
+    step = trainer.optimizer.step
+
+    def capture():
+        grads_out.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
+        return step()
+
+    trainer.optimizer.step = capture
+    try:
+        trainer.train_on_rollout(rollout, shuffle=False)
+    finally:
+        trainer.optimizer.step = step
+    return rollout
+
+
+BASE = dict(loss_type="grpo", scale="group", beta=0.04, bias_kl=True, iterations=1, epsilon=0.2, epsilon_high=0.2,
+            ga=2, level="token", mask_truncated=False)
+
+# Every loss_type x scale_rewards pair; the other settings cycle through their values alongside, so each
+# value of each setting is exercised with several loss types. With num_iterations = 2 the second update
+# is off-policy; the small clip ranges (1e-3) make the clipping really bite there, so a clip on the
+# wrong side changes the numbers (the test checks that clipping happened).
+_CYCLE = itertools.cycle([
+    dict(beta=0.0, bias_kl=False, iterations=1, epsilon=0.2, epsilon_high=0.2, ga=1, level="token", mask_truncated=False),
+    dict(beta=0.04, bias_kl=True, iterations=2, epsilon=1e-3, epsilon_high=2e-3, ga=2, level="sequence", mask_truncated=True),
+    dict(beta=0.04, bias_kl=False, iterations=2, epsilon=1e-3, epsilon_high=1e-3, ga=2, level="token", mask_truncated=False),
+    dict(beta=0.04, bias_kl=True, iterations=1, epsilon=0.2, epsilon_high=0.28, ga=1, level="token", mask_truncated=True),
+    dict(beta=0.0, bias_kl=False, iterations=2, epsilon=1e-3, epsilon_high=2e-3, ga=2, level="token", mask_truncated=False),
+])
+MATRIX = [dict(loss_type=lt, scale=sc, **next(_CYCLE)) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")
+          for sc in ("group", "batch", "none")]
+# And one axis at a time from the base, so a failure points at the setting that causes it.
+AXES = [dict(BASE, **change) for change in (
+    dict(beta=0.0), dict(bias_kl=False), dict(iterations=2), dict(epsilon_high=0.28), dict(ga=1),
+    dict(level="sequence"), dict(mask_truncated=True), dict(iterations=2, epsilon=1e-3, epsilon_high=2e-3),
+)]
+
+
+def _id(settings):
+    return "-".join(f"{k}={v}" for k, v in settings.items())
+
+
+@pytest.mark.parametrize("settings", MATRIX + AXES, ids=_id)
+def test_same_numbers_as_trl(model_dir, rows, settings, tmp_path):
+    torch.manual_seed(0)
+    trl_trainer, trl_state = make_trl(model_dir, rows, settings)
+    ours = make_ours(model_dir, rows, settings, tmp_path)
+    for name, param in trl_trainer.model.named_parameters():  # same start
+        assert torch.equal(param, dict(ours.policy.named_parameters())[name])
+
+    for index in range(NUM_ROLLOUTS):
+        inputs = [row for row in rows[index * PROMPTS : (index + 1) * PROMPTS] for _ in range(GROUP)]
+        trl_record = trl_step(trl_trainer, trl_state, inputs, index, settings["ga"], settings["iterations"])
+        metrics_before = {k: list(v) for k, v in trl_trainer._metrics["train"].items()}
+        our_grads = []
+        rollout = our_step(ours, inputs, trl_state["completions"], our_grads)
+        batch, last = trl_record["batch"], ours.last_step
+
+        # Advantages (weighted rewards with None rows, group/batch/none scaling).
+        torch.testing.assert_close(last["advantages"], batch["advantages"], rtol=1e-5, atol=1e-6)
+        # Masks: the same completion tokens count (truncation masking included).
+        width = rollout.completion_ids.shape[1]
+        trl_mask = batch["completion_mask"][:, :width]
+        # Reference and old-policy per-token log-probs.
+        if settings["beta"]:
+            torch.testing.assert_close(last["ref_logps"] * trl_mask, batch["ref_per_token_logps"][:, :width] * trl_mask,
+                                       rtol=1e-5, atol=1e-6)
+        if settings["iterations"] > 1:
+            torch.testing.assert_close(last["old_logps"] * trl_mask, batch["old_per_token_logps"][:, :width] * trl_mask,
+                                       rtol=1e-5, atol=1e-6)
+        # The loss of every micro-batch (already divided for accumulation) and the accumulated gradient.
+        torch.testing.assert_close(torch.tensor(last["micro_batch_losses"]), torch.tensor(trl_record["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        for iteration, (ours_grad, trl_grad) in enumerate(zip(our_grads, trl_record["grads"])):
+            # Yardstick: the largest gradient entry of the model. A parameter whose gradient is small gets it
+            # as a difference of much larger terms, so its fp32 rounding is relative to those, not to itself.
+            # The second update of a rollout (num_iterations = 2) starts from parameters that already differ
+            # by the AdamW amplification described at the top (~0.5% of lr); its log-ratios logp - logp_old are
+            # themselves ~lr-sized, so they carry that 0.5% and the gradient ~1e-5 of its scale: 5e-5 there.
+            scale = max(g.abs().max().item() for g in trl_grad.values())
+            atol = (1e-6 if iteration == 0 else 5e-5) * scale
+            for name, expected in trl_grad.items():
+                torch.testing.assert_close(ours_grad[name], expected, rtol=1e-5, atol=atol, msg=name)
+        # Logged metrics, one value per micro-batch as trl appends them.
+        stats = last["micro_batch_stats"]
+        count = len(stats)
+        for ours_key, trl_key in [("clip_low", "clip_ratio/low_mean"), ("clip_high", "clip_ratio/high_mean"),
+                                  ("clip_region", "clip_ratio/region_mean"), ("entropy", "entropy")] + (
+                                      [("kl", "kl")] if settings["beta"] else []):
+            expected = metrics_before[trl_key][-count:]
+            torch.testing.assert_close(torch.tensor([getattr(s, ours_key) for s in stats], dtype=torch.float64),
+                                       torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-6, msg=trl_key)
+
+        if settings["iterations"] > 1 and settings["epsilon"] < 0.01:
+            assert any(s.clip_region > 0 for s in stats), "the off-policy update should clip some ratios"
+
+    # Parameters after all the optimizer steps.
+    ours_params = dict(ours.policy.named_parameters())
+    for name, param in trl_trainer.model.named_parameters():
+        torch.testing.assert_close(ours_params[name], param, rtol=0, atol=2e-2 * LR, msg=name)
