@@ -1,0 +1,292 @@
+"""Bad input fails early with a message that names the problem; faults lose nothing."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from grpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from grpo.config import GRPOConfig, config_from_args
+from grpo.metrics import read_jsonl
+from grpo.models import ModelError, load_model, load_tokenizer
+from grpo.trainer import Trainer, TrainingError
+from rewards import RewardError
+from tests.test_trainer import BASE, fixed_rollout, make_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompts-per-step", "3", "--num-generations", "4", "--micro-batch-size", "5"],
+         r"3 \* 4 = 12 is not a multiple of micro_batch_size = 5"),
+        (["--num-generations", "1", "--micro-batch-size", "4"], r"num_generations must be >= 2"),
+        (["--reward", "correctnes"], r"unknown reward 'correctnes'"),
+        (["--learning-rate=-1e-5"], r"learning_rate must be >= 0"),
+        (["--beta", "nan"], r"beta must be a finite number"),
+        (["--epsilon", "inf"], r"epsilon must be a finite number"),
+        (["--max-completion-length", "0"], r"max_completion_length must be >= 1"),
+    ],
+)
+def test_bad_settings_are_named(flags, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_args(flags)
+
+
+def test_unknown_loss_type_is_named():
+    with pytest.raises(ValueError, match=r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo'\], got 'ppo'"):
+        GRPOConfig(loss_type="ppo").validate()
+    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'ppo'"
+        config_from_args(["--loss-type", "ppo"])
+
+
+def test_resume_folder_without_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match=r"--resume .*holds no complete checkpoint"):
+        Trainer(make_config(tmp_path, resume=str(tmp_path / "empty")))
+
+
+def test_output_folder_holding_another_run(tmp_path):
+    Trainer(make_config(tmp_path, max_steps=1)).train()
+    with pytest.raises(ValueError, match=r"holds another run .*--resume.*--overwrite"):
+        Trainer(make_config(tmp_path, max_steps=1))
+    Trainer(make_config(tmp_path, max_steps=1, overwrite=True)).train()  # allowed, and replaces it
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 1
+
+
+# ----------------------------------------------------------------------------- data
+def test_long_prompts_are_truncated_or_skipped_with_a_count(tmp_path, caplog):
+    trainer = Trainer(make_config(tmp_path / "t", max_prompt_length=50, long_prompts="truncate"))
+    assert all(len(ids) <= 50 for ids in trainer.train_prompt_ids) and len(trainer.train_rows) == 64
+    assert "prompts are longer than max_prompt_length=50 and were truncated" in caplog.text
+    caplog.clear()
+    lengths = [len(ids) for ids in Trainer(make_config(tmp_path / "x")).train_prompt_ids]
+    limit = sorted(lengths)[len(lengths) // 2]
+    trainer = Trainer(make_config(tmp_path / "s", max_prompt_length=limit, long_prompts="skip"))
+    skipped = sum(length > limit for length in lengths)
+    assert len(trainer.train_rows) == 64 - skipped
+    assert f"{skipped} of 64 prompts are longer than max_prompt_length={limit} and were skipped" in caplog.text
+
+
+def test_empty_dataset_after_filtering(tmp_path):
+    with pytest.raises(ValueError, match=r"no prompts left after filtering \(64 rows, 64 longer than max_prompt_length=5\)"):
+        Trainer(make_config(tmp_path, max_prompt_length=5, long_prompts="skip"))
+
+
+def test_bad_gold_answer_is_named_with_row_and_file(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + json.dumps({"question": "q", "answer": ""}) + "\n")
+    with pytest.raises(ValueError, match=r"train.jsonl: row 1 has an empty or missing answer"):
+        Trainer(make_config(tmp_path, dataset=str(data)))
+
+
+# ----------------------------------------------------------------------------- model and tokenizer
+def test_model_folder_without_weights(tiny_model_dir, tmp_path):
+    folder = tmp_path / "no_weights"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_model_dir / name).read_bytes())
+    with pytest.raises(ModelError, match=r"no model weights \(\*.safetensors\)"):
+        load_model(str(folder), torch.device("cpu"))
+    (folder / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelError, match=r"convert them to safetensors"):
+        load_model(str(folder), torch.device("cpu"))
+
+
+def test_tokenizer_without_chat_template(tiny_model_dir, tmp_path):
+    folder = tmp_path / "no_template"
+    folder.mkdir()
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+    (folder / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    with pytest.raises(ModelError, match=r"has no chat template.*--chat-template FILE"):
+        load_tokenizer(str(folder))
+    template = tmp_path / "chatml.jinja"
+    template.write_text((tiny_model_dir / "chat_template.jinja").read_text())
+    assert load_tokenizer(str(folder), chat_template_file=str(template)).chat_template
+
+
+def test_tokenizer_without_pad_token_uses_eos(tiny_model_dir, tmp_path, caplog):
+    folder = tmp_path / "no_pad"
+    folder.mkdir()
+    for file in tiny_model_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["pad_token"] = None
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(str(folder))
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+    assert "has no pad token: using its EOS token" in caplog.text
+
+
+# ----------------------------------------------------------------------------- rewards and non-finite steps
+def test_reward_raising_on_one_row_stops_before_any_update(tmp_path):
+    rows = [{"question": "fine", "answer": "#### 1"}, {"question": "boom", "answer": "#### 2"}]
+
+    def fragile(prompts, completions, question, **kwargs):
+        if "boom" in question:
+            raise ZeroDivisionError("division by zero")
+        return [0.0] * len(completions)
+
+    trainer = Trainer(make_config(tmp_path, max_steps=2), reward_functions=[fragile], train_rows=rows)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    boom_row = [trainer.train_rows[i]["question"] for i in trainer.batch_indices(0)].index("boom") * 4
+    with pytest.raises(RewardError, match=rf"reward 'fragile' raised ZeroDivisionError on row {boom_row}"):
+        trainer.train()
+    assert trainer.step == 0 and not trainer.optimizer.state  # no optimizer step was taken
+    for name, param in trainer.policy.named_parameters():
+        assert torch.equal(param, before[name])
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, caplog):
+    trainer = Trainer(make_config(tmp_path, max_bad_steps=2, beta=0.0))
+    poison = {"on": True}
+
+    def hook(module, args, output):  # NaN hidden states in training forwards only (sampling runs in eval)
+        return output * float("nan") if module.training and poison["on"] else output
+
+    trainer.policy.model.norm.register_forward_hook(hook)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    metrics = trainer.train_on_rollout(fixed_rollout(trainer, 0))
+    assert metrics["skipped_updates"] == 1 and "update skipped (1 in a row, limit 2)" in caplog.text
+    for name, param in trainer.policy.named_parameters():
+        assert torch.equal(param, before[name])
+    poison["on"] = False
+    assert trainer.train_on_rollout(fixed_rollout(trainer, 1))["skipped_updates"] == 1  # a good step resets the count
+    assert trainer.consecutive_bad_steps == 0
+    poison["on"] = True
+    trainer.train_on_rollout(fixed_rollout(trainer, 2))
+    with pytest.raises(TrainingError, match=r"2 consecutive steps had a non-finite loss or gradient; stopping"):
+        trainer.train_on_rollout(fixed_rollout(trainer, 3))
+
+
+# ----------------------------------------------------------------------------- faults in a real process
+def _train_command(out: Path, *extra: str) -> list[str]:
+    flags = ["--model", "tiny", "--dataset", "synthetic:64", "--prompts-per-step", "2", "--num-generations", "4",
+             "--micro-batch-size", "4", "--max-completion-length", "8", "--max-prompt-length", "128",
+             "--learning-rate", "1e-3", "--reward", "tags", "--device", "cpu", "--max-steps", "8",
+             "--log-completions-steps", "1", "--lr-scheduler-type", "cosine", "--warmup-ratio", "0.25"]
+    return [sys.executable, str(ROOT / "train.py"), *flags, "--output-dir", str(out), *extra]
+
+
+def _env():
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _wait_for_lines(path: Path, count: int, process, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        assert process.poll() is None, "the run ended before the signal"
+        time.sleep(0.02)
+    raise TimeoutError(path)
+
+
+def _final_weights(out: Path) -> dict:
+    return load_file(latest_checkpoint(out) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "straight"
+    subprocess.run(_train_command(out, "--save-steps", "2"), check=True, env=_env(), capture_output=True)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_killed_run_resumes_to_the_same_result(uninterrupted, tmp_path, how):
+    out = tmp_path / "run"
+    process = subprocess.Popen(_train_command(out, "--save-steps", "2"), env=_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_lines(out / "metrics.jsonl", 3, process)  # mid-run: step 3 logged, checkpoint 2 written
+    process.send_signal(getattr(signal, how))
+    output = process.communicate(timeout=120)[0]
+    if how == "SIGTERM":
+        assert process.returncode == 143, output
+        assert "checkpoint saved. Resume with: python train.py --resume" in output
+    else:
+        assert process.returncode == -signal.SIGKILL
+    stopped_at = int(latest_checkpoint(out).name.split("-")[1])
+    assert 2 <= stopped_at < 8
+    resumed = subprocess.run(_train_command(out, "--save-steps", "2", "--resume"), env=_env(),
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    expected, got = read_jsonl(uninterrupted / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in got] == list(range(1, 9))  # no step twice, none missing
+    for key in ("reward", "loss", "kl", "grad_norm", "learning_rate"):
+        assert [m[key] for m in got] == [m[key] for m in expected], key
+    assert [s["step"] for s in read_jsonl(out / "samples.jsonl")] == [s["step"] for s in read_jsonl(uninterrupted / "samples.jsonl")]
+    straight, result = _final_weights(uninterrupted), _final_weights(out)
+    for name in straight:
+        assert torch.equal(straight[name], result[name]), name
+
+
+_SAVE_SCRIPT = """
+import sys
+from grpo.checkpoint import save_checkpoint
+from grpo.tiny_model import build_tiny_model
+model, tokenizer = build_tiny_model("small")
+print("saving", flush=True)
+save_checkpoint(sys.argv[1], 2, model, tokenizer, {"step": 2}, {})
+"""
+
+
+@pytest.mark.slow
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_and_tokenizer, tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, model, tokenizer, {"step": 1, "note": "good"}, {"model": "tiny"})
+    killed_mid_write = False
+    for _ in range(3):  # the kill must land while the (78 MB) weights are being written
+        process = subprocess.Popen([sys.executable, "-c", _SAVE_SCRIPT, str(run)], cwd=ROOT, env=_env(),
+                                   stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline().strip() == "saving"
+        while process.poll() is None and not list((run / "checkpoints").glob(".tmp-*")):
+            time.sleep(0.001)
+        process.kill()
+        process.wait()
+        if list((run / "checkpoints").glob(".tmp-*")) and not (run / "checkpoints" / "step-000002").exists():
+            killed_mid_write = True
+            break
+    assert killed_mid_write, "the writer finished before it could be killed three times"
+    checkpoint = latest_checkpoint(run)
+    assert checkpoint.name == "step-000001"
+    assert load_trainer_state(checkpoint) == {"step": 1, "note": "good"}
+    assert AutoModelForCausalLM.from_pretrained(checkpoint).config.vocab_size == model.config.vocab_size
+    save_checkpoint(run, 3, model, tokenizer, {"step": 3}, {})  # the next save clears the torn folder
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    assert latest_checkpoint(run).name == "step-000003"
+
+
+def test_trainer_state_is_loaded_without_unpickling(tmp_path, tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    run = tmp_path / "run"
+    checkpoint = save_checkpoint(run, 1, model, tokenizer, {"step": 1}, {})
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"step": 1, "payload": Evil()}, checkpoint / "trainer_state.pt")
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        load_trainer_state(checkpoint)
+
+
+def test_safe_defaults():
+    config = GRPOConfig()
+    assert config.trust_remote_code is False
+    assert math.isfinite(config.beta) and config.max_bad_steps >= 1
