@@ -27,12 +27,59 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+# Reused (chunk, V) buffers. On CPU a fresh 100+ MiB tensor per chunk costs more in page faults than the
+# exp() that fills it; CUDA's caching allocator already reuses memory, so only CPU keeps buffers here.
+_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def _buffer(name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    key = (name, dtype, cols)
+    buffer = _BUFFERS.get(key)
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = _BUFFERS[key] = torch.empty(rows, cols, dtype=dtype, device=device)
+    return buffer[:rows]
+
+
+def _shifted_logits(h: torch.Tensor, w: torch.Tensor, shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (rows, V) logits h @ w.T minus a per-row `shift` (the row max if None), in a reused buffer.
+
+    Returns (shifted logits, shift). The product runs in h's dtype (bf16 under autocast), the rest in fp32.
+    """
+    rows, vocab = h.shape[0], w.shape[0]
+    shifted = _buffer("logits", rows, vocab, torch.float32, h.device)
+    if h.dtype == torch.float32:
+        torch.matmul(h, w.T, out=shifted)  # (rows, V)
+        shift = shifted.amax(-1) if shift is None else shift
+        shifted.sub_(shift[:, None])
+    else:
+        low = torch.matmul(h, w.T, out=_buffer("logits_low", rows, vocab, h.dtype, h.device))  # (rows, V)
+        shift = low.amax(-1).float() if shift is None else shift
+        torch.sub(low, shift[:, None], out=shifted)  # promoted to fp32
+    return shifted, shift
+
+
+def _exp_sum_and_dot(shifted: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: sum_j exp(s_j) and sum_j exp(s_j) s_j, a few rows at a time so exp(s) stays in cache."""
+    total = shifted.new_empty(shifted.shape[0])
+    weighted = shifted.new_empty(shifted.shape[0])
+    for start in range(0, shifted.shape[0], block):
+        part = shifted[start : start + block]  # (block, V)
+        exps = torch.exp(part, out=_buffer("exps", part.shape[0], part.shape[1], part.dtype, part.device))
+        total[start : start + block] = exps.sum(-1)
+        weighted[start : start + block] = torch.bmm(exps[:, None, :], part[:, :, None]).view(-1)
+    return total, weighted
+
+
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     """(M, H) hidden states, (V, H) weight, (M,) targets -> (M,) log-probs and (M,) entropies (no grad).
 
-    Backward, per chunk of rows, with p = softmax(z) and g the incoming gradient of the log-probs:
-        d logp / d z_j = [j == target] - p_j           (so dz = g * (onehot - p))
-        dz/dh = W / temperature,  dz/dW = h / temperature
+    With z = W h / temperature and p = softmax(z), per row:
+        forward    logp = z[target] - lse(z),   entropy = lse(z) - sum_j p_j z_j
+        backward   d logp / d z_j = [j == target] - p_j, so with the incoming gradient g:
+                   dz = g * onehot(target) - g * p,  dh = dz W / temperature,  dW = dz^T h / temperature
+    In backward, g * p is computed as sign(g) * exp(z - lse + log|g|): one exp pass over the recomputed logits.
     """
 
     @staticmethod
@@ -46,15 +93,18 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, num_rows, chunk_size):
                 rows = slice(start, start + chunk_size)
-                logits = (hidden[rows].to(dtype) @ w.T).float() / temperature  # (chunk, V) fp32
-                chunk_lse = torch.logsumexp(logits, dim=-1)  # (chunk,)
-                lse[rows] = chunk_lse
-                logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - chunk_lse
+                h = hidden[rows].to(dtype) / temperature  # scale the (chunk, H) input, not the (chunk, V) logits
+                shifted, row_max = _shifted_logits(h, w, None)  # z - max(z), fp32 (chunk, V)
+                target_shifted = shifted.gather(-1, targets[rows, None]).squeeze(-1)  # (chunk,)
                 if with_entropy:
-                    # H = lse - sum_j p_j z_j
-                    probs = torch.softmax(logits, dim=-1)
-                    entropy[rows] = chunk_lse - (probs * logits).sum(-1)
-                del logits
+                    total, weighted = _exp_sum_and_dot(shifted)
+                    # H = log(total) - sum_j exp(z_j - max) (z_j - max) / total
+                    entropy[rows] = total.log() - weighted / total
+                else:
+                    total = shifted.exp_().sum(-1)
+                log_total = total.log()
+                lse[rows] = row_max + log_total
+                logps[rows] = target_shifted - log_total
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         if entropy is not None:
@@ -71,17 +121,24 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
-                h = hidden[rows].to(dtype)  # (chunk, H)
-                logits = (h @ w.T).float() / temperature  # (chunk, V), recomputed
+                h = hidden[rows].to(dtype) / temperature  # (chunk, H)
                 g = grad_logps[rows].float()  # (chunk,)
-                grad_logits = torch.exp(logits - lse[rows, None]).mul_(-g[:, None])  # -g * p
-                grad_logits.scatter_add_(-1, targets[rows, None], g[:, None])  # + g * onehot
-                grad_logits = grad_logits.div_(temperature).to(dtype)  # dz/d(Wh) = 1 / temperature
+                # exp(z - lse + log|g|) = |g| * p, recomputed from the logits (never stored).
+                scaled_probs, _ = _shifted_logits(h, w, lse[rows] - g.abs().log())
+                scaled_probs = scaled_probs.exp_()  # (chunk, V) fp32
+                minus_sign = torch.where(g < 0, 1.0, -1.0).to(dtype)[:, None]  # -g * p = -sign(g) |g| p
+                if dtype != torch.float32:
+                    scaled_probs = _buffer("logits_low", *scaled_probs.shape, dtype, h.device).copy_(scaled_probs)
+                target_rows = w[targets[rows]]  # (chunk, H)
                 if grad_hidden is not None:
-                    grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)  # (chunk, H)
+                    dh = (scaled_probs @ w) * minus_sign + g.to(dtype)[:, None] * target_rows  # (chunk, H)
+                    grad_hidden[rows] = (dh / temperature).to(hidden.dtype)
                 if grad_weight is not None:
-                    grad_weight += (grad_logits.T @ h).float()  # (V, H)
-                del logits, grad_logits
+                    if dtype == torch.float32:
+                        grad_weight.addmm_(scaled_probs.T, h * minus_sign)  # (V, H), accumulated in place
+                    else:
+                        grad_weight += (scaled_probs.T @ (h * minus_sign)).float()
+                    grad_weight.index_add_(0, targets[rows], (g[:, None] * h.float()))
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None

@@ -99,8 +99,12 @@ def sample_next_token(
     top_p: float = 1.0,
     min_p: float = 0.0,
     generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), filtered; (N, V) -> (N,). Exact inverse-CDF sampling."""
+    """One token per row from softmax(logits / temperature), filtered; (N, V) -> (N,). Exact inverse-CDF sampling.
+
+    `out`, an fp32 (N, V) tensor, is used as scratch space when given (the sampler reuses one per call).
+    """
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float()
@@ -109,7 +113,8 @@ def sample_next_token(
     if top_k or top_p < 1.0 or min_p > 0.0:
         logits = filter_logits(logits, top_k, top_p, min_p)
     # Unnormalised CDF of softmax: cumsum(exp(z - max)); the division by the total moves to the uniform.
-    cdf = (logits - logits.max(dim=-1, keepdim=True).values).exp_().cumsum_(dim=-1)  # (N, V)
+    cdf = torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=out)  # (N, V), `out` reused across steps
+    cdf = cdf.exp_().cumsum_(dim=-1)
     uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
     # First index whose cdf exceeds u * total: token j is chosen with probability p_j / total;
     # zero-probability tokens occupy empty intervals and are never chosen.
@@ -197,11 +202,13 @@ def sample_groups(
     completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(num_rows, max_new, device=device) if return_logprobs else None
     done = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    scratch = torch.empty(logits.shape, dtype=torch.float32, device=device)  # (N, V) for the sampling CDF
     lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
     for step in range(max_new):
         if step_callback is not None:
             step_callback(step, logits)
-        tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p, generator)
+        tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p, generator,
+                                   out=scratch)
         tokens = tokens.masked_fill(done, pad_token_id)  # (N,) finished rows are padded
         completion_ids[:, step] = tokens
         if return_logprobs:

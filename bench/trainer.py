@@ -1,0 +1,251 @@
+"""Our trainer vs trl 1.16's GRPOTrainer on the same model shape and the same work, plus a matmul floor.
+
+    python bench/trainer.py --shape small                  # CPU, fp32: 4 prompts x G=4, 64 new tokens
+    python bench/trainer.py --shape qwen2.5-0.5b --steps 2 # CPU, the real Qwen2.5-0.5B shape (random init)
+    python bench/trainer.py --device cuda --shape qwen2.5-0.5b   # GPU, bf16: 16 prompts x G=8, 256 tokens
+
+Same work on both sides: one random-init model saved to a folder (so completions run to the token
+budget: EOS is a 1-in-150k token for it), the same prompts, num_generations, completions per
+optimizer step, micro-batch, max_completion_length, beta and precision; gradient checkpointing
+off, no vLLM. Each side runs in its own subprocess (its peak memory is its own), alternating
+ours / trl for --repeats rounds; the first optimizer step of every run is warm-up and not timed.
+
+Printed: median seconds per optimizer step, generated tokens/s, peak memory (CPU: peak resident
+set size of the process; CUDA: torch.cuda.max_memory_allocated), the ratio ours/trl, and a floor:
+the time of the matrix products one step cannot avoid at these shapes, measured here in the same
+run (prefill of each distinct prompt, T decode steps of N rows, the training forward + backward of
+the trunk and of the output projection on completion positions, the reference forward), and
+ours/floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def workload(args) -> dict:
+    cuda = args.device == "cuda"
+    return dict(
+        prompts=args.prompts or (16 if cuda else 4), group=args.group_size or (8 if cuda else 4),
+        new_tokens=args.new_tokens or (256 if cuda else 64), micro_batch=args.micro_batch or (32 if cuda else 8),
+        beta=0.04, precision="bf16" if cuda else "fp32",
+    )
+
+
+def _peak_memory_mib(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -> dict:
+    from data import add_prompts, make_synthetic_gsm8k
+    from grpo.config import GRPOConfig
+    from grpo.metrics import read_jsonl
+    from grpo.trainer import Trainer
+
+    config = GRPOConfig(
+        model=model_dir, dataset="synthetic:256", output_dir=out_dir, overwrite=True, max_steps=steps,
+        prompts_per_step=work["prompts"], num_generations=work["group"], micro_batch_size=work["micro_batch"],
+        max_completion_length=work["new_tokens"], max_prompt_length=256, beta=work["beta"], reward=["tags"],
+        device=device, precision=work["precision"], learning_rate=1e-6, save_steps=0, log_completions_steps=0,
+        logging_steps=10**6, warmup_ratio=0.0,
+    )
+    trainer = Trainer(config, train_rows=add_prompts(make_synthetic_gsm8k(256, seed=0)))
+    trainer.save = lambda: None  # checkpoint writing is not part of a step on either side
+    trainer.train()
+    metrics = read_jsonl(Path(out_dir) / "metrics.jsonl")
+    return {"step_times": [m["step_time"] for m in metrics],
+            "tokens": [m["completions/mean_length"] * config.completions_per_step for m in metrics],
+            "peak_mib": _peak_memory_mib(device)}
+
+
+def run_trl(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -> dict:
+    import datasets
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TrlConfig, GRPOTrainer
+
+    from data import add_prompts, make_synthetic_gsm8k
+    from rewards.toy import tags
+
+    completions = work["prompts"] * work["group"]
+    args = TrlConfig(
+        output_dir=out_dir, use_cpu=device == "cpu", bf16=work["precision"] == "bf16", report_to="none",
+        gradient_checkpointing=False, per_device_train_batch_size=work["micro_batch"],
+        gradient_accumulation_steps=completions // work["micro_batch"], num_generations=work["group"],
+        max_completion_length=work["new_tokens"], beta=work["beta"], learning_rate=1e-6, max_steps=steps,
+        logging_steps=1, save_strategy="no", seed=0, dataloader_num_workers=0,
+    )
+    rows = [{"prompt": row["prompt"], "answer": row["answer"]} for row in add_prompts(make_synthetic_gsm8k(256, seed=0))]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.last = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.last)
+
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[tags], args=args,
+                          train_dataset=datasets.Dataset.from_list(rows), callbacks=[timer])
+    trainer.train()
+    lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    return {"step_times": timer.times, "tokens": [length * completions for length in lengths],
+            "peak_mib": _peak_memory_mib(device)}
+
+
+def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats: int = 3) -> float:
+    """Time of the matrix products one GRPO step cannot avoid, with torch.matmul at the step's shapes."""
+    import torch
+
+    from grpo.tiny_model import SHAPES
+
+    dims = SHAPES[shape]
+    hidden, inter, layers, vocab = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"], dims["vocab_size"] or 512
+    heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
+    head_dim = hidden // heads
+    dtype = torch.bfloat16 if work["precision"] == "bf16" else torch.float32
+    rows, new = work["prompts"] * work["group"], work["new_tokens"]
+    linears = [(hidden, hidden), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim), (hidden, hidden),
+               (hidden, inter), (hidden, inter), (inter, hidden)]  # q, k, v, o, gate, up, down: (in, out)
+    weights = {shape_: torch.randn(shape_, device=device, dtype=dtype) for shape_ in set(linears) | {(hidden, vocab)}}
+
+    def gemm(m, k, n, times=1):
+        """Seconds for `times` products (m, k) @ (k, n), measured once and scaled."""
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = weights.get((k, n))
+        b = torch.randn(k, n, device=device, dtype=dtype) if b is None else b
+        best = float("inf")
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best * times
+
+    def trunk(tokens, passes=1):  # passes: 1 forward, 3 forward + backward (dX and dW)
+        return sum(gemm(tokens, i, o, passes) for i, o in linears) * layers
+
+    def attention(batch, queries, keys, passes=1):  # QK^T and AV per head, as one batched product each
+        q = torch.randn(batch * heads, queries, head_dim, device=device, dtype=dtype)
+        k = torch.randn(batch * heads, head_dim, keys, device=device, dtype=dtype)
+        start = time.perf_counter()
+        torch.bmm(q, k)
+        torch.bmm(q, k)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * layers * passes
+
+    seq = prompt_len + new
+    prefill = trunk(work["prompts"] * prompt_len) + attention(work["prompts"], prompt_len, prompt_len)
+    decode = (trunk(rows) + gemm(rows, hidden, vocab)) * new + attention(rows, 1, seq) * new
+    train = trunk(rows * seq, passes=3) + gemm(rows * new, hidden, vocab, 3) + attention(rows, seq, seq, passes=3)
+    reference = trunk(rows * seq) + gemm(rows * new, hidden, vocab) + attention(rows, seq, seq)
+    return prefill + decode + train + (reference if work["beta"] else 0.0)
+
+
+def child(args):
+    work = workload(args)
+    runner = run_ours if args.child == "ours" else run_trl
+    with tempfile.TemporaryDirectory() as out:
+        result = runner(args.model_dir, work, args.steps, args.device, out)
+    print("RESULT " + json.dumps(result))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="small", help="small, qwen2.5-0.5b or tiny (grpo/tiny_model.py)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating ours / trl")
+    parser.add_argument("--prompts", type=int)
+    parser.add_argument("--group-size", type=int)
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--micro-batch", type=int)
+    parser.add_argument("--sides", default="ours,trl", help="which trainers to run (ours,trl)")
+    parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
+
+    from grpo.tiny_model import save_tiny_model
+
+    work = workload(args)
+    sides = args.sides.split(",")
+    results = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as model_dir:
+        save_tiny_model(model_dir, args.shape, seed=0)
+        forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                     if k in ("prompts", "group_size", "new_tokens", "micro_batch") and v is not None]
+        for _ in range(args.repeats):
+            for side in sides:
+                command = [sys.executable, __file__, "--child", side, "--model-dir", model_dir, "--shape", args.shape,
+                           "--device", args.device, "--steps", str(args.steps), *forwarded]
+                run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+                lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+                if run.returncode or not lines:
+                    raise RuntimeError(f"{side} run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+                results[side].append(json.loads(lines[-1][len("RESULT "):]))
+        from transformers import AutoTokenizer
+
+        from data import add_prompts, make_synthetic_gsm8k
+        from grpo.rollout import encode_prompt
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompt_len = max(len(encode_prompt(tokenizer, row["prompt"])) for row in add_prompts(make_synthetic_gsm8k(64, seed=0)))
+    floor = floor_seconds(args.shape, work, prompt_len, args.device)
+
+    summary = {}
+    for side, runs in results.items():
+        step_times = [t for run in runs for t in run["step_times"][1:]]  # first step of each run: warm-up
+        tokens = [n for run in runs for n in run["tokens"][1:]]
+        step = statistics.median(step_times)
+        summary[side] = {"step_s": step, "tokens_per_s": statistics.median(tokens) / step,
+                         "peak_mib": statistics.median(run["peak_mib"] for run in runs),
+                         "mean_tokens": statistics.mean(tokens)}
+    print(f"shape={args.shape} device={args.device} precision={work['precision']} prompts={work['prompts']} "
+          f"G={work['group']} new_tokens={work['new_tokens']} micro_batch={work['micro_batch']} beta={work['beta']} "
+          f"steps/run={args.steps} (first untimed) runs/side={args.repeats}, medians")
+    print(f"{'':10s} {'s/step':>9s} {'tokens/s':>10s} {'peak MiB':>10s} {'tokens/step':>12s}")
+    for side, s in summary.items():
+        print(f"{side:10s} {s['step_s']:9.3f} {s['tokens_per_s']:10.1f} {s['peak_mib']:10.0f} {s['mean_tokens']:12.0f}")
+    if "ours" in summary and "trl" in summary:
+        o, t = summary["ours"], summary["trl"]
+        print(f"{'ours/trl':10s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
+              f"{o['peak_mib'] / t['peak_mib']:10.3f}")
+    print(f"{'floor':10s} {floor:9.3f}   (matmuls of one step at these shapes, measured here)")
+    if "ours" in summary:
+        print(f"{'ours/floor':10s} {summary['ours']['step_s'] / floor:9.3f}")
+    return {"summary": summary, "floor_s": floor}
+
+
+if __name__ == "__main__":
+    main()
