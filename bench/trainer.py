@@ -183,7 +183,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="small", help="small, qwen2.5-0.5b or tiny (grpo/tiny_model.py)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is warm-up)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
+    parser.add_argument("--untimed", type=int, default=1, help="leading steps of each run not timed (warm-up)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating ours / trl")
     parser.add_argument("--prompts", type=int)
     parser.add_argument("--group-size", type=int)
@@ -225,15 +226,15 @@ def main(argv=None):
 
     summary = {}
     for side, runs in results.items():
-        step_times = [t for run in runs for t in run["step_times"][1:]]  # first step of each run: warm-up
-        tokens = [n for run in runs for n in run["tokens"][1:]]
+        step_times = [t for run in runs for t in run["step_times"][args.untimed:]]  # warm-up steps dropped
+        tokens = [n for run in runs for n in run["tokens"][args.untimed:]]
         step = statistics.median(step_times)
         summary[side] = {"step_s": step, "tokens_per_s": statistics.median(tokens) / step,
                          "peak_mib": statistics.median(run["peak_mib"] for run in runs),
                          "mean_tokens": statistics.mean(tokens)}
     print(f"shape={args.shape} device={args.device} precision={work['precision']} prompts={work['prompts']} "
           f"G={work['group']} new_tokens={work['new_tokens']} micro_batch={work['micro_batch']} beta={work['beta']} "
-          f"steps/run={args.steps} (first untimed) runs/side={args.repeats}, medians")
+          f"steps/run={args.steps} ({args.untimed} untimed) runs/side={args.repeats}, medians")
     print(f"{'':10s} {'s/step':>9s} {'tokens/s':>10s} {'peak MiB':>10s} {'tokens/step':>12s}")
     for side, s in summary.items():
         print(f"{side:10s} {s['step_s']:9.3f} {s['tokens_per_s']:10.1f} {s['peak_mib']:10.0f} {s['mean_tokens']:12.0f}")

@@ -136,27 +136,52 @@ def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[tor
 
 
 class _StaticDecoder:
-    """Decode steps into a preallocated StaticCache, optionally captured with torch.compile (CUDA graphs)."""
+    """Decode steps into a preallocated StaticCache, optionally captured with torch.compile (CUDA graphs).
 
-    def __init__(self, model, cache: DynamicCache, attention_mask: torch.Tensor, max_new_tokens: int, compile_decode: bool):
+    Every shape it sees is fixed (N rows, a cache of `cache_len` positions), so one compilation serves
+    the whole run: the trainer passes cache_len = max_prompt_length + max_completion_length.
+    """
+
+    _current: "_StaticDecoder | None" = None  # one kept alive (its cache and compiled graph) across calls
+
+    @classmethod
+    def get(cls, model, num_rows: int, cache_len: int, compile_decode: bool) -> "_StaticDecoder":
+        key = (id(model), num_rows, cache_len, compile_decode)
+        if cls._current is None or cls._current.key != key:
+            cls._current = cls(model, cache_len, compile_decode, key)
+        return cls._current
+
+    def __init__(self, model, cache_len: int, compile_decode: bool, key):
+        self.model, self.cache_len, self.key, self.cache_kwarg = model, cache_len, key, _cache_kwarg(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        device_type = next(model.parameters()).device.type
+        mode = "reduce-overhead" if device_type == "cuda" else "default"
+        self.step_fn = torch.compile(self._step, mode=mode, dynamic=False) if compile_decode else self._step
+
+    def start(self, prefilled: DynamicCache, attention_mask: torch.Tensor) -> None:
+        """Copy the expanded prefill cache (N rows, P positions) into the static cache."""
         num_rows, prompt_len = attention_mask.shape
-        self.model, self.prompt_len, self.cache_kwarg = model, prompt_len, _cache_kwarg(model)
-        self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_new_tokens)
-        for layer, (keys, values) in zip(self.cache.layers, ((l.keys, l.values) for l in cache.layers)):
-            layer.update(keys, values)  # allocates (N, heads, P + T, d) and writes the prefilled P positions
+        if prompt_len >= self.cache_len:
+            raise ValueError(f"prompt length {prompt_len} does not fit the static cache of {self.cache_len} positions")
+        for layer, source in zip(self.cache.layers, prefilled.layers):
+            if layer.is_initialized:
+                layer.cumulative_length.zero_()  # positions past the new prompt are stale: the causal mask hides them
+            layer.update(source.keys, source.values)  # writes positions [0, P)
+        self.prompt_len = prompt_len
         # Static shapes: the mask covers the whole cache; the causal mask hides positions not yet written.
-        self.attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, max_new_tokens)], dim=1)
-        self.step_fn = torch.compile(self._step, mode="reduce-overhead", fullgraph=False) if compile_decode else self._step
+        self.attention_mask = torch.cat(
+            [attention_mask, attention_mask.new_ones(num_rows, self.cache_len - prompt_len)], dim=1
+        )
 
-    def _step(self, tokens, position_ids, cache_position):
+    def _step(self, tokens, position_ids, cache_position, attention_mask):
         return self.model(
-            input_ids=tokens, attention_mask=self.attention_mask, position_ids=position_ids,
+            input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
             cache_position=cache_position, use_cache=True, **{self.cache_kwarg: self.cache},
         ).logits[:, -1]
 
     def __call__(self, tokens, position_ids, step: int):
         cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)
-        return self.step_fn(tokens, position_ids, cache_position).float()
+        return self.step_fn(tokens, position_ids, cache_position, self.attention_mask).float()
 
 
 @torch.no_grad()
@@ -170,10 +195,13 @@ def sample_groups(
     return_logprobs: bool = False,
     static_cache: bool = False,
     compile_decode: bool = False,
+    max_prompt_length: int | None = None,
     step_callback=None,
 ) -> GroupSample:
     """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
 
+    `max_prompt_length` fixes the static cache's length (prompt budget + completion budget), so a
+    compiled decode step is captured once per run instead of once per prompt length.
     `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
     (tests use it to check that sharing the prefill changes no logit).
     """
@@ -196,7 +224,11 @@ def sample_groups(
     logits = logits.repeat_interleave(group_size, dim=0)  # (N, V)
     attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
     positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
-    decoder = _StaticDecoder(model, cache, attention_mask, max_new, compile_decode) if (static_cache or compile_decode) else None
+    decoder = None
+    if static_cache or compile_decode:  # fixed shapes: the prompt budget (if given) + the completion budget
+        cache_len = max(max_prompt_length or 0, prompt_ids.shape[1]) + max_new
+        decoder = _StaticDecoder.get(model, num_rows, cache_len, compile_decode)
+        decoder.start(cache, attention_mask)
 
     eos = torch.tensor(sorted(set(params.eos_token_ids)), device=device)
     completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)

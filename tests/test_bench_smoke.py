@@ -1,5 +1,7 @@
 """The benchmarks are not unit tests: these only check that they run end to end with tiny settings."""
 
+import pytest
+
 from bench import sampler
 
 
@@ -7,3 +9,14 @@ def test_sampler_benchmark_runs(capsys):
     times = sampler.main(["--shape", "tiny", "--prompts", "2", "--group-size", "2", "--new-tokens", "4", "--repeats", "1"])
     assert set(times) == {"model.generate", "ours (dynamic cache)"}
     assert "tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_trainer_benchmark_runs(capsys):
+    pytest.importorskip("trl")
+    from bench import trainer
+
+    result = trainer.main(["--shape", "tiny", "--steps", "2", "--repeats", "1", "--prompts", "2", "--group-size", "2",
+                           "--new-tokens", "8", "--micro-batch", "4"])
+    assert set(result["summary"]) == {"ours", "trl"} and result["floor_s"] > 0
+    assert "ours/trl" in capsys.readouterr().out

@@ -1,0 +1,44 @@
+"""Checks that need a CUDA GPU (skipped elsewhere). Run on a GPU machine with bench/gpu_check.sh."""
+
+import pytest
+import torch
+
+from grpo.sampler import SamplingParams, sample_groups
+from grpo.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _prompts(tokenizer):
+    questions = ["What is 2 + 3?", "Ava has 4 apples and buys 9 more. How many now?", "Hi"]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
+            for q in questions]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decode_gives_the_eager_greedy_tokens(dtype):
+    model, tokenizer = build_tiny_model("tiny", seed=3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model = model.to("cuda", dtype)
+    params = SamplingParams(max_completion_length=24, temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,))
+    eager = sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id)
+    static = sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, static_cache=True)
+    compiled = sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, compile_decode=True)
+    assert torch.equal(static.completion_ids, eager.completion_ids)
+    assert torch.equal(compiled.completion_ids, eager.completion_ids)
+
+
+def test_bf16_training_step_on_cuda(tmp_path):
+    from grpo.config import GRPOConfig
+    from grpo.trainer import Trainer
+
+    config = GRPOConfig(model="tiny", dataset="synthetic:32", output_dir=str(tmp_path / "run"), max_steps=2,
+                        prompts_per_step=2, num_generations=4, micro_batch_size=4, max_completion_length=16,
+                        reward=["tags"], device="cuda", precision="auto", save_steps=0)
+    trainer = Trainer(config)
+    assert trainer.precision == "bf16" and next(trainer.policy.parameters()).dtype == torch.float32
+    assert trainer.train()["status"] == "finished"
