@@ -11,3 +11,10 @@
 Notation used throughout: B prompts per step, G completions per prompt (the group), N = B * G rows,
 P prompt tokens, T completion tokens, V vocabulary, H hidden size.
 """
+
+import os
+
+# PyTorch's CPU allocator backs tensors of 2 MiB and more with transparent huge pages when this is set
+# (read once, at the first such allocation). The trainer allocates vocabulary-sized gradients every
+# micro-batch; with 4 KiB pages their page faults cost more than the arithmetic (see bench/trainer.py).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

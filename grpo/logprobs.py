@@ -68,7 +68,7 @@ def _exp_sum_and_dot(shifted: torch.Tensor, block: int = 16) -> tuple[torch.Tens
         part = shifted[start : start + block]  # (block, V)
         exps = torch.exp(part, out=_buffer("exps", part.shape[0], part.shape[1], part.dtype, part.device))
         total[start : start + block] = exps.sum(-1)
-        weighted[start : start + block] = torch.bmm(exps[:, None, :], part[:, :, None]).view(-1)
+        weighted[start : start + block] = exps.mul_(part).sum(-1)
     return total, weighted
 
 
