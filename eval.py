@@ -10,7 +10,6 @@ Writes <output-dir>/<model name>.samples.jsonl (one record per problem) and <mod
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import re
@@ -19,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.prompts import SYSTEM_PROMPT
-from grpo.config import _f, config_from_args
+from grpo.config import ConfigMixin, _f, config_from_args
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(ConfigMixin):
     """Every setting of an evaluation run (the flags are generated from these fields)."""
 
     model: str = _f("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder or checkpoint, or `tiny`")
@@ -46,16 +45,8 @@ class EvalConfig:
                     for name in ("max_prompt_length", "max_completion_length", "batch_size") if getattr(self, name) < 1]
         if self.limit < 0:
             problems.append(f"limit must be >= 0, got {self.limit}")
-        if problems:
-            raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        self.raise_problems(problems)
         return self
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict, where: str = "config") -> "EvalConfig":
-        return cls(**values)
 
 
 def evaluate_model(config: EvalConfig, name: str, rows: list[dict]) -> dict:

@@ -31,8 +31,29 @@ def _f(default, help: str, **kwargs):
     return field(default=default, metadata={"help": help, **kwargs})
 
 
+class ConfigMixin:
+    """What the config dataclasses of train.py and eval.py share: a dict round-trip that names unknown
+    keys, and one way to report every invalid setting at once."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "config"):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are the flag names with underscores")
+        return cls(**values)
+
+    @staticmethod
+    def raise_problems(problems: list[str]) -> None:
+        if problems:
+            raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
 @dataclass
-class GRPOConfig:
+class GRPOConfig(ConfigMixin):
     """Every knob of a run. Names follow trl's GRPOConfig where the concept is the same."""
 
     # --- model and data ---
@@ -163,20 +184,8 @@ class GRPOConfig:
             parse_reward_specs(self.reward)
         except (ValueError, TypeError) as error:
             problems.append(str(error))
-        if problems:
-            raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        self.raise_problems(problems)
         return self
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict, where: str = "config") -> "GRPOConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are the flag names with underscores")
-        return cls(**values)
 
 
 # Presets: named sets of overrides, applied before --config and the flags.

@@ -40,7 +40,7 @@ from grpo.metrics import MetricsLogger
 from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
 from grpo.rollout import Rollout, encode_prompts
 from grpo.sampler import SamplingParams, sample_groups
-from rewards import completion_text, parse_reward_specs, score_completions
+from rewards import parse_reward_specs, score_completions
 
 logger = logging.getLogger("grpo")
 
@@ -59,12 +59,12 @@ def _seeded(*numbers: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _trim(tensor_prompt, tensor_prompt_mask, completion, completion_mask):
+def _trim(prompt_ids, prompt_mask, completion_ids, completion_mask):
     """Drop the columns that are padding in every row of a micro-batch (left of prompts, right of completions)."""
-    prompt_len = int(tensor_prompt_mask.sum(-1).max())
+    prompt_len = int(prompt_mask.sum(-1).max())
     completion_len = max(1, int(completion_mask.sum(-1).max()))
-    return (tensor_prompt[:, -prompt_len:], tensor_prompt_mask[:, -prompt_len:],
-            completion[:, :completion_len], completion_mask[:, :completion_len])
+    return (prompt_ids[:, -prompt_len:], prompt_mask[:, -prompt_len:],
+            completion_ids[:, :completion_len], completion_mask[:, :completion_len])
 
 
 class Trainer:
@@ -461,4 +461,4 @@ class Trainer:
                 for row in range(group)]
 
 
-__all__ = ["Trainer", "TrainingError", "Rollout", "completion_text"]
+__all__ = ["Trainer", "TrainingError", "Rollout"]
