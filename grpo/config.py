@@ -193,7 +193,7 @@ PRESETS: dict[str, dict] = {
     # The whole loop on CPU in about a minute: a tiny random-init model learns to write the format tags
     # (single tokens of the tiny tokenizer) that the dense `tags` reward pays for; reward rises visibly.
     "smoke": dict(
-        model="tiny", dataset="synthetic:256", output_dir="runs/smoke", max_steps=30, prompts_per_step=4,
+        model="tiny", dataset="synthetic:256", output_dir="runs/smoke", overwrite=True, max_steps=30, prompts_per_step=4,
         num_generations=8, micro_batch_size=16, max_prompt_length=128, max_completion_length=24,
         learning_rate=3e-3, warmup_ratio=0.0, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.04,
         weight_decay=0.0, reward=["tags"], save_steps=15, eval_steps=30, eval_limit=16, eval_batch_size=16,
