@@ -144,6 +144,20 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+
+
+def check_plain_output_head(config) -> None:
+    """Our log-probs assume logits = W h. Refuse models whose config scales or soft-caps the logits."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1:
+            raise NotImplementedError(
+                f"the model's config sets {name}={value}: its logits are not W h, which grpo.logprobs assumes"
+            )
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: 0 at each row's first real token (as `generate` does)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, L)
@@ -181,6 +195,7 @@ def completion_logprobs(
     hidden = hidden[:, total_len - completion_len - 1 : total_len - 1]  # (N, T, H)
     keep = completion_mask.bool()  # (N, T)
     targets = input_ids[:, total_len - completion_len :][keep]  # (M,)
+    check_plain_output_head(model.config)
     lm_head = model.get_output_embeddings()
     chunk_size = chunk_size or max(16, (1 << 25) // lm_head.weight.shape[0])
     if getattr(lm_head, "bias", None) is not None:

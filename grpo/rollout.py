@@ -77,8 +77,13 @@ class Rollout:
         return cls(prompts, prompt_mask, completions, completion_mask, truncated, rewards)
 
 
-def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat prompt with the assistant header appended (`add_generation_prompt`)."""
+def encode_prompt(tokenizer, messages: list[dict] | str) -> list[int]:
+    """Token ids of a chat prompt with the assistant header appended (`add_generation_prompt`).
+
+    A plain-string prompt (trl's "standard" format) is tokenized as it is, without a chat template.
+    """
+    if isinstance(messages, str):
+        return list(tokenizer(messages, add_special_tokens=False)["input_ids"])
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older transformers return a BatchEncoding
         ids = ids["input_ids"]

@@ -231,8 +231,9 @@ class Trainer:
         self.policy.train()
         texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                  for ids, mask in zip(sample.completion_ids.cpu(), sample.completion_mask.cpu())]
-        completions = [[{"role": "assistant", "content": text}] for text in texts]  # trl's conversational shape
         prompts = [row["prompt"] for row in rows for _ in range(group)]
+        # As trl: chat prompts get chat-message completions, plain-string prompts plain-string ones.
+        completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
         columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in rows[0] if key != "prompt"}
         # As trl: reward functions may also read the completion token ids.
         columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(sample.completion_ids.cpu(), sample.completion_mask.cpu())]

@@ -8,6 +8,7 @@ raises stops the step with the function's name and the row index, before an opti
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -67,7 +68,11 @@ def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[Rew
 
 
 def _check_values(name: str, values, num_rows: int) -> list[float]:
-    if not isinstance(values, (list, tuple)):
+    """Rewards as floats (NaN for None). Accepts what trl accepts: any sequence of numbers, bools, numpy
+    or 0-d torch scalars; anything else, a wrong count, or NaN/inf is an error naming the function and row."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
         raise RewardError(f"reward {name!r} returned {type(values).__name__}, expected a list of {num_rows} floats")
     if len(values) != num_rows:
         raise RewardError(f"reward {name!r} returned {len(values)} values for {num_rows} completions")
@@ -76,11 +81,14 @@ def _check_values(name: str, values, num_rows: int) -> list[float]:
         if value is None:
             checked.append(math.nan)  # trl's convention: None = cannot score this row
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):  # bool, int, float and numpy scalars are Real
             raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for row {row}")
+        value = float(value)
         if not math.isfinite(value):
             raise RewardError(f"reward {name!r} returned a non-finite value {value} for row {row}")
-        checked.append(float(value))
+        checked.append(value)
     return checked
 
 

@@ -71,3 +71,32 @@ def test_zero_temperature_is_rejected(tiny_model_and_tokenizer):
     ids = torch.ones(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         completion_logprobs(model, ids, torch.ones_like(ids), torch.ones(1, 2), temperature=0.0)
+
+
+def test_models_with_transformed_logits_are_refused(tiny_model_and_tokenizer):
+    from grpo.logprobs import check_plain_output_head
+
+    model, _ = tiny_model_and_tokenizer
+    check_plain_output_head(model.config)  # Qwen2: plain W h
+    config = type(model.config)(**{**model.config.to_dict(), "final_logit_softcapping": 30.0})
+    with pytest.raises(NotImplementedError, match="final_logit_softcapping=30.0"):
+        check_plain_output_head(config)
+
+
+def test_untied_output_head_matches_naive(tokenizer):
+    from grpo.tiny_model import build_tiny_model
+
+    model, _ = build_tiny_model("tiny", seed=2, tokenizer=tokenizer)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.05)
+    model.train()
+    generator = torch.Generator().manual_seed(4)
+    input_ids, attention_mask, completion_mask = _batch(model.config.vocab_size, generator)
+    fast, _ = completion_logprobs(model, input_ids, attention_mask, completion_mask, 1.3)
+    fast.sum().backward()
+    fast_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    naive = naive_completion_logprobs(model, input_ids, attention_mask, completion_mask, 1.3)
+    naive.sum().backward()
+    torch.testing.assert_close(fast, naive, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_grad, model.lm_head.weight.grad, rtol=1e-5, atol=1e-6)

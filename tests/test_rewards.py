@@ -157,6 +157,8 @@ def test_reward_that_raises_names_function_and_row():
         ([float("inf"), 1.0], "returned a non-finite value inf for row 0"),
         (["1", 1.0], "returned '1' \\(str\\) for row 0"),
         (1.0, "returned float, expected a list"),
+        ("ab", "returned str, expected a list"),
+        ([[1.0], 2.0], "returned \\[1.0\\] \\(list\\) for row 0"),
     ],
 )
 def test_bad_reward_outputs_are_named(returned, message):
@@ -176,3 +178,17 @@ def test_columns_reach_the_reward_functions():
 
     score_completions(parse_reward_specs([spy]), [None] * 2, ["a", "b"], {"answer": ["1", "2"], "level": [1, 2]})
     assert seen == {"answer": ["1", "2"], "level": [1, 2]}
+
+
+def test_rewards_in_the_shapes_trl_accepts():
+    import numpy as np
+    import torch
+
+    shapes = [(0.5, True), np.array([0.5, 1.0], dtype=np.float32), torch.tensor([0.5, 1.0]),
+              [np.float32(0.5), torch.tensor(1.0)], [np.int64(0), 1]]
+    for returned in shapes:
+        def fn(prompts, completions, **kw):
+            return returned
+
+        rewards = score_completions(parse_reward_specs([fn]), [None] * 2, ["a", "b"], {})
+        assert rewards.shape == (2, 1) and torch.isfinite(rewards).all(), returned

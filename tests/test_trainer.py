@@ -162,3 +162,18 @@ def test_smoke_preset_end_to_end(tmp_path, capsys):
     assert set(summary) >= {"strict_accuracy", "lenient_accuracy", "format_compliance", "mean_length"}
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-000030")
     assert model.config.vocab_size > 0
+
+
+def test_plain_string_prompts_get_string_completions(tmp_path):
+    # trl's "standard" (non-chat) format: the prompt is text, tokenized without a template.
+    seen = {}
+
+    def spy(prompts, completions, answer, **kwargs):
+        seen["prompt"], seen["completion"] = prompts[0], completions[0]
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": f"Question {i}: 2 + {i} =", "question": f"2 + {i}", "answer": f"#### {2 + i}"} for i in range(4)]
+    trainer = Trainer(make_config(tmp_path, max_steps=1), reward_functions=[spy], train_rows=rows)
+    assert trainer.train_prompt_ids[0] == trainer.tokenizer("Question 0: 2 + 0 =", add_special_tokens=False)["input_ids"]
+    trainer.train()
+    assert isinstance(seen["prompt"], str) and isinstance(seen["completion"], str)
