@@ -177,3 +177,21 @@ def test_plain_string_prompts_get_string_completions(tmp_path):
     assert trainer.train_prompt_ids[0] == trainer.tokenizer("Question 0: 2 + 0 =", add_special_tokens=False)["input_ids"]
     trainer.train()
     assert isinstance(seen["prompt"], str) and isinstance(seen["completion"], str)
+
+
+def test_gradient_checkpointing_gives_the_same_update(tmp_path):
+    params = []
+    for checkpointing in (False, True):
+        trainer = Trainer(make_config(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing, beta=0.04))
+        trainer.train_on_rollout(fixed_rollout(trainer))
+        params.append(params_of(trainer.policy))
+    for name in params[0]:
+        torch.testing.assert_close(params[1][name], params[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_pure_bf16_weights_train(tmp_path):
+    trainer = Trainer(make_config(tmp_path, precision="bf16-pure", beta=0.04, max_steps=2))
+    assert next(trainer.policy.parameters()).dtype == torch.bfloat16
+    before = params_of(trainer.policy)
+    assert trainer.train()["status"] == "finished"
+    assert any(not torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
