@@ -195,3 +195,9 @@ def test_pure_bf16_weights_train(tmp_path):
     before = params_of(trainer.policy)
     assert trainer.train()["status"] == "finished"
     assert any(not torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
+
+
+def test_tensorboard_backend_when_installed(tmp_path):
+    pytest.importorskip("tensorboard", reason="optional: pip install -e '.[tensorboard]'")
+    Trainer(make_config(tmp_path, max_steps=1, report_to="tensorboard")).train()
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
