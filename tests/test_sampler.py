@@ -146,3 +146,18 @@ def test_greedy_is_argmax_and_params_are_validated():
     for bad in (dict(top_p=0.0), dict(top_k=-1), dict(min_p=1.0), dict(temperature=-1.0), dict(max_completion_length=0)):
         with pytest.raises(ValueError):
             SamplingParams(eos_token_ids=(1,), **bad)
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager_and_compiles_once(peaked, prompts, tokenizer):
+    # On CPU torch.compile uses inductor (no CUDA graphs); the logic is the one CUDA runs: a StaticCache
+    # of fixed length (prompt budget + completion budget) and one captured step reused across calls.
+    torch._dynamo.reset()
+    params = SamplingParams(max_completion_length=8, temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,))
+    pad = tokenizer.pad_token_id
+    for batch in (prompts, prompts[::-1][:2]):  # the second call has other prompt lengths and fewer rows
+        eager = sample_groups(peaked, batch, 2, params, pad)
+        compiled = sample_groups(peaked, batch, 2, params, pad, compile_decode=True, max_prompt_length=128)
+        assert torch.equal(compiled.completion_ids, eager.completion_ids)
+    again = sample_groups(peaked, prompts[1:], 2, params, pad, compile_decode=True, max_prompt_length=128)
+    assert torch.equal(again.completion_ids, sample_groups(peaked, prompts[1:], 2, params, pad).completion_ids)
