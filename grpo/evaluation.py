@@ -53,7 +53,7 @@ def evaluate(
     for start in range(0, len(rows), batch_size):
         with autocast or contextlib.nullcontext():
             sample = sample_groups(model, prompt_ids[start : start + batch_size], 1, params, tokenizer.pad_token_id)
-        for offset, (ids, mask) in enumerate(zip(sample.completion_ids, sample.completion_mask)):
+        for offset, (ids, mask) in enumerate(zip(sample.completion_ids, sample.completion_mask, strict=True)):
             row = rows[start + offset]
             text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
             records.append({

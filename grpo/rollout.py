@@ -61,7 +61,7 @@ class Rollout:
         completions = torch.full((num_rows, completion_len), pad_token_id, dtype=torch.long)
         completion_mask = torch.zeros(num_rows, completion_len, dtype=torch.long)
         truncated = torch.ones(num_rows, dtype=torch.bool)
-        for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+        for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
             prompts[row, prompt_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             prompt_mask[row, prompt_len - len(prompt) :] = 1
             length = len(completion)

@@ -163,7 +163,7 @@ class _StaticDecoder:
         num_rows, prompt_len = attention_mask.shape
         if prompt_len >= self.cache_len:
             raise ValueError(f"prompt length {prompt_len} does not fit the static cache of {self.cache_len} positions")
-        for layer, source in zip(self.cache.layers, prefilled.layers):
+        for layer, source in zip(self.cache.layers, prefilled.layers, strict=True):
             if layer.is_initialized:
                 layer.cumulative_length.zero_()  # positions past the new prompt are stale: the causal mask hides them
             layer.update(source.keys, source.values)  # writes positions [0, P)

@@ -31,7 +31,7 @@ from transformers import get_scheduler
 
 from data import add_prompts, load_gsm8k
 from grpo.advantages import group_advantages, reward_function_stats, weighted_rewards
-from grpo.checkpoint import latest_checkpoint, list_checkpoints, load_trainer_state, save_checkpoint
+from grpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from grpo.config import GRPOConfig
 from grpo.evaluation import evaluate
 from grpo.logprobs import completion_logprobs
@@ -229,14 +229,14 @@ class Trainer:
                                    static_cache=cfg.static_cache, compile_decode=cfg.compile_decode,
                                    max_prompt_length=cfg.max_prompt_length)
         self.policy.train()
-        texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                 for ids, mask in zip(sample.completion_ids.cpu(), sample.completion_mask.cpu())]
+        completion_ids = [ids[mask].tolist() for ids, mask in
+                          zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         prompts = [row["prompt"] for row in rows for _ in range(group)]
         # As trl: chat prompts get chat-message completions, plain-string prompts plain-string ones.
         completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
         columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in rows[0] if key != "prompt"}
-        # As trl: reward functions may also read the completion token ids.
-        columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(sample.completion_ids.cpu(), sample.completion_mask.cpu())]
+        columns["completion_ids"] = completion_ids  # as trl: reward functions may read the token ids too
         rewards_per_func = score_completions(self.rewards, prompts, completions, columns)  # (N, K)
         rollout = Rollout(
             prompt_ids=sample.prompt_ids.repeat_interleave(group, 0),
@@ -458,7 +458,7 @@ class Trainer:
         question = prompts[0][-1]["content"] if isinstance(prompts[0], list) else str(prompts[0])
         names = [spec.name for spec in self.rewards]
         return [{"prompt": question, "completion": texts[row],
-                 "rewards": {name: (None if math.isnan(v) else v) for name, v in zip(names, rollout.rewards_per_func[row].tolist())}}
+                 "rewards": {name: (None if math.isnan(v) else v) for name, v in zip(names, rollout.rewards_per_func[row].tolist(), strict=True)}}
                 for row in range(group)]
 
 

@@ -20,7 +20,7 @@ from grpo.metrics import read_jsonl
 from grpo.models import ModelError, load_model, load_tokenizer
 from grpo.trainer import Trainer, TrainingError
 from rewards import RewardError
-from tests.test_trainer import BASE, fixed_rollout, make_config
+from tests.test_trainer import fixed_rollout, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -187,7 +187,7 @@ def test_rewards_in_the_shapes_trl_accepts():
     shapes = [(0.5, True), np.array([0.5, 1.0], dtype=np.float32), torch.tensor([0.5, 1.0]),
               [np.float32(0.5), torch.tensor(1.0)], [np.int64(0), 1]]
     for returned in shapes:
-        def fn(prompts, completions, **kw):
+        def fn(prompts, completions, returned=returned, **kw):
             return returned
 
         rewards = score_completions(parse_reward_specs([fn]), [None] * 2, ["a", "b"], {})
