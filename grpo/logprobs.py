@@ -184,6 +184,11 @@ def completion_logprobs(
     num_rows, total_len = input_ids.shape
     completion_len = completion_mask.shape[1]
     assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
+    check_plain_output_head(model.config)  # checked before the trunk runs, not after
+    lm_head = model.get_output_embeddings()
+    if getattr(lm_head, "bias", None) is not None:
+        raise NotImplementedError("output projections with a bias are not supported")
+    chunk_size = chunk_size or max(16, (1 << 25) // lm_head.weight.shape[0])
     trunk = getattr(model, model.base_model_prefix)
     hidden = trunk(
         input_ids=input_ids,
@@ -195,11 +200,6 @@ def completion_logprobs(
     hidden = hidden[:, total_len - completion_len - 1 : total_len - 1]  # (N, T, H)
     keep = completion_mask.bool()  # (N, T)
     targets = input_ids[:, total_len - completion_len :][keep]  # (M,)
-    check_plain_output_head(model.config)
-    lm_head = model.get_output_embeddings()
-    chunk_size = chunk_size or max(16, (1 << 25) // lm_head.weight.shape[0])
-    if getattr(lm_head, "bias", None) is not None:
-        raise NotImplementedError("output projections with a bias are not supported")
     token_logps, token_entropy = _ChunkedTokenLogProbs.apply(
         hidden[keep], lm_head.weight, targets, float(temperature), chunk_size, with_entropy
     )  # (M,), (M,)

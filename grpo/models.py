@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.tiny_model import build_tiny_model
+from grpo.tiny_model import build_tiny_model, build_tokenizer
 
 logger = logging.getLogger("grpo")
 
@@ -48,7 +48,7 @@ def _check_local_folder(path: Path) -> None:
 def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_file: str | None = None):
     """The tokenizer, with a chat template and a pad token, or a ModelError that says what is missing."""
     if name == "tiny" or name.startswith("tiny:"):
-        return build_tiny_model("tiny")[1]
+        return build_tokenizer()  # the tiny models' tokenizer, without building a model for it
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     if chat_template_file:
         tokenizer.chat_template = Path(chat_template_file).read_text()

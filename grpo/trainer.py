@@ -34,7 +34,7 @@ from grpo.advantages import group_advantages, reward_function_stats, weighted_re
 from grpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from grpo.config import GRPOConfig
 from grpo.evaluation import evaluate
-from grpo.logprobs import completion_logprobs
+from grpo.logprobs import check_plain_output_head, completion_logprobs
 from grpo.loss import aggregate_loss, per_token_loss
 from grpo.metrics import MetricsLogger
 from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
@@ -104,6 +104,7 @@ class Trainer:
         else:
             source = str(self.resume_from) if self.resume_from else cfg.model
             self.policy = load_model(source, self.device, weight_dtype, cfg.trust_remote_code, self.tokenizer)
+        check_plain_output_head(self.policy.config)  # before any sampling, not at the first update
         self.ref_model = None
         if cfg.beta != 0.0:  # beta = 0: no reference model at all
             if self.resume_from is not None and policy is None:
@@ -210,11 +211,13 @@ class Trainer:
     def batch_indices(self, step: int) -> list[int]:
         """Prompt indices of a step: a fresh seeded permutation per epoch, read B at a time (resumable from `step`)."""
         size, count = len(self.train_rows), self.config.prompts_per_step
+        permutations = {}  # epoch -> its permutation; a step spans at most a few epochs
         indices = []
         for position in range(step * count, (step + 1) * count):
             epoch, offset = divmod(position, size)
-            permutation = torch.randperm(size, generator=_seeded(self.config.seed, epoch))
-            indices.append(int(permutation[offset]))
+            if epoch not in permutations:
+                permutations[epoch] = torch.randperm(size, generator=_seeded(self.config.seed, epoch))
+            indices.append(int(permutations[epoch][offset]))
         return indices
 
     # ------------------------------------------------------------------ sample + reward
