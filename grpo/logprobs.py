@@ -60,16 +60,59 @@ def _shifted_logits(h: torch.Tensor, w: torch.Tensor, shift: torch.Tensor | None
     return shifted, shift
 
 
-def _exp_sum_and_dot(shifted: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: sum_j exp(s_j) and sum_j exp(s_j) s_j, a few rows at a time so exp(s) stays in cache."""
-    total = shifted.new_empty(shifted.shape[0])
-    weighted = shifted.new_empty(shifted.shape[0])
-    for start in range(0, shifted.shape[0], block):
-        part = shifted[start : start + block]  # (block, V)
-        exps = torch.exp(part, out=_buffer("exps", part.shape[0], part.shape[1], part.dtype, part.device))
-        total[start : start + block] = exps.sum(-1)
-        weighted[start : start + block] = exps.mul_(part).sum(-1)
-    return total, weighted
+def _project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(rows, V) logits h @ w.T in h's dtype (bf16 under autocast), written into a reused buffer."""
+    name = "logits" if h.dtype == torch.float32 else "logits_low"
+    return torch.matmul(h, w.T, out=_buffer(name, h.shape[0], w.shape[0], h.dtype, h.device))  # (rows, V)
+
+
+# Rows per block in `_softmax_pass`: 8 rows of 151,936 fp32 values (4.9 MB) stay in a CPU's last-level cache.
+_BLOCK_ROWS = 8
+
+
+def _softmax_pass(logits: torch.Tensor, with_entropy: bool, keep_exps: bool):
+    """Row statistics of (rows, V) logits z, a block of rows at a time so each block is read from memory once.
+
+    Returns (max, total, entropy or None), fp32 (rows,): total = sum_j exp(z_j - max), so
+    lse = max + log(total) and entropy = log(total) - sum_j exp(z_j - max) (z_j - max) / total.
+    keep_exps: overwrite `logits` with exp(z - max) (in its own dtype), for the products that follow.
+    The max, the subtraction, the exp and the sums run in fp32 whatever the logits' dtype.
+    """
+    rows = logits.shape[0]
+    block_rows = _BLOCK_ROWS if logits.device.type == "cpu" else rows  # accelerators: one pass, few kernels
+    row_max = logits.new_empty(rows, dtype=torch.float32)
+    total = logits.new_empty(rows, dtype=torch.float32)
+    entropy = logits.new_empty(rows, dtype=torch.float32) if with_entropy else None
+    in_place = logits.dtype == torch.float32 and not with_entropy
+    for start in range(0, rows, block_rows):
+        block = logits[start : start + block_rows]  # (b, V)
+        block_max = block.amax(-1, keepdim=True).float()  # (b, 1)
+        row_max[start : start + block_rows] = block_max.squeeze(-1)
+        if in_place:  # fp32 without entropy: exp(z - max) written over z
+            exps = block.sub_(block_max).exp_()
+        else:
+            shifted = _buffer("shifted", block.shape[0], block.shape[1], torch.float32, block.device)
+            shifted = torch.sub(block, block_max, out=shifted)  # (b, V) fp32
+            exps = torch.exp(shifted, out=_buffer("exps", *shifted.shape, torch.float32, block.device))
+            if with_entropy:  # sum_j exp(s_j) s_j, one dot product per row
+                dot = torch.linalg.vecdot(exps, shifted)  # (b,)
+            if keep_exps:
+                block.copy_(exps)
+        block_total = exps.sum(-1)  # (b,)
+        total[start : start + block_rows] = block_total
+        if with_entropy:
+            entropy[start : start + block_rows] = block_total.log() - dot / block_total
+    return row_max, total, entropy
+
+
+def _chunk_forward(hidden, w, targets, rows, temperature, dtype, with_entropy, keep_exps):
+    """One chunk: (c, H) scaled inputs, its (c, V) logits (exp(z - max) if keep_exps), log-probs, lse, entropy."""
+    h = hidden[rows].to(dtype) / temperature  # scale the (c, H) input, not the (c, V) logits
+    logits = _project(h, w)  # (c, V)
+    target_logits = logits.gather(-1, targets[rows, None]).squeeze(-1).float()  # (c,), before any overwrite
+    row_max, total, entropy = _softmax_pass(logits, with_entropy, keep_exps)
+    lse = row_max + total.log()  # (c,)
+    return h, logits, target_logits - lse, lse, total, entropy
 
 
 class _ChunkedTokenLogProbs(torch.autograd.Function):
@@ -88,23 +131,15 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         num_rows = hidden.shape[0]
         logps = hidden.new_empty(num_rows, dtype=torch.float32)  # (M,)
         lse = hidden.new_empty(num_rows, dtype=torch.float32)  # (M,)
-        entropy = hidden.new_zeros(num_rows, dtype=torch.float32) if with_entropy else None
+        entropy = hidden.new_empty(num_rows, dtype=torch.float32) if with_entropy else None
         w = weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, num_rows, chunk_size):
                 rows = slice(start, start + chunk_size)
-                h = hidden[rows].to(dtype) / temperature  # scale the (chunk, H) input, not the (chunk, V) logits
-                shifted, row_max = _shifted_logits(h, w, None)  # z - max(z), fp32 (chunk, V)
-                target_shifted = shifted.gather(-1, targets[rows, None]).squeeze(-1)  # (chunk,)
+                _, _, logps[rows], lse[rows], _, chunk_entropy = _chunk_forward(
+                    hidden, w, targets, rows, temperature, dtype, with_entropy, keep_exps=False)
                 if with_entropy:
-                    total, weighted = _exp_sum_and_dot(shifted)
-                    # H = log(total) - sum_j exp(z_j - max) (z_j - max) / total
-                    entropy[rows] = total.log() - weighted / total
-                else:
-                    total = shifted.exp_().sum(-1)
-                log_total = total.log()
-                lse[rows] = row_max + log_total
-                logps[rows] = target_shifted - log_total
+                    entropy[rows] = chunk_entropy
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         if entropy is not None:
@@ -144,6 +179,76 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+class _FusedTokenLoss(torch.autograd.Function):
+    """loss = sum_t f(logp_t, t) over (M,) tokens, with its gradients computed in the forward pass.
+
+    When the loss of each token depends on that token's log-prob alone (token-level ratios: every
+    GRPO/DAPO/Dr. GRPO variant), d loss / d logp_t = f'(logp_t) is known as soon as a chunk's
+    log-probs are, so the chunk's gradients can be formed while its exp(z - max) is still in memory:
+        g   = f'(logp)                       (c,)   autograd on the small per-token function
+        g p = (g / total) * exp(z - max)     (c, V) never formed: the scale goes on the (c, H) side
+        dh  = (g W[target] - (g / total) * (exp(z - max) @ W)) / temperature
+        dW  = (onehot(target) g - exp(z - max) (g / total))^T h / temperature
+    Three products per chunk (logits, dh, dW) instead of four (the recompute in backward), and one
+    exp pass instead of two. Backward only scales the stored (M, H) and (V, H) gradients by the
+    incoming scalar gradient. Liger-Kernel's fused linear losses use the same order of work.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool, loss_fn):
+        dtype = _compute_dtype(weight)
+        num_rows = hidden.shape[0]
+        logps = hidden.new_empty(num_rows, dtype=torch.float32)  # (M,)
+        entropy = hidden.new_empty(num_rows, dtype=torch.float32) if with_entropy else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, H)
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H), first chunk writes it
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        w = weight.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, num_rows, chunk_size):
+                rows = slice(start, start + chunk_size)
+                h, exps, chunk_logps, lse, total, _ = _chunk_forward(
+                    hidden, w, targets, rows, temperature, dtype, with_entropy=False, keep_exps=True)  # exps (c, V)
+                logps[rows] = chunk_logps
+                probe = chunk_logps.detach().requires_grad_()
+                with torch.enable_grad():
+                    chunk_loss = loss_fn(probe, rows)  # scalar
+                (g,) = torch.autograd.grad(chunk_loss, probe)  # (c,) d loss / d logp
+                loss += chunk_loss.detach()
+                minus_scale = (-g / total).to(dtype)[:, None]  # (c, 1): -g p = minus_scale * exps
+                if grad_hidden is not None or with_entropy:
+                    exps_w = exps @ w  # (c, H) = total * sum_j p_j W_j
+                if with_entropy:  # sum_j p_j z_j = (sum_j p_j W_j) . h: entropy without another pass over (c, V)
+                    entropy[rows] = lse - (exps_w.float() * h.float()).sum(-1) / total
+                if grad_hidden is not None:
+                    dh = exps_w * minus_scale + g.to(dtype)[:, None] * w[targets[rows]]  # (c, H)
+                    grad_hidden[rows] = (dh / temperature).to(hidden.dtype)
+                if dtype == torch.float32 and start == 0:
+                    torch.mm(exps.T, h * minus_scale, out=grad_weight)  # (V, H): no zero fill first
+                elif dtype == torch.float32:
+                    grad_weight.addmm_(exps.T, h * minus_scale)  # (V, H), accumulated in place
+                elif start == 0:
+                    grad_weight.copy_(exps.T @ (h * minus_scale))
+                else:
+                    grad_weight += (exps.T @ (h * minus_scale)).float()
+                grad_weight.index_add_(0, targets[rows], g[:, None] * h.float())
+        if num_rows == 0:
+            grad_weight.zero_()
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        ctx.mark_non_differentiable(logps)
+        return loss, logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_logps, grad_entropy):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # Scaled in place: these are this call's own tensors, and a fresh (V, H) copy costs page faults on CPU.
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        return grad_hidden, grad_weight.mul_(grad_loss.to(grad_weight.dtype)), None, None, None, None, None
+
+
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
 
 
@@ -163,25 +268,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, L)
 
 
-def completion_logprobs(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    completion_mask: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (N, T) of the last T tokens of `input_ids` (the completion), 0 where `completion_mask` is 0.
+def _completion_hidden(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
+    """Trunk once over the sequences; the (M, H) hidden states that predict real completion tokens.
 
-    input_ids, attention_mask: (N, P + T), prompts left-padded, completions right-padded.
-    completion_mask: (N, T), 1 for real completion tokens. Returns (logps, entropy or None), fp32.
-    chunk_size: rows of logits computed at once; default: as many as fit in 2^25 fp32 values
-    (128 MiB, 220 rows at Qwen's 151,936 vocabulary).
+    Returns (hidden (M, H), targets (M,), keep (N, T) bool, output weight (V, H), chunk_size).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    num_rows, total_len = input_ids.shape
+    total_len = input_ids.shape[1]
     completion_len = completion_mask.shape[1]
     assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
     check_plain_output_head(model.config)  # checked before the trunk runs, not after
@@ -200,14 +294,66 @@ def completion_logprobs(
     hidden = hidden[:, total_len - completion_len - 1 : total_len - 1]  # (N, T, H)
     keep = completion_mask.bool()  # (N, T)
     targets = input_ids[:, total_len - completion_len :][keep]  # (M,)
+    return hidden[keep], targets, keep, lm_head.weight, chunk_size
+
+
+def _scatter_rows(keep: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+    """(M,) values of the real tokens -> (N, T), 0 elsewhere."""
+    if values is None:
+        return None
+    return values.new_zeros(keep.shape).masked_scatter(keep, values)
+
+
+def completion_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (N, T) of the last T tokens of `input_ids` (the completion), 0 where `completion_mask` is 0.
+
+    input_ids, attention_mask: (N, P + T), prompts left-padded, completions right-padded.
+    completion_mask: (N, T), 1 for real completion tokens. Returns (logps, entropy or None), fp32.
+    chunk_size: rows of logits computed at once; default: as many as fit in 2^25 fp32 values
+    (128 MiB, 220 rows at Qwen's 151,936 vocabulary).
+    """
+    hidden, targets, keep, weight, chunk_size = _completion_hidden(
+        model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
     token_logps, token_entropy = _ChunkedTokenLogProbs.apply(
-        hidden[keep], lm_head.weight, targets, float(temperature), chunk_size, with_entropy
+        hidden, weight, targets, float(temperature), chunk_size, with_entropy
     )  # (M,), (M,)
-    logps = hidden.new_zeros(num_rows, completion_len, dtype=torch.float32).masked_scatter(keep, token_logps)  # (N, T)
-    entropy = None
-    if with_entropy:
-        entropy = hidden.new_zeros(num_rows, completion_len, dtype=torch.float32).masked_scatter(keep, token_entropy)
-    return logps, entropy
+    return _scatter_rows(keep, token_logps), _scatter_rows(keep, token_entropy)
+
+
+def completion_token_loss(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    loss_fn,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """loss = sum over real completion tokens of loss_fn(logp, index), the log-prob and loss in one pass.
+
+    For losses in which each token's term depends on its own log-prob only (token-level ratios):
+    `loss_fn(logps (c,), index)` gets a chunk of log-probs (with grad) and `index`, the slice of
+    those tokens in row-major order of the real tokens (`completion_mask.bool()`), and returns that
+    chunk's scalar loss. Gradients are formed chunk by chunk in the forward pass (see
+    `_FusedTokenLoss`); `loss.backward()` sends them into the trunk and the output projection.
+    Returns (loss scalar, logps (N, T) detached, entropy (N, T) or None); same inputs as
+    `completion_logprobs`.
+    """
+    hidden, targets, keep, weight, chunk_size = _completion_hidden(
+        model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
+    loss, token_logps, token_entropy = _FusedTokenLoss.apply(
+        hidden, weight, targets, float(temperature), chunk_size, with_entropy, loss_fn
+    )
+    return loss, _scatter_rows(keep, token_logps), _scatter_rows(keep, token_entropy)
 
 
 def naive_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):

@@ -67,6 +67,46 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
 
 
+def _loss_terms(logps, log_ratio, advantages, ref_logps, beta, epsilon, epsilon_high, delta, kl_bias_correction):
+    """l = -min(rho A, clip(rho) A) + beta kl from log rho; returns (l, rho, kl or None), all differentiable."""
+    ratio = torch.exp(log_ratio)  # (n, T) or (n, 1)
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=delta)  # two-sided clipping: cap the unclipped branch too
+    loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    kl = None
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs reference log-probs")
+        kl = k3_kl(logps, ref_logps)  # (n, T)
+        if kl_bias_correction:
+            kl = kl * ratio  # trl 1.16: importance-sampling correction of the KL term (not detached)
+        loss = loss + beta * kl  # added after clipping
+    return loss, ratio, kl
+
+
+def token_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    kl_bias_correction: bool = False,
+) -> torch.Tensor:
+    """l_t of token-level ratios, elementwise: every argument has the same shape (any shape), no mask.
+
+    The same terms as `per_token_loss(importance_sampling_level="token")`, without the statistics;
+    the fused log-prob + loss path (grpo.logprobs.completion_token_loss) evaluates it chunk by chunk.
+    """
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    loss, _, _ = _loss_terms(logps, logps - old_logps, advantages, ref_logps, beta, epsilon, epsilon_high, delta,
+                             kl_bias_correction)
+    return loss
+
+
 def per_token_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -89,27 +129,14 @@ def per_token_loss(
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     advantages = advantages[:, None]  # (n, 1)
-    ratio = torch.exp(log_importance_weights(logps, old_logps, mask, importance_sampling_level))  # (n, T) or (n, 1)
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    if delta is not None:
-        ratio = torch.clamp(ratio, max=delta)  # two-sided clipping: cap the unclipped branch too
-    loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-
-    kl_mean = None
-    if beta != 0.0:
-        if ref_logps is None:
-            raise ValueError("beta != 0 needs reference log-probs")
-        kl = k3_kl(logps, ref_logps)  # (n, T)
-        if kl_bias_correction:
-            kl = kl * ratio  # trl 1.16: importance-sampling correction of the KL term (not detached)
-        loss = loss + beta * kl  # added after clipping
-        kl_mean = _masked_mean(kl.detach(), mask)
-
+    log_ratio = log_importance_weights(logps, old_logps, mask, importance_sampling_level)  # (n, T) or (n, 1)
+    loss, ratio, kl = _loss_terms(logps, log_ratio, advantages, ref_logps, beta, epsilon, epsilon_high, delta,
+                                  kl_bias_correction)
     with torch.no_grad():
         is_low = (ratio < 1 - epsilon) & (advantages < 0)
         is_high = (ratio > 1 + epsilon_high) & (advantages > 0)
         stats = LossStats(
-            kl=kl_mean,
+            kl=None if kl is None else _masked_mean(kl.detach(), mask),
             clip_low=_masked_mean(is_low.float(), mask),
             clip_high=_masked_mean(is_high.float(), mask),
             clip_region=_masked_mean((is_low | is_high).float(), mask),
@@ -156,3 +183,14 @@ def aggregate_loss(
             raise ValueError("loss_type='dapo' needs num_items_in_batch (completion tokens in the step)")
         return (loss * mask).sum() / max(float(num_items_in_batch), 1.0)
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def aggregation_weights(mask: torch.Tensor, loss_type: str, **kwargs) -> torch.Tensor:
+    """w (n, T) with aggregate_loss(l, mask, loss_type, **kwargs) == sum(w * l) for every l.
+
+    aggregate_loss is linear in l, so w is its gradient, taken here rather than written out a second time.
+    """
+    probe = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        (weights,) = torch.autograd.grad(aggregate_loss(probe, mask, loss_type, **kwargs), probe)
+    return weights

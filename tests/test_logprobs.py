@@ -100,3 +100,101 @@ def test_untied_output_head_matches_naive(tokenizer):
     naive.sum().backward()
     torch.testing.assert_close(fast, naive, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_grad, model.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def _grpo_token_loss(old, ref, advantages, weights):
+    """A token-level GRPO loss with every option on: off-policy ratio, clip-higher, delta, bias-corrected KL."""
+    from grpo.loss import token_loss
+
+    def loss_fn(logps, index):
+        return (token_loss(logps, old[index], advantages[index], ref[index], beta=0.1, epsilon=0.02,
+                           epsilon_high=0.05, delta=1.04, kl_bias_correction=True) * weights[index]).sum()
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1, 5, 1024])
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_token_loss_matches_autograd(tokenizer, temperature, chunk_size, tied):
+    # completion_token_loss forms the gradient in the forward pass; it must equal autograd through the
+    # naive full-logits log-probs and the same per-token loss: values, entropies and every parameter's grad.
+    from grpo.logprobs import completion_token_loss
+    from grpo.tiny_model import build_tiny_model
+
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.05)
+    model = model.float().train()
+    generator = torch.Generator().manual_seed(4)
+    input_ids, attention_mask, completion_mask = _batch(model.config.vocab_size, generator)
+    keep = completion_mask.bool()
+    with torch.no_grad():
+        naive = naive_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature)[keep]
+    # Old log-probs near the current ones so some ratios clip and some do not; a reference further away.
+    old = naive + 0.05 * torch.randn(naive.shape, generator=generator)
+    ref = naive + 0.5 * torch.randn(naive.shape, generator=generator)
+    advantages = torch.randn(naive.shape, generator=generator)
+    weights = torch.rand(naive.shape, generator=generator)
+    loss_fn = _grpo_token_loss(old, ref, advantages, weights)
+
+    model.zero_grad()
+    loss, logps, entropy = completion_token_loss(model, input_ids, attention_mask, completion_mask, loss_fn,
+                                                 temperature, with_entropy=True, chunk_size=chunk_size)
+    (2.0 * loss).backward()  # a scale on the incoming gradient reaches every parameter
+    fused_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    naive = naive_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature)
+    expected_loss = loss_fn(naive[keep], slice(None))
+    (2.0 * expected_loss).backward()
+
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(logps, naive.detach(), rtol=1e-5, atol=1e-5)
+    assert not logps.requires_grad and (logps[~keep] == 0).all()
+    clipped = (old - naive[keep].detach()).exp()
+    assert ((clipped < 0.98) | (clipped > 1.05)).any() and ((clipped > 0.98) & (clipped < 1.05)).any()
+    for name, param in model.named_parameters():
+        # atol 1e-6 of the tensor's largest gradient (up to ~6 here): fp32 sums in another order differ by
+        # a few 1e-7 of it, for the unfused chunked path as much as for the fused one.
+        atol = 1e-6 * max(1.0, param.grad.abs().max().item())
+        torch.testing.assert_close(fused_grads[name], param.grad, rtol=1e-5, atol=atol, msg=name)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -5:-1] / temperature
+        logp = torch.log_softmax(logits.float(), -1)
+        expected_entropy = -(logp.exp() * logp).sum(-1) * completion_mask
+    torch.testing.assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_token_loss_under_bf16_autocast_tracks_fp32(tiny_model_and_tokenizer):
+    from grpo.logprobs import completion_token_loss
+    from grpo.loss import token_loss
+
+    model, _ = tiny_model_and_tokenizer
+    model = model.float()
+    generator = torch.Generator().manual_seed(5)
+    input_ids, attention_mask, completion_mask = _batch(model.config.vocab_size, generator)
+    count = int(completion_mask.sum())
+    advantages = torch.randn(count, generator=generator)
+    ref = torch.full((count,), -6.0)
+
+    def loss_fn(logps, index):  # on-policy GRPO with a KL term
+        return token_loss(logps, logps.detach(), advantages[index], ref[index], beta=0.04).sum()
+
+    results = []
+    for autocast in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, logps, entropy = completion_token_loss(model, input_ids, attention_mask, completion_mask, loss_fn,
+                                                         with_entropy=True)
+        loss.backward()
+        results.append((logps, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (logps32, entropy32, grads32), (logps16, entropy16, grads16) = results
+    assert logps16.dtype == torch.float32 and entropy16.dtype == torch.float32
+    # bf16 products (8-bit mantissa) on logits of size ~6: differences of a few 1e-2 in log-probs.
+    torch.testing.assert_close(logps16, logps32, rtol=0, atol=0.1)
+    torch.testing.assert_close(entropy16, entropy32, rtol=0, atol=0.1)
+    for name, grad in grads32.items():
+        cosine = torch.nn.functional.cosine_similarity(grads16[name].flatten(), grad.flatten(), dim=0)
+        assert cosine > 0.99, (name, cosine)
