@@ -26,12 +26,45 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, StaticCache
 
-from grpo.logprobs import position_ids_from_mask
+from grpo.logprobs import check_plain_output_head, position_ids_from_mask
 
 
 def _cache_kwarg(model) -> str:
     """transformers >= 5.x names the KV-cache argument `cache`; earlier releases `past_key_values`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class _DecodeHead:
+    """The decode step's logits: the trunk, then the output projection into one reused (N, V) buffer.
+
+    On CPU a fresh (N, V) logits tensor per token is page-faulted in every step (10 MB at N = 16 and
+    Qwen's vocabulary), which costs about as much as the product itself; writing into one buffer
+    avoids it. Models whose logits are not plain W h (soft-capping, scaling, a bias), other devices
+    and mixed dtypes use the model's own forward.
+    """
+
+    def __init__(self, model, cache_kwarg: str):
+        self.model, self.cache_kwarg = model, cache_kwarg
+        head = model.get_output_embeddings()
+        self.trunk = getattr(model, model.base_model_prefix, None)
+        self.weight = getattr(head, "weight", None)
+        try:
+            check_plain_output_head(model.config)
+            plain = getattr(head, "bias", None) is None and self.weight is not None
+        except NotImplementedError:
+            plain = False
+        self.buffered = (plain and self.trunk is not None and self.weight.device.type == "cpu"
+                         and self.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+        self.out = None
+
+    def __call__(self, cache, **inputs) -> torch.Tensor:
+        """(N, V) fp32 logits of each row's next token; the buffer is overwritten by the next call."""
+        if not self.buffered:
+            return self.model(**inputs, use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1].float()
+        hidden = self.trunk(**inputs, use_cache=True, **{self.cache_kwarg: cache}).last_hidden_state[:, -1]  # (N, H)
+        if self.out is None or self.out.shape[0] != hidden.shape[0]:
+            self.out = hidden.new_empty(hidden.shape[0], self.weight.shape[0])
+        return torch.mm(hidden, self.weight.T, out=self.out)  # (N, V)
 
 
 @dataclass
@@ -112,14 +145,40 @@ def sample_next_token(
         logits = logits / temperature
     if top_k or top_p < 1.0 or min_p > 0.0:
         logits = filter_logits(logits, top_k, top_p, min_p)
-    # Unnormalised CDF of softmax: cumsum(exp(z - max)); the division by the total moves to the uniform.
-    cdf = torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=out)  # (N, V), `out` reused across steps
-    cdf = cdf.exp_().cumsum_(dim=-1)
+    # Unnormalised probabilities exp(z - max); the division by their total moves to the uniform number.
+    weights = torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=out).exp_()  # (N, V), `out` reused across steps
     uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
-    # First index whose cdf exceeds u * total: token j is chosen with probability p_j / total;
-    # zero-probability tokens occupy empty intervals and are never chosen.
-    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1)  # (N,)
-    return tokens.clamp_(max=logits.shape[-1] - 1)
+    return _inverse_cdf(weights, uniform)
+
+
+def _below(limit: torch.Tensor) -> torch.Tensor:
+    """The largest float below `limit`: a search key strictly under a total never lands past the last token."""
+    return torch.nextafter(limit, torch.zeros_like(limit))
+
+
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Per row, the first index j with cumsum(weights)_j > u * sum(weights): token j with probability w_j / sum.
+
+    Two levels, so no sequential cumulative sum runs over the whole vocabulary: the sums of blocks of
+    `block` weights (one vectorised pass), their cumulative sum, the block the key falls in, then the
+    cumulative sum inside that block only. Zero-weight tokens occupy empty intervals and are never
+    chosen: keys are kept strictly below each level's total and at or above 0.
+    weights (N, V) >= 0 with a positive sum per row; uniform (N, 1) in [0, 1). Returns (N,) int64.
+    """
+    rows, vocab = weights.shape
+    full = vocab // block
+    block_sums = weights[:, : full * block].view(rows, full, block).sum(-1)  # (N, full)
+    if vocab % block:
+        block_sums = torch.cat([block_sums, weights[:, full * block :].sum(-1, keepdim=True)], dim=1)  # (N, nb)
+    block_cdf = block_sums.cumsum(-1)  # (N, nb)
+    key = torch.minimum(uniform * block_cdf[:, -1:], _below(block_cdf[:, -1:]))  # (N, 1)
+    chosen = torch.searchsorted(block_cdf, key, right=True)  # (N, 1): first block whose cdf exceeds the key
+    before = torch.where(chosen > 0, block_cdf.gather(-1, (chosen - 1).clamp(min=0)), 0.0)  # (N, 1) mass before it
+    columns = chosen * block + torch.arange(block, device=weights.device)  # (N, block)
+    inside = weights.gather(-1, columns.clamp(max=vocab - 1)).masked_fill(columns >= vocab, 0.0).cumsum(-1)
+    key = torch.minimum((key - before).clamp(min=0.0), _below(inside[:, -1:]))  # (N, 1), within the block's mass
+    position = torch.searchsorted(inside, key, right=True)  # (N, 1)
+    return (chosen * block + position).squeeze(-1)
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +283,7 @@ def sample_groups(
     logits = logits.repeat_interleave(group_size, dim=0)  # (N, V)
     attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
     positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
-    decoder = None
+    decoder, head = None, _DecodeHead(model, cache_kwarg)
     if static_cache or compile_decode:  # fixed shapes: the prompt budget (if given) + the completion budget
         cache_len = max(max_prompt_length or 0, prompt_ids.shape[1]) + max_new
         decoder = _StaticDecoder.get(model, num_rows, cache_len, compile_decode)
@@ -255,10 +314,8 @@ def sample_groups(
             logits = decoder(tokens[:, None], positions, step)
         else:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
-            logits = model(
-                input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
-                use_cache=True, **{cache_kwarg: cache},
-            ).logits[:, -1].float()  # (N, V)
+            logits = head(cache, input_ids=tokens[:, None], attention_mask=attention_mask,
+                          position_ids=positions)  # (N, V)
         positions = positions + 1
 
     steps = min(step + 1, max_new)
