@@ -72,6 +72,8 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str) 
     trainer.train()
     metrics = read_jsonl(Path(out_dir) / "metrics.jsonl")
     return {"step_times": [m["step_time"] for m in metrics],
+            "phases": [{"sample": m["sample_time"], "reference": m["reference_time"],
+                        "update": m["step_time"] - m["sample_time"] - m["reference_time"]} for m in metrics],
             "tokens": [m["completions/mean_length"] * config.completions_per_step for m in metrics],
             "peak_mib": _peak_memory_mib(device)}
 
@@ -118,8 +120,11 @@ def run_trl(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -
             "peak_mib": _peak_memory_mib(device)}
 
 
-def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats: int = 3) -> float:
-    """Time of the matrix products one GRPO step cannot avoid, with torch.matmul at the step's shapes."""
+def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats: int = 5) -> dict:
+    """Time of the matrix products one GRPO step cannot avoid, with torch.matmul at the step's shapes.
+
+    Each product is timed `repeats` times and the fastest counts. Returns the parts and their total (seconds).
+    """
     import torch
 
     from grpo.tiny_model import SHAPES
@@ -167,8 +172,9 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
     prefill = trunk(work["prompts"] * prompt_len) + attention(work["prompts"], prompt_len, prompt_len)
     decode = (trunk(rows) + gemm(rows, hidden, vocab)) * new + attention(rows, 1, seq) * new
     train = trunk(rows * seq, passes=3) + gemm(rows * new, hidden, vocab, 3) + attention(rows, seq, seq, passes=3)
-    reference = trunk(rows * seq) + gemm(rows * new, hidden, vocab) + attention(rows, seq, seq)
-    return prefill + decode + train + (reference if work["beta"] else 0.0)
+    reference = trunk(rows * seq) + gemm(rows * new, hidden, vocab) + attention(rows, seq, seq) if work["beta"] else 0.0
+    return {"sample": prefill + decode, "reference": reference, "update": train,
+            "total": prefill + decode + train + reference}
 
 
 def child(args):
@@ -202,11 +208,20 @@ def main(argv=None):
     work = workload(args)
     sides = args.sides.split(",")
     results = {side: [] for side in sides}
+    floors = []
     with tempfile.TemporaryDirectory() as model_dir:
         save_tiny_model(model_dir, args.shape, seed=0)
+        from transformers import AutoTokenizer
+
+        from data import add_prompts, make_synthetic_gsm8k
+        from grpo.rollout import encode_prompt
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompt_len = max(len(encode_prompt(tokenizer, row["prompt"])) for row in add_prompts(make_synthetic_gsm8k(64, seed=0)))
         forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("prompts", "group_size", "new_tokens", "micro_batch") and v is not None]
         for _ in range(args.repeats):
+            floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # once per round: same conditions
             for side in sides:
                 command = [sys.executable, __file__, "--child", side, "--model-dir", model_dir, "--shape", args.shape,
                            "--device", args.device, "--steps", str(args.steps), *forwarded]
@@ -215,14 +230,7 @@ def main(argv=None):
                 if run.returncode or not lines:
                     raise RuntimeError(f"{side} run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
                 results[side].append(json.loads(lines[-1][len("RESULT "):]))
-        from transformers import AutoTokenizer
-
-        from data import add_prompts, make_synthetic_gsm8k
-        from grpo.rollout import encode_prompt
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompt_len = max(len(encode_prompt(tokenizer, row["prompt"])) for row in add_prompts(make_synthetic_gsm8k(64, seed=0)))
-    floor = floor_seconds(args.shape, work, prompt_len, args.device)
+    floor = {part: statistics.median(f[part] for f in floors) for part in floors[0]}
 
     summary = {}
     for side, runs in results.items():
@@ -242,10 +250,17 @@ def main(argv=None):
         o, t = summary["ours"], summary["trl"]
         print(f"{'ours/trl':10s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
               f"{o['peak_mib'] / t['peak_mib']:10.3f}")
-    print(f"{'floor':10s} {floor:9.3f}   (matmuls of one step at these shapes, measured here)")
+    print(f"{'floor':10s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here; "
+          f"median of {len(floors)} measurements, one per round)")
     if "ours" in summary:
-        print(f"{'ours/floor':10s} {summary['ours']['step_s'] / floor:9.3f}")
-    return {"summary": summary, "floor_s": floor}
+        print(f"{'ours/floor':10s} {summary['ours']['step_s'] / floor['total']:9.3f}")
+        phases = [p for run in results["ours"] for p in run["phases"][args.untimed:]]
+        print(f"\nper phase, s    {'sample':>8s} {'reference':>10s} {'update':>8s}")
+        ours = {part: statistics.median(p[part] for p in phases) for part in ("sample", "reference", "update")}
+        print(f"{'ours':14s} {ours['sample']:8.3f} {ours['reference']:10.3f} {ours['update']:8.3f}")
+        print(f"{'floor':14s} {floor['sample']:8.3f} {floor['reference']:10.3f} {floor['update']:8.3f}")
+        summary["ours"]["phases"] = ours
+    return {"summary": summary, "floor": floor}
 
 
 if __name__ == "__main__":

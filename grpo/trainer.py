@@ -6,6 +6,7 @@
     ref/old  log-probs without grad (ref if beta != 0,        grpo.logprobs.completion_logprobs
              old if num_iterations > 1)
     update   num_iterations x (shuffle N rows into micro-batches, loss + backward, clip, AdamW, LR step)
+             token-level ratios: log-probs, loss and its gradient in one pass (completion_token_loss)
     log      metrics.jsonl, samples.jsonl, console
     save     atomic checkpoint every save_steps and at the end
 
@@ -34,10 +35,11 @@ from grpo.advantages import group_advantages, reward_function_stats, weighted_re
 from grpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from grpo.config import GRPOConfig
 from grpo.evaluation import evaluate
-from grpo.logprobs import check_plain_output_head, completion_logprobs
-from grpo.loss import aggregate_loss, per_token_loss
+from grpo.logprobs import check_plain_output_head, completion_logprobs, completion_token_loss
+from grpo.loss import aggregate_loss, aggregation_weights, per_token_loss, token_loss
 from grpo.metrics import MetricsLogger
-from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
+from grpo.models import (eos_token_ids, keep_freed_memory_in_process, load_model, load_tokenizer, resolve_device,
+                         resolve_precision)
 from grpo.rollout import Rollout, encode_prompts
 from grpo.sampler import SamplingParams, sample_groups
 from rewards import parse_reward_specs, score_completions
@@ -77,6 +79,8 @@ class Trainer:
         self.config = config.validate()
         cfg = self.config
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_process()  # vocabulary-sized tensors are reused instead of page-faulted in again
         self.precision = resolve_precision(cfg.precision, self.device)
         self.rewards = parse_reward_specs(reward_functions if reward_functions is not None else cfg.reward)
         self.reward_weights = torch.tensor([spec.weight for spec in self.rewards], dtype=torch.float32)
@@ -266,6 +270,46 @@ class Trainer:
             out[rows, : c.shape[1]] = logps
         return out
 
+    def _micro_batch_loss(self, p, pm, c, cm, advantages, old_logps, ref_logps, num_micro, num_items_in_batch):
+        """One micro-batch's aggregated loss (grad attached) and stats; old_logps None when on-policy.
+
+        With token-level ratios (and `fused_loss`), the log-probs, the loss and its gradient come out
+        of one pass over the output projection (grpo.logprobs.completion_token_loss); otherwise the
+        log-probs go through autograd into grpo.loss. Both give the same loss and gradient (tested).
+        """
+        cfg = self.config
+        ids, attention_mask = torch.cat([p, c], 1), torch.cat([pm, cm], 1)
+        loss_options = dict(beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+                            kl_bias_correction=cfg.use_bias_correction_kl)
+        aggregation = dict(num_micro_batches=num_micro, max_completion_length=cfg.max_completion_length,
+                           num_items_in_batch=num_items_in_batch)
+        if cfg.fused_loss and cfg.importance_sampling_level == "token":
+            keep = cm.bool()  # (n, t): the fused pass sees the real tokens only, in this order
+            weights = aggregation_weights(cm, cfg.loss_type, **aggregation)[keep]  # (M,) sum(w l) = aggregate_loss
+            token_advantages = advantages[:, None].expand(cm.shape)[keep]  # (M,)
+            old = None if old_logps is None else old_logps[keep]
+            ref = None if ref_logps is None else ref_logps[keep]
+
+            def loss_fn(logps, index):  # (c,) log-probs of the tokens `index` -> their share of the loss
+                return (token_loss(logps, logps.detach() if old is None else old[index], token_advantages[index],
+                                   None if ref is None else ref[index], **loss_options) * weights[index]).sum()
+
+            with self.autocast:
+                loss, logps, entropy = completion_token_loss(
+                    self.policy, ids, attention_mask, cm, loss_fn, cfg.temperature, with_entropy=True,
+                    chunk_size=cfg.logprob_chunk_size)
+            with torch.no_grad():  # the statistics only
+                _, stats = per_token_loss(logps, logps if old_logps is None else old_logps, advantages, cm,
+                                          ref_logps=ref_logps, importance_sampling_level="token", entropy=entropy,
+                                          **loss_options)
+            return loss, stats
+        logps, entropy = self._logprobs(self.policy, ids, attention_mask, cm, with_entropy=True)  # (n, t)
+        old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
+        token_losses, stats = per_token_loss(logps, old, advantages, cm, ref_logps=ref_logps,
+                                             importance_sampling_level=cfg.importance_sampling_level, entropy=entropy,
+                                             **loss_options)
+        return aggregate_loss(token_losses, cm, cfg.loss_type, **aggregation), stats
+
     def train_on_rollout(self, rollout: Rollout, shuffle: bool = True) -> dict:
         """Advantages, reference/old log-probs, then `num_iterations` optimizer updates on one rollout.
 
@@ -292,8 +336,12 @@ class Trainer:
         tensors = (prompt_ids, prompt_mask, completion_ids)
 
         # --- reference and old log-probs, without grad ---
+        started = time.perf_counter()
         ref_logps = self._logprobs_no_grad(self.ref_model, tensors, completion_mask) if cfg.beta != 0.0 else None
         old_logps = self._logprobs_no_grad(self.policy, tensors, completion_mask) if cfg.num_iterations > 1 else None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        reference_time = time.perf_counter() - started
 
         # --- num_iterations x (micro-batches -> loss -> backward; clip; AdamW; LR) ---
         micro_stats, step_losses, grad_norms, micro_batch_losses = [], [], [], []
@@ -305,19 +353,10 @@ class Trainer:
             for rows in order.split(cfg.micro_batch_size):
                 rows = rows.to(device)
                 p, pm, c, cm = _trim(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
-                width = c.shape[1]
-                logps, entropy = self._logprobs(self.policy, torch.cat([p, c], 1), torch.cat([pm, cm], 1), cm,
-                                                with_entropy=True)  # (n, t)
-                old = old_logps[rows, :width] if old_logps is not None else logps.detach()  # on-policy: rho = 1
-                token_loss, stats = per_token_loss(
-                    logps, old, advantages[rows], cm,
-                    ref_logps=None if ref_logps is None else ref_logps[rows, :width],
-                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
-                    kl_bias_correction=cfg.use_bias_correction_kl,
-                    importance_sampling_level=cfg.importance_sampling_level, entropy=entropy,
-                )
-                loss = aggregate_loss(token_loss, cm, cfg.loss_type, num_micro, cfg.max_completion_length,
-                                      num_items_in_batch)
+                ref = None if ref_logps is None else ref_logps[rows, : c.shape[1]]
+                old = None if old_logps is None else old_logps[rows, : c.shape[1]]
+                loss, stats = self._micro_batch_loss(p, pm, c, cm, advantages[rows], old, ref, num_micro,
+                                                     num_items_in_batch)
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -362,6 +401,7 @@ class Trainer:
             "completions/clipped_ratio": rollout.truncated.float().mean().item(),
             "num_tokens": int(lengths.sum().item()),
             "skipped_updates": self.skipped_updates,
+            "reference_time": reference_time,
         }
         if cfg.beta != 0.0:
             metrics["kl"] = mean_of("kl")

@@ -18,5 +18,5 @@ def test_trainer_benchmark_runs(capsys):
 
     result = trainer.main(["--shape", "tiny", "--steps", "2", "--repeats", "1", "--prompts", "2", "--group-size", "2",
                            "--new-tokens", "8", "--micro-batch", "4"])
-    assert set(result["summary"]) == {"ours", "trl"} and result["floor_s"] > 0
+    assert set(result["summary"]) == {"ours", "trl"} and result["floor"]["total"] > 0
     assert "ours/trl" in capsys.readouterr().out
