@@ -372,7 +372,9 @@ class Trainer:
                 self.optimizer.step()
                 self.scheduler.step()
                 self.consecutive_bad_steps = 0
-            self.optimizer.zero_grad(set_to_none=True)
+            # Kept allocated: the vocabulary-sized gradients are then added into .grad in place each
+            # micro-batch (grpo.logprobs reuses its own buffers) instead of being copied into new tensors.
+            self.optimizer.zero_grad(set_to_none=False)
             step_losses.append(step_loss)
             grad_norms.append(grad_norm)
 
