@@ -11,6 +11,12 @@ rows. `_ChunkedTokenLogProbs` keeps only the (M, H) hidden states for backward a
 chunk's logits there, so peak memory holds one (chunk, V) block instead of (N, T, V) logits and
 their softmax (trl 1.16's fused LM head does the same with tiles; older trl built the full logits).
 
+Training uses `completion_token_loss` when each token's loss depends on its own log-prob only
+(token-level ratios): `_FusedTokenLoss` evaluates the loss per chunk and forms the gradient there,
+while the chunk's exp(z - max) is still in memory, so no logits are recomputed (three
+vocabulary-sized products per chunk instead of four). With a tied embedding matrix, the head's and
+the embedding's gradients are summed in one reused buffer (`_TiedGradient`).
+
 Precision: under autocast the projection runs in the autocast dtype (bf16) and the log-softmax in
 fp32; gradients for fp32 weights are accumulated in fp32.
 """
