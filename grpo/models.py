@@ -6,7 +6,6 @@ through `from_pretrained` (a hub id or a local folder), safetensors only, remote
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from pathlib import Path
 
@@ -28,25 +27,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError(f"--device {name}: CUDA is not available on this machine")
     return torch.device(name)
-
-
-def keep_freed_memory_in_process() -> bool:
-    """CPU runs: let glibc's malloc keep freed memory for reuse instead of returning it to the system.
-
-    Every micro-batch allocates and frees the same vocabulary-sized tensors (the embedding's gradient,
-    its sum with the output projection's: 78 MB each at Qwen's vocabulary and hidden 128). By default
-    glibc serves allocations over 32 MB with mmap and unmaps them on free, so each one is page-faulted
-    in again, which costs as much as the arithmetic that fills it. With mmap off and no trimming, freed
-    blocks are reused (measured: about 0.45 s of a 2.5 s update on the `small` shape). The process's
-    resident memory then stays at its peak instead of shrinking between steps. Returns whether it
-    applied (glibc only; elsewhere nothing changes).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-    except (OSError, AttributeError):
-        return False
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

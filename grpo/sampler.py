@@ -215,6 +215,7 @@ class _StaticDecoder:
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         device_type = next(model.parameters()).device.type
         mode = "reduce-overhead" if device_type == "cuda" else "default"
+        self.head = None if compile_decode else _DecodeHead(model, self.cache_kwarg)
         self.step_fn = torch.compile(self._step, mode=mode, dynamic=False) if compile_decode else self._step
 
     def start(self, prefilled: DynamicCache, attention_mask: torch.Tensor) -> None:
@@ -233,10 +234,11 @@ class _StaticDecoder:
         )
 
     def _step(self, tokens, position_ids, cache_position, attention_mask):
-        return self.model(
-            input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
-            cache_position=cache_position, use_cache=True, **{self.cache_kwarg: self.cache},
-        ).logits[:, -1]
+        inputs = dict(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
+                      cache_position=cache_position)
+        if self.head is not None:  # eager: the trunk, then the projection into a reused buffer
+            return self.head(self.cache, **inputs)
+        return self.model(**inputs, use_cache=True, **{self.cache_kwarg: self.cache}).logits[:, -1]
 
     def __call__(self, tokens, position_ids, step: int):
         cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)

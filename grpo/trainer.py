@@ -38,8 +38,7 @@ from grpo.evaluation import evaluate
 from grpo.logprobs import check_plain_output_head, completion_logprobs, completion_token_loss
 from grpo.loss import aggregate_loss, aggregation_weights, per_token_loss, token_loss
 from grpo.metrics import MetricsLogger
-from grpo.models import (eos_token_ids, keep_freed_memory_in_process, load_model, load_tokenizer, resolve_device,
-                         resolve_precision)
+from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
 from grpo.rollout import Rollout, encode_prompts
 from grpo.sampler import SamplingParams, sample_groups
 from rewards import parse_reward_specs, score_completions
@@ -79,8 +78,6 @@ class Trainer:
         self.config = config.validate()
         cfg = self.config
         self.device = resolve_device(cfg.device)
-        if self.device.type == "cpu":
-            keep_freed_memory_in_process()  # vocabulary-sized tensors are reused instead of page-faulted in again
         self.precision = resolve_precision(cfg.precision, self.device)
         self.rewards = parse_reward_specs(reward_functions if reward_functions is not None else cfg.reward)
         self.reward_weights = torch.tensor([spec.weight for spec in self.rewards], dtype=torch.float32)
