@@ -238,7 +238,10 @@ class _FusedTokenLoss(torch.autograd.Function):
                 probe = chunk_logps.detach().requires_grad_()
                 with torch.enable_grad():
                     chunk_loss = loss_fn(probe, rows)  # scalar
-                (g,) = torch.autograd.grad(chunk_loss, probe)  # (c,) d loss / d logp
+                g = None
+                if chunk_loss.requires_grad:
+                    (g,) = torch.autograd.grad(chunk_loss, probe, allow_unused=True)  # (c,) d loss / d logp
+                g = torch.zeros_like(chunk_logps) if g is None else g  # a loss that ignores these log-probs
                 loss += chunk_loss.detach()
                 minus_scale = (-g / total).to(dtype)[:, None]  # (c, 1): -g p = minus_scale * exps
                 if grad_hidden is not None or with_entropy:

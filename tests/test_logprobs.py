@@ -198,3 +198,21 @@ def test_fused_token_loss_under_bf16_autocast_tracks_fp32(tiny_model_and_tokeniz
     for name, grad in grads32.items():
         cosine = torch.nn.functional.cosine_similarity(grads16[name].flatten(), grad.flatten(), dim=0)
         assert cosine > 0.99, (name, cosine)
+
+
+def test_fused_token_loss_edge_cases(tiny_model_and_tokenizer):
+    # No real completion token at all (every row masked), and a loss that ignores the log-probs:
+    # both give zero gradients, not an error.
+    from grpo.logprobs import completion_token_loss
+
+    model, _ = tiny_model_and_tokenizer
+    model = model.float()
+    input_ids, attention_mask, completion_mask = _batch(model.config.vocab_size, torch.Generator().manual_seed(6))
+    for mask, loss_fn in [(torch.zeros_like(completion_mask), lambda logps, index: logps.sum()),
+                          (completion_mask, lambda logps, index: torch.tensor(0.5))]:
+        model.zero_grad(set_to_none=False)
+        loss, logps, _ = completion_token_loss(model, input_ids, attention_mask, mask, loss_fn)
+        loss.backward()
+        assert logps.shape == mask.shape and (logps[mask == 0] == 0).all()
+        assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
+    assert loss.item() == 0.5  # the constant, once: the 9 tokens fit in one chunk
