@@ -60,12 +60,17 @@ def _seeded(*numbers: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _trim(prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Drop the columns that are padding in every row of a micro-batch (left of prompts, right of completions)."""
+def _micro_batch(rollout_tensors, completion_mask, rows):
+    """The rows' (n, P' + T') sequences, attention mask and (n, T') completion mask, trimmed of the columns
+    that are padding in every one of these rows (left of prompts, right of completions)."""
+    prompt_ids, prompt_mask, completion_ids = (tensor[rows] for tensor in rollout_tensors)
+    completion_mask = completion_mask[rows]
     prompt_len = int(prompt_mask.sum(-1).max())
     completion_len = max(1, int(completion_mask.sum(-1).max()))
-    return (prompt_ids[:, -prompt_len:], prompt_mask[:, -prompt_len:],
-            completion_ids[:, :completion_len], completion_mask[:, :completion_len])
+    completion_mask = completion_mask[:, :completion_len]  # (n, T')
+    ids = torch.cat([prompt_ids[:, -prompt_len:], completion_ids[:, :completion_len]], 1)  # (n, P' + T')
+    attention_mask = torch.cat([prompt_mask[:, -prompt_len:], completion_mask], 1)
+    return ids, attention_mask, completion_mask
 
 
 class Trainer:
@@ -259,15 +264,14 @@ class Trainer:
     @torch.no_grad()
     def _logprobs_no_grad(self, model, rollout_tensors, completion_mask) -> torch.Tensor:
         """(N, T) log-probs computed micro-batch by micro-batch, without grad (reference or old policy)."""
-        prompt_ids, prompt_mask, completion_ids = rollout_tensors
-        out = torch.zeros(completion_ids.shape, dtype=torch.float32, device=self.device)
-        for rows in torch.arange(completion_ids.shape[0]).split(self.config.micro_batch_size):
-            p, pm, c, cm = _trim(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
-            logps, _ = self._logprobs(model, torch.cat([p, c], 1), torch.cat([pm, cm], 1), cm)
-            out[rows, : c.shape[1]] = logps
+        out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=self.device)
+        for rows in torch.arange(completion_mask.shape[0]).split(self.config.micro_batch_size):
+            ids, attention_mask, cm = _micro_batch(rollout_tensors, completion_mask, rows)
+            logps, _ = self._logprobs(model, ids, attention_mask, cm)
+            out[rows, : cm.shape[1]] = logps
         return out
 
-    def _micro_batch_loss(self, p, pm, c, cm, advantages, old_logps, ref_logps, num_micro, num_items_in_batch):
+    def _micro_batch_loss(self, ids, attention_mask, cm, advantages, old_logps, ref_logps, num_micro, num_items_in_batch):
         """One micro-batch's aggregated loss (grad attached) and stats; old_logps None when on-policy.
 
         With token-level ratios (and `fused_loss`), the log-probs, the loss and its gradient come out
@@ -275,7 +279,6 @@ class Trainer:
         log-probs go through autograd into grpo.loss. Both give the same loss and gradient (tested).
         """
         cfg = self.config
-        ids, attention_mask = torch.cat([p, c], 1), torch.cat([pm, cm], 1)
         loss_options = dict(beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
                             kl_bias_correction=cfg.use_bias_correction_kl)
         aggregation = dict(num_micro_batches=num_micro, max_completion_length=cfg.max_completion_length,
@@ -349,10 +352,10 @@ class Trainer:
             step_loss, finite = 0.0, True
             for rows in order.split(cfg.micro_batch_size):
                 rows = rows.to(device)
-                p, pm, c, cm = _trim(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows])
-                ref = None if ref_logps is None else ref_logps[rows, : c.shape[1]]
-                old = None if old_logps is None else old_logps[rows, : c.shape[1]]
-                loss, stats = self._micro_batch_loss(p, pm, c, cm, advantages[rows], old, ref, num_micro,
+                ids, attention_mask, cm = _micro_batch(tensors, completion_mask, rows)
+                ref = None if ref_logps is None else ref_logps[rows, : cm.shape[1]]
+                old = None if old_logps is None else old_logps[rows, : cm.shape[1]]
+                loss, stats = self._micro_batch_loss(ids, attention_mask, cm, advantages[rows], old, ref, num_micro,
                                                      num_items_in_batch)
                 if not torch.isfinite(loss):
                     finite = False
