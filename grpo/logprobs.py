@@ -139,6 +139,31 @@ def _chunk_forward(hidden, w, targets, rows, temperature, dtype, with_entropy, k
     return h, logits, target_logits - lse, lse, total, entropy
 
 
+def _add_chunk_grads(probs, probs_w, minus_scale, g, h, w, targets, rows, temperature, grad_hidden, grad_weight,
+                     first: bool) -> None:
+    """A chunk's gradients from d logp / d z = onehot(target) - p, given -g p = minus_scale * probs.
+
+    probs (c, V) in the compute dtype; probs_w = probs @ w (c, H), or None when grad_hidden is None;
+    h (c, H) the temperature-scaled inputs; targets (c,). Writes grad_hidden[rows] and adds into the fp32
+    grad_weight (V, H) (`first`: overwrite it instead, so it needs no zero fill):
+        dh = (g W[target] - g p W) / temperature,   dW += (onehot(target) g - g p)^T h
+    """
+    if grad_hidden is not None:
+        dh = probs_w * minus_scale + g.to(w.dtype)[:, None] * w[targets]  # (c, H)
+        grad_hidden[rows] = (dh / temperature).to(grad_hidden.dtype)
+    if grad_weight is not None:
+        update = h * minus_scale  # (c, H)
+        if probs.dtype == torch.float32 and first:
+            torch.mm(probs.T, update, out=grad_weight)  # (V, H)
+        elif probs.dtype == torch.float32:
+            grad_weight.addmm_(probs.T, update)  # (V, H), accumulated in place
+        elif first:
+            grad_weight.copy_(probs.T @ update)
+        else:
+            grad_weight += (probs.T @ update).float()
+        grad_weight.index_add_(0, targets, g[:, None] * h.float())
+
+
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     """(M, H) hidden states, (V, H) weight, (M,) targets -> (M,) log-probs and (M,) entropies (no grad).
 
@@ -188,16 +213,9 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 minus_sign = torch.where(g < 0, 1.0, -1.0).to(dtype)[:, None]  # -g * p = -sign(g) |g| p
                 if dtype != torch.float32:
                     scaled_probs = _buffer("logits_low", *scaled_probs.shape, dtype, h.device).copy_(scaled_probs)
-                target_rows = w[targets[rows]]  # (chunk, H)
-                if grad_hidden is not None:
-                    dh = (scaled_probs @ w) * minus_sign + g.to(dtype)[:, None] * target_rows  # (chunk, H)
-                    grad_hidden[rows] = (dh / temperature).to(hidden.dtype)
-                if grad_weight is not None:
-                    if dtype == torch.float32:
-                        grad_weight.addmm_(scaled_probs.T, h * minus_sign)  # (V, H), accumulated in place
-                    else:
-                        grad_weight += (scaled_probs.T @ (h * minus_sign)).float()
-                    grad_weight.index_add_(0, targets[rows], (g[:, None] * h.float()))
+                probs_w = scaled_probs @ w if grad_hidden is not None else None  # (chunk, H)
+                _add_chunk_grads(scaled_probs, probs_w, minus_sign, g, h, w, targets[rows], rows, temperature,
+                                 grad_hidden, grad_weight, first=False)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
@@ -248,18 +266,8 @@ class _FusedTokenLoss(torch.autograd.Function):
                     exps_w = exps @ w  # (c, H) = total * sum_j p_j W_j
                 if with_entropy:  # sum_j p_j z_j = (sum_j p_j W_j) . h: entropy without another pass over (c, V)
                     entropy[rows] = lse - (exps_w.float() * h.float()).sum(-1) / total
-                if grad_hidden is not None:
-                    dh = exps_w * minus_scale + g.to(dtype)[:, None] * w[targets[rows]]  # (c, H)
-                    grad_hidden[rows] = (dh / temperature).to(hidden.dtype)
-                if dtype == torch.float32 and start == 0:
-                    torch.mm(exps.T, h * minus_scale, out=grad_weight)  # (V, H): no zero fill first
-                elif dtype == torch.float32:
-                    grad_weight.addmm_(exps.T, h * minus_scale)  # (V, H), accumulated in place
-                elif start == 0:
-                    grad_weight.copy_(exps.T @ (h * minus_scale))
-                else:
-                    grad_weight += (exps.T @ (h * minus_scale)).float()
-                grad_weight.index_add_(0, targets[rows], g[:, None] * h.float())
+                _add_chunk_grads(exps, exps_w if grad_hidden is not None else None, minus_scale, g, h, w,
+                                 targets[rows], rows, temperature, grad_hidden, grad_weight, first=start == 0)
         if num_rows == 0:
             grad_weight.zero_()
         ctx.save_for_backward(grad_hidden, grad_weight)
