@@ -192,3 +192,24 @@ def test_decode_head_falls_back_to_the_model_for_transformed_logits(tiny_model_a
         assert not _DecodeHead(model, _cache_kwarg(model)).buffered
     finally:
         model.config.final_logit_softcapping = None
+
+
+def test_reserved_cache_layer_matches_concatenation():
+    """The sampler's in-place KV cache layer returns what DynamicLayer's concatenation returns, past its room too."""
+    from transformers.cache_utils import DynamicLayer
+
+    from grpo.sampler import _ReservedLayer
+
+    torch.manual_seed(0)
+    plain, filled = DynamicLayer(), DynamicLayer()
+    prefix = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 6)  # (N, heads, length, D); values with another D
+    plain.update(*prefix)
+    filled.update(*prefix)
+    reserved = _ReservedLayer(filled, extra=2)
+    for step in range(4):  # two steps fit the room (5 + 2), then one of two positions and one more fall back
+        length = 2 if step == 2 else 1
+        new = torch.randn(3, 2, length, 4), torch.randn(3, 2, length, 6)
+        expected, got = plain.update(*new), reserved.update(*new)
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert reserved.get_seq_length() == plain.get_seq_length()
