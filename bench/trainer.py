@@ -15,7 +15,9 @@ set size of the process; CUDA: torch.cuda.max_memory_allocated), the ratio ours/
 the time of the matrix products one step cannot avoid at these shapes, measured here in the same
 run (prefill of each distinct prompt, T decode steps of N rows, the training forward + backward of
 the trunk and of the output projection on completion positions, the reference forward), and
-ours/floor.
+ours/floor. The floor is measured right before and right after each of our runs; ours/floor is the
+median over rounds of (our median step in that run) / (the mean of its two floors), so the slow
+drift of a shared machine's speed largely cancels in each ratio.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ def main(argv=None):
     work = workload(args)
     sides = args.sides.split(",")
     results = {side: [] for side in sides}
-    floors = []
+    floors, round_ratios = [], []
     with tempfile.TemporaryDirectory() as model_dir:
         save_tiny_model(model_dir, args.shape, seed=0)
         from transformers import AutoTokenizer
@@ -221,8 +223,9 @@ def main(argv=None):
         forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("prompts", "group_size", "new_tokens", "micro_batch") and v is not None]
         for _ in range(args.repeats):
-            floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # once per round: same conditions
             for side in sides:
+                if side == "ours":
+                    floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # just before the run
                 command = [sys.executable, __file__, "--child", side, "--model-dir", model_dir, "--shape", args.shape,
                            "--device", args.device, "--steps", str(args.steps), *forwarded]
                 run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -230,7 +233,11 @@ def main(argv=None):
                 if run.returncode or not lines:
                     raise RuntimeError(f"{side} run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
                 results[side].append(json.loads(lines[-1][len("RESULT "):]))
-    floor = {part: statistics.median(f[part] for f in floors) for part in floors[0]}
+                if side == "ours":
+                    floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # and just after it
+                    around = (floors[-2]["total"] + floors[-1]["total"]) / 2
+                    round_ratios.append(statistics.median(results[side][-1]["step_times"][args.untimed:]) / around)
+    floor = {part: statistics.median(f[part] for f in floors) for part in floors[0]} if floors else None
 
     summary = {}
     for side, runs in results.items():
@@ -250,10 +257,12 @@ def main(argv=None):
         o, t = summary["ours"], summary["trl"]
         print(f"{'ours/trl':10s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
               f"{o['peak_mib'] / t['peak_mib']:10.3f}")
-    print(f"{'floor':10s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here; "
-          f"median of {len(floors)} measurements, one per round)")
     if "ours" in summary:
-        print(f"{'ours/floor':10s} {summary['ours']['step_s'] / floor['total']:9.3f}")
+        print(f"{'floor':10s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here; "
+              f"median of {len(floors)} measurements, before and after each of our runs)")
+        summary["ours"]["floor_ratio"] = statistics.median(round_ratios)
+        print(f"{'ours/floor':10s} {summary['ours']['floor_ratio']:9.3f}   (median over rounds of our step / the "
+              f"floor around it; per round: {', '.join(f'{r:.3f}' for r in round_ratios)})")
         phases = [p for run in results["ours"] for p in run["phases"][args.untimed:]]
         print(f"\nper phase, s    {'sample':>8s} {'reference':>10s} {'update':>8s}")
         ours = {part: statistics.median(p[part] for p in phases) for part in ("sample", "reference", "update")}
