@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -243,23 +244,25 @@ class _StaticDecoder:
 
     Every shape it sees is fixed (N rows, a cache of `cache_len` positions), so one compilation serves
     the whole run: the trainer passes cache_len = max_prompt_length + max_completion_length.
+    The decoder kept between calls (its cache and compiled graph) refers to its model weakly: it never
+    keeps a model alive, and a new model gets a new decoder.
     """
 
-    _current: "_StaticDecoder | None" = None  # one kept alive (its cache and compiled graph) across calls
+    _current: "_StaticDecoder | None" = None
 
     @classmethod
     def get(cls, model, num_rows: int, cache_len: int, compile_decode: bool) -> "_StaticDecoder":
-        key = (id(model), num_rows, cache_len, compile_decode)
-        if cls._current is None or cls._current.key != key:
-            cls._current = cls(model, cache_len, compile_decode, key)
-        return cls._current
+        current = cls._current
+        if current is None or current.model_ref() is not model or current.key != (num_rows, cache_len, compile_decode):
+            cls._current = current = cls(model, num_rows, cache_len, compile_decode)
+        return current
 
-    def __init__(self, model, cache_len: int, compile_decode: bool, key):
-        self.model, self.cache_len, self.key, self.cache_kwarg = model, cache_len, key, _cache_kwarg(model)
+    def __init__(self, model, num_rows: int, cache_len: int, compile_decode: bool):
+        self.model_ref, self.key = weakref.ref(model), (num_rows, cache_len, compile_decode)
+        self.cache_len, self.cache_kwarg = cache_len, _cache_kwarg(model)
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         device_type = next(model.parameters()).device.type
         mode = "reduce-overhead" if device_type == "cuda" else "default"
-        self.head = None if compile_decode else _DecodeHead(model, self.cache_kwarg)
         self.step_fn = torch.compile(self._step, mode=mode, dynamic=False) if compile_decode else self._step
 
     def start(self, prefilled: DynamicCache, attention_mask: torch.Tensor) -> None:
@@ -277,16 +280,17 @@ class _StaticDecoder:
             [attention_mask, attention_mask.new_ones(num_rows, self.cache_len - prompt_len)], dim=1
         )
 
-    def _step(self, tokens, position_ids, cache_position, attention_mask):
+    def _step(self, model, head, tokens, position_ids, cache_position, attention_mask):
         inputs = dict(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
                       cache_position=cache_position)
-        if self.head is not None:  # eager: the trunk, then the projection into a reused buffer
-            return self.head(self.cache, **inputs)
-        return self.model(**inputs, use_cache=True, **{self.cache_kwarg: self.cache}).logits[:, -1]
+        if head is not None:  # eager: the trunk, then the projection into a reused buffer
+            return head(self.cache, **inputs)
+        return model(**inputs, use_cache=True, **{self.cache_kwarg: self.cache}).logits[:, -1]
 
-    def __call__(self, tokens, position_ids, step: int):
+    def __call__(self, model, head: "_DecodeHead | None", tokens, position_ids, step: int):
+        """(N, V) fp32 logits of the next token; `head` None runs the model's own forward (the compiled path)."""
         cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)
-        return self.step_fn(tokens, position_ids, cache_position, self.attention_mask).float()
+        return self.step_fn(model, head, tokens, position_ids, cache_position, self.attention_mask).float()
 
 
 @torch.no_grad()
@@ -359,7 +363,7 @@ def sample_groups(
         if step == max_new - 1 or bool(done.all()):  # note: a CPU-GPU sync point, once per token
             break
         if decoder is not None:
-            logits = decoder(tokens[:, None], positions, step)
+            logits = decoder(model, None if compile_decode else head, tokens[:, None], positions, step)
         else:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
             logits = head(cache, input_ids=tokens[:, None], attention_mask=attention_mask,

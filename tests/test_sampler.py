@@ -213,3 +213,19 @@ def test_reserved_cache_layer_matches_concatenation():
         for a, b in zip(expected, got):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert reserved.get_seq_length() == plain.get_seq_length()
+
+
+def test_static_decoder_does_not_keep_its_model_alive(prompts, tokenizer):
+    """The static-cache decoder kept between calls holds its model weakly: a dropped model is freed."""
+    import gc
+    import weakref
+
+    from grpo.tiny_model import build_tiny_model
+
+    model, _ = build_tiny_model("tiny", seed=1, tokenizer=tokenizer)
+    params = SamplingParams(max_completion_length=4, eos_token_ids=(tokenizer.eos_token_id,))
+    sample_groups(model, prompts, 2, params, tokenizer.pad_token_id, static_cache=True)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
