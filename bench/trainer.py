@@ -236,7 +236,8 @@ def main(argv=None):
                 if side == "ours":
                     floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # and just after it
                     around = (floors[-2]["total"] + floors[-1]["total"]) / 2
-                    round_ratios.append(statistics.median(results[side][-1]["step_times"][args.untimed:]) / around)
+                    step = statistics.median(results[side][-1]["step_times"][args.untimed:])
+                    round_ratios.append((step / around, step, around))
     floor = {part: statistics.median(f[part] for f in floors) for part in floors[0]} if floors else None
 
     summary = {}
@@ -260,9 +261,9 @@ def main(argv=None):
     if "ours" in summary:
         print(f"{'floor':10s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here; "
               f"median of {len(floors)} measurements, before and after each of our runs)")
-        summary["ours"]["floor_ratio"] = statistics.median(round_ratios)
+        summary["ours"]["floor_ratio"] = statistics.median(r for r, _, _ in round_ratios)
         print(f"{'ours/floor':10s} {summary['ours']['floor_ratio']:9.3f}   (median over rounds of our step / the "
-              f"floor around it; per round: {', '.join(f'{r:.3f}' for r in round_ratios)})")
+              f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f in round_ratios)})")
         phases = [p for run in results["ours"] for p in run["phases"][args.untimed:]]
         print(f"\nper phase, s    {'sample':>8s} {'reference':>10s} {'update':>8s}")
         ours = {part: statistics.median(p[part] for p in phases) for part in ("sample", "reference", "update")}
