@@ -229,3 +229,47 @@ def test_static_decoder_does_not_keep_its_model_alive(prompts, tokenizer):
     del model
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("vocab", [8, 37, 64, 1000, 2500])
+def test_logits_stored_transposed_sample_exactly_as_contiguous_ones(vocab):
+    """The CPU decode head returns (N, V) logits as a view of (V, N) storage; row maxima, weights, block sums
+    and so the drawn tokens must not depend on the layout (vocabularies below, at and off the 64-row slots
+    and the 1024-token blocks)."""
+    from grpo.sampler import _row_max
+
+    logits = torch.randn(16, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    transposed = logits.T.contiguous().T
+    assert transposed.stride(-1) != 1 and torch.equal(transposed, logits)
+    assert torch.equal(_row_max(transposed), logits.amax(-1, keepdim=True))
+    for temperature in (1.0, 0.7):
+        expected = sample_next_token(logits, temperature, generator=torch.Generator().manual_seed(1))
+        got = sample_next_token(transposed, temperature, generator=torch.Generator().manual_seed(1),
+                                out=torch.empty_like(transposed))
+        assert torch.equal(got, expected)
+
+
+def test_transposed_storage_matches_the_softmax_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    rows = 40_000
+    transposed = logits.expand(rows, -1).T.contiguous().T  # (rows, 8) view of (8, rows)
+    tokens = sample_next_token(transposed, 0.8, generator=torch.Generator().manual_seed(11))
+    statistic, dof = _chi_square(tokens, torch.softmax(logits / 0.8, -1))
+    assert statistic < CHI2_9999[dof], statistic
+
+
+def test_transposed_decode_head_gives_the_same_logits(tiny_model_and_tokenizer, prompts):
+    from transformers import DynamicCache
+
+    from grpo.sampler import _DecodeHead, _cache_kwarg
+
+    model, _ = tiny_model_and_tokenizer
+    ids, mask = left_pad(prompts, 0, "cpu")
+    logits = {}
+    for transposed in (False, True):
+        head = _DecodeHead(model, _cache_kwarg(model), transposed=transposed)
+        with torch.no_grad():
+            logits[transposed] = head(DynamicCache(config=model.config), input_ids=ids, attention_mask=mask,
+                                      position_ids=position_ids_from_mask(mask)).clone()
+    assert logits[True].shape == (len(prompts), model.config.vocab_size)
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
