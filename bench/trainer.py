@@ -14,8 +14,9 @@ Printed: median seconds per optimizer step, generated tokens/s, peak memory (CPU
 set size of the process; CUDA: torch.cuda.max_memory_allocated), the ratio ours/trl, and a floor:
 the time of the matrix products one step cannot avoid at these shapes, measured here in the same
 run (prefill of each distinct prompt, T decode steps of N rows, the training forward + backward of
-the trunk and of the output projection on completion positions, the reference forward), and
-ours/floor. The floor is measured right before and right after each of our runs; ours/floor is the
+the trunk and of the output projection on completion positions, the reference forward; each
+product timed on its own, into a preallocated output, in the faster of its two orientations: see
+floor_seconds), and ours/floor. The floor is measured right before and right after each of our runs; ours/floor is the
 median over rounds of (our median step in that run) / (the mean of its two floors), so the slow
 drift of a shared machine's speed largely cancels in each ratio.
 """
@@ -123,9 +124,14 @@ def run_trl(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -
 
 
 def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats: int = 5) -> dict:
-    """Time of the matrix products one GRPO step cannot avoid, with torch.matmul at the step's shapes.
+    """Time of the matrix products one GRPO step cannot avoid, with torch.mm at the step's shapes.
 
-    Each product is timed `repeats` times and the fastest counts. Returns the parts and their total (seconds).
+    Every product of the step is timed on its own: each linear layer's forward Y = X W^T and, for the
+    update, its backward dX = dY W and dW = dY^T X; the output projection over all completion positions
+    at once (no chunking); attention's two batched products per layer. Each product writes into a
+    preallocated output (allocation is not part of a product), is timed in both orientations (A B, and
+    (B^T A^T)^T with the weight's own (out, in) layout: BLAS speed depends on it) and up to `repeats`
+    times; the fastest counts. Returns the parts and their total (seconds).
     """
     import torch
 
@@ -139,42 +145,57 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
     rows, new = work["prompts"] * work["group"], work["new_tokens"]
     linears = [(hidden, hidden), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim), (hidden, hidden),
                (hidden, inter), (hidden, inter), (inter, hidden)]  # q, k, v, o, gate, up, down: (in, out)
-    weights = {shape_: torch.randn(shape_, device=device, dtype=dtype) for shape_ in set(linears) | {(hidden, vocab)}}
+    measured: dict[tuple, float] = {}
 
-    def gemm(m, k, n, times=1):
-        """Seconds for `times` products (m, k) @ (k, n), measured once and scaled."""
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = weights.get((k, n))
-        b = torch.randn(k, n, device=device, dtype=dtype) if b is None else b
-        best = float("inf")
-        for _ in range(repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def fastest(run) -> float:
+        best, spent = float("inf"), 0.0
+        for attempt in range(repeats):
+            sync()
             start = time.perf_counter()
-            a @ b
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best * times
+            run()
+            sync()
+            elapsed = time.perf_counter() - start
+            best, spent = min(best, elapsed), spent + elapsed
+            if attempt and spent > 1.0:  # large products: two or three timings are enough
+                break
+        return best
 
-    def trunk(tokens, passes=1):  # passes: 1 forward, 3 forward + backward (dX and dW)
-        return sum(gemm(tokens, i, o, passes) for i, o in linears) * layers
+    def product(m, k, n) -> float:
+        """Fastest seconds of one (m, k) @ (k, n) product."""
+        if (m, k, n) not in measured:
+            a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+            out = torch.empty(m, n, device=device, dtype=dtype)
+            plain = fastest(lambda: torch.mm(a, b, out=out))
+            del out
+            b_rows, out = b.T.contiguous(), torch.empty(n, m, device=device, dtype=dtype)  # (n, k) and (n, m) storage
+            measured[(m, k, n)] = min(plain, fastest(lambda: torch.mm(b_rows, a.T, out=out)))
+            del a, b, b_rows, out
+        return measured[(m, k, n)]
+
+    def linear(tokens, fan_in, fan_out, backward=False) -> float:
+        seconds = product(tokens, fan_in, fan_out)  # Y = X W^T
+        if backward:
+            seconds += product(tokens, fan_out, fan_in) + product(fan_out, tokens, fan_in)  # dX = dY W, dW = dY^T X
+        return seconds
+
+    def trunk(tokens, backward=False) -> float:
+        return sum(linear(tokens, i, o, backward) for i, o in linears) * layers
 
     def attention(batch, queries, keys, passes=1):  # QK^T and AV per head, as one batched product each
         q = torch.randn(batch * heads, queries, head_dim, device=device, dtype=dtype)
         k = torch.randn(batch * heads, head_dim, keys, device=device, dtype=dtype)
-        start = time.perf_counter()
-        torch.bmm(q, k)
-        torch.bmm(q, k)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) * layers * passes
+        return fastest(lambda: (torch.bmm(q, k), torch.bmm(q, k))) * layers * passes
 
     seq = prompt_len + new
     prefill = trunk(work["prompts"] * prompt_len) + attention(work["prompts"], prompt_len, prompt_len)
-    decode = (trunk(rows) + gemm(rows, hidden, vocab)) * new + attention(rows, 1, seq) * new
-    train = trunk(rows * seq, passes=3) + gemm(rows * new, hidden, vocab, 3) + attention(rows, seq, seq, passes=3)
-    reference = trunk(rows * seq) + gemm(rows * new, hidden, vocab) + attention(rows, seq, seq) if work["beta"] else 0.0
+    decode = (trunk(rows) + linear(rows, hidden, vocab) + attention(rows, 1, seq)) * new
+    train = (trunk(rows * seq, backward=True) + linear(rows * new, hidden, vocab, backward=True)
+             + attention(rows, seq, seq, passes=3))
+    reference = trunk(rows * seq) + linear(rows * new, hidden, vocab) + attention(rows, seq, seq) if work["beta"] else 0.0
     return {"sample": prefill + decode, "reference": reference, "update": train,
             "total": prefill + decode + train + reference}
 
