@@ -50,9 +50,13 @@ def sampler_costs(vocab_size: int, rows: int, repeats: int = 20) -> dict[str, fl
     logits = torch.randn(rows, vocab_size)
     generator = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(rows, 128), torch.randn(vocab_size, 128)
+    out, out_t = torch.empty(rows, vocab_size), torch.empty(vocab_size, rows)
+    logits_t = logits.T.contiguous().T  # the same logits in (V, N) storage, as our CPU decode head writes them
     ways = {
-        "output projection (hidden 128)": lambda: hidden @ weight.T,
-        "ours: inverse CDF": lambda: sample_next_token(logits, 1.0, generator=generator),
+        "output projection h W^T (hidden 128), (N, V) storage": lambda: torch.mm(hidden, weight.T, out=out),
+        "output projection W h^T (hidden 128), (V, N) storage": lambda: torch.mm(weight, hidden.T, out=out_t),
+        "ours: inverse CDF, (N, V) storage": lambda: sample_next_token(logits, 1.0, generator=generator),
+        "ours: inverse CDF, (V, N) storage": lambda: sample_next_token(logits_t, 1.0, generator=generator),
         "torch.multinomial(softmax)": lambda: torch.multinomial(torch.softmax(logits, -1), 1, generator=generator),
         "exponential noise (argmax p/q)": lambda: (torch.softmax(logits, -1) / torch.empty_like(logits).exponential_(generator=generator)).argmax(-1),
     }

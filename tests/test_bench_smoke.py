@@ -11,6 +11,11 @@ def test_sampler_benchmark_runs(capsys):
     assert "tokens/s" in capsys.readouterr().out
 
 
+def test_sampler_cost_table_runs():
+    costs = sampler.sampler_costs(vocab_size=1000, rows=4, repeats=1)
+    assert len(costs) == 6 and all(ms > 0 for ms in costs.values())
+
+
 @pytest.mark.slow
 def test_trainer_benchmark_runs(capsys):
     pytest.importorskip("trl")
