@@ -363,8 +363,10 @@ def sample_groups(
     logits = logits.repeat_interleave(group_size, dim=0)  # (N, V)
     attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
     positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
+    # (V, N) logits storage when the sampler reads it in place: unfiltered sampling (greedy argmax and the
+    # filters' sorts prefer rows). return_logprobs reads it too, so turning it on changes no drawn token.
     plain_sampling = params.temperature > 0 and not (params.top_k or params.top_p < 1.0 or params.min_p > 0.0)
-    decoder, head = None, _DecodeHead(model, cache_kwarg, transposed=plain_sampling and not return_logprobs)
+    decoder, head = None, _DecodeHead(model, cache_kwarg, transposed=plain_sampling)
     if static_cache or compile_decode:  # fixed shapes: the prompt budget (if given) + the completion budget
         cache_len = max(max_prompt_length or 0, prompt_ids.shape[1]) + max_new
         decoder = _StaticDecoder.get(model, num_rows, cache_len, compile_decode)

@@ -273,3 +273,16 @@ def test_transposed_decode_head_gives_the_same_logits(tiny_model_and_tokenizer, 
                                       position_ids=position_ids_from_mask(mask)).clone()
     assert logits[True].shape == (len(prompts), model.config.vocab_size)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+def test_return_logprobs_changes_no_drawn_token():
+    """Asking for the log-probs must not change which tokens a seed draws (both read the same logits)."""
+    model, tokenizer = build_tiny_model("small", seed=0)  # the real 151,936-token vocabulary
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_dict=False) for q in QUESTIONS]
+    params = SamplingParams(max_completion_length=16, temperature=0.7, eos_token_ids=(tokenizer.eos_token_id,))
+    plain, with_logprobs = (
+        sample_groups(model, prompts, 8, params, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0),
+                      return_logprobs=flag) for flag in (False, True))
+    assert torch.equal(with_logprobs.completion_ids, plain.completion_ids)
+    assert with_logprobs.logprobs.shape == plain.completion_ids.shape and (with_logprobs.logprobs <= 0).all()
