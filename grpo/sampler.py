@@ -203,12 +203,18 @@ def sample_next_token(
     return _inverse_cdf(weights, uniform)
 
 
+def _column_storage(x: torch.Tensor) -> torch.Tensor | None:
+    """x.T, (V, N), when the (N, V) tensor x is the transposed view of a contiguous (V, N) one (the CPU decode
+    head's layout); None otherwise."""
+    return x.T if x.stride(-1) != 1 and x.T.is_contiguous() else None
+
+
 def _row_max(logits: torch.Tensor, slots: int = 64) -> torch.Tensor:
     """(N, V) -> (N, 1) row maxima. For the transposed view of a contiguous (V, N) tensor, torch's reduction over
     the outer dimension with N inner columns is slow (~8 ms at 151,936 x 16 on the benchmark CPU); reducing
     (V / slots, slots * N) rows first, then the `slots` partial maxima per column, takes ~0.4 ms."""
-    columns = logits.T  # (V, N)
-    if logits.stride(-1) == 1 or not columns.is_contiguous():
+    columns = _column_storage(logits)  # (V, N)
+    if columns is None:
         return logits.amax(dim=-1, keepdim=True)
     vocab, rows = columns.shape
     body = vocab - vocab % slots
@@ -236,8 +242,8 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor, block: int = 1024
     """
     rows, vocab = weights.shape
     full = vocab // block
-    columns = weights.T  # (V, N)
-    if weights.stride(-1) != 1 and columns.is_contiguous():  # (V, N) storage: reduce the middle of (nb, block, N)
+    columns = _column_storage(weights)  # (V, N) or None
+    if columns is not None:  # reduce the middle dimension of (nb, block, N)
         block_sums = columns[: full * block].view(full, block, rows).sum(1).T  # (N, full)
     else:
         block_sums = weights[:, : full * block].view(rows, full, block).sum(-1)  # (N, full)
