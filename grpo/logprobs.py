@@ -133,11 +133,19 @@ def _softmax_pass(logits: torch.Tensor, with_entropy: bool, keep_exps: bool):
     return row_max, total, entropy
 
 
+def _chunk_inputs(hidden, rows, temperature, dtype):
+    """A chunk's (c, H) inputs in the compute dtype: h = hidden / temperature (for the gradients) and
+    h2 = hidden log2(e) / temperature, whose projection gives the base-2 logits. The (c, H) side is scaled,
+    not the (c, V) logits; forward and the recompute in backward must scale alike, so both call this."""
+    chunk = hidden[rows]
+    return chunk.to(dtype) / temperature, (chunk.float() * (_LOG2_E / temperature)).to(dtype)
+
+
 def _chunk_forward(hidden, w, targets, rows, temperature, dtype, with_entropy, keep_exps):
     """One chunk: (c, H) scaled inputs h, (c, V) base-2 logits (exp(z - max) if keep_exps), log-probs, lse, total,
     entropy; lse in nats, total = sum_j exp(z_j - max_j z_j)."""
-    h = hidden[rows].to(dtype) / temperature  # scale the (c, H) input, not the (c, V) logits
-    logits = _project((hidden[rows].float() * (_LOG2_E / temperature)).to(dtype), w)  # (c, V) base 2
+    h, h2 = _chunk_inputs(hidden, rows, temperature, dtype)
+    logits = _project(h2, w)  # (c, V) base 2
     target_logits = logits.gather(-1, targets[rows, None]).squeeze(-1).float()  # (c,), before any overwrite
     row_max, total, entropy = _softmax_pass(logits, with_entropy, keep_exps)
     lse2 = row_max + total.log2()  # (c,) base 2
@@ -210,8 +218,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
-                h = hidden[rows].to(dtype) / temperature  # (chunk, H)
-                h2 = (hidden[rows].float() * (_LOG2_E / temperature)).to(dtype)  # (chunk, H): base-2 logits
+                h, h2 = _chunk_inputs(hidden, rows, temperature, dtype)  # (chunk, H) each
                 g = grad_logps[rows].float()  # (chunk,)
                 # exp(z - lse + log|g|) = |g| * p, recomputed from the logits (never stored).
                 scaled_probs = _shifted_logits(h2, w, (lse[rows] - g.abs().log()) * _LOG2_E)
