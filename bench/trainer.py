@@ -57,7 +57,7 @@ def _peak_memory_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -> dict:
+def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, compile_decode: bool = False) -> dict:
     from data import add_prompts, make_synthetic_gsm8k
     from grpo.config import GRPOConfig
     from grpo.metrics import read_jsonl
@@ -68,7 +68,7 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str) 
         prompts_per_step=work["prompts"], num_generations=work["group"], micro_batch_size=work["micro_batch"],
         max_completion_length=work["new_tokens"], max_prompt_length=256, beta=work["beta"], reward=["tags"],
         device=device, precision=work["precision"], learning_rate=1e-6, save_steps=0, log_completions_steps=0,
-        logging_steps=10**6, warmup_ratio=0.0,
+        logging_steps=10**6, warmup_ratio=0.0, compile_decode=compile_decode,
     )
     trainer = Trainer(config, train_rows=add_prompts(make_synthetic_gsm8k(256, seed=0)))
     trainer.save = lambda: None  # checkpoint writing is not part of a step on either side
@@ -200,11 +200,16 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
             "total": prefill + decode + train + reference}
 
 
+SIDES = ("ours", "ours+compile", "trl")  # ours+compile: ours with the compiled decode step (CUDA graphs on a GPU)
+
+
 def child(args):
     work = workload(args)
-    runner = run_ours if args.child == "ours" else run_trl
     with tempfile.TemporaryDirectory() as out:
-        result = runner(args.model_dir, work, args.steps, args.device, out)
+        if args.child == "trl":
+            result = run_trl(args.model_dir, work, args.steps, args.device, out)
+        else:
+            result = run_ours(args.model_dir, work, args.steps, args.device, out, compile_decode=args.child == "ours+compile")
     print("RESULT " + json.dumps(result))
 
 
@@ -219,8 +224,10 @@ def main(argv=None):
     parser.add_argument("--group-size", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--micro-batch", type=int)
-    parser.add_argument("--sides", default="ours,trl", help="which trainers to run (ours,trl)")
-    parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--sides", default="ours,trl", help=f"which trainers to run, comma-separated: {', '.join(SIDES)}")
+    parser.add_argument("--side-timeout", type=float, default=None, help="seconds one run may take before it is "
+                        "stopped and reported as failed (the other runs go on)")
+    parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -230,8 +237,11 @@ def main(argv=None):
 
     work = workload(args)
     sides = args.sides.split(",")
+    unknown = [side for side in sides if side not in SIDES]
+    if unknown:
+        parser.error(f"unknown side(s) {unknown} in --sides; choose from {', '.join(SIDES)}")
     results = {side: [] for side in sides}
-    floors, round_ratios = [], []
+    floors, round_ratios = [], {side: [] for side in sides}
     with tempfile.TemporaryDirectory() as model_dir:
         save_tiny_model(model_dir, args.shape, seed=0)
         from transformers import AutoTokenizer
@@ -245,24 +255,34 @@ def main(argv=None):
                      if k in ("prompts", "group_size", "new_tokens", "micro_batch") and v is not None]
         for _ in range(args.repeats):
             for side in sides:
-                if side == "ours":
+                if side.startswith("ours"):
                     floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # just before the run
                 command = [sys.executable, __file__, "--child", side, "--model-dir", model_dir, "--shape", args.shape,
                            "--device", args.device, "--steps", str(args.steps), *forwarded]
-                run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+                try:
+                    run = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT,
+                                         timeout=args.side_timeout)
+                except subprocess.TimeoutExpired as stopped:
+                    print(f"{side} run stopped after {args.side_timeout} s:\n{_tail(stopped.stderr)}", flush=True)
+                    continue
                 lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-                if run.returncode or not lines:
-                    raise RuntimeError(f"{side} run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+                if run.returncode or not lines:  # reported, and the other runs go on
+                    print(f"{side} run failed (exit {run.returncode}):\n{_tail(run.stdout)}\n{_tail(run.stderr)}", flush=True)
+                    continue
                 results[side].append(json.loads(lines[-1][len("RESULT "):]))
-                if side == "ours":
+                print(f"{side} run: step times {', '.join(f'{t:.3f}' for t in results[side][-1]['step_times'])} s, "
+                      f"peak {results[side][-1]['peak_mib']:.0f} MiB", flush=True)
+                if side.startswith("ours"):
                     floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # and just after it
                     around = (floors[-2]["total"] + floors[-1]["total"]) / 2
                     step = statistics.median(results[side][-1]["step_times"][args.untimed:])
-                    round_ratios.append((step / around, step, around))
+                    round_ratios[side].append((step / around, step, around))
     floor = {part: statistics.median(f[part] for f in floors) for part in floors[0]} if floors else None
 
     summary = {}
     for side, runs in results.items():
+        if not runs:
+            continue
         step_times = [t for run in runs for t in run["step_times"][args.untimed:]]  # warm-up steps dropped
         tokens = [n for run in runs for n in run["tokens"][args.untimed:]]
         step = statistics.median(step_times)
@@ -272,26 +292,39 @@ def main(argv=None):
     print(f"shape={args.shape} device={args.device} precision={work['precision']} prompts={work['prompts']} "
           f"G={work['group']} new_tokens={work['new_tokens']} micro_batch={work['micro_batch']} beta={work['beta']} "
           f"steps/run={args.steps} ({args.untimed} untimed) runs/side={args.repeats}, medians")
-    print(f"{'':10s} {'s/step':>9s} {'tokens/s':>10s} {'peak MiB':>10s} {'tokens/step':>12s}")
+    print(f"{'':18s} {'s/step':>9s} {'tokens/s':>10s} {'peak MiB':>10s} {'tokens/step':>12s}")
     for side, s in summary.items():
-        print(f"{side:10s} {s['step_s']:9.3f} {s['tokens_per_s']:10.1f} {s['peak_mib']:10.0f} {s['mean_tokens']:12.0f}")
-    if "ours" in summary and "trl" in summary:
-        o, t = summary["ours"], summary["trl"]
-        print(f"{'ours/trl':10s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
-              f"{o['peak_mib'] / t['peak_mib']:10.3f}")
-    if "ours" in summary:
-        print(f"{'floor':10s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here; "
+        print(f"{side:18s} {s['step_s']:9.3f} {s['tokens_per_s']:10.1f} {s['peak_mib']:10.0f} {s['mean_tokens']:12.0f}")
+    ours_sides = [side for side in summary if side.startswith("ours")]
+    if "trl" in summary:
+        t = summary["trl"]
+        for side in ours_sides:
+            o = summary[side]
+            print(f"{side + '/trl':18s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
+                  f"{o['peak_mib'] / t['peak_mib']:10.3f}   ({side} steps/s = {t['step_s'] / o['step_s']:.2f} x trl's)")
+    if ours_sides:
+        print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here; "
               f"median of {len(floors)} measurements, before and after each of our runs)")
-        summary["ours"]["floor_ratio"] = statistics.median(r for r, _, _ in round_ratios)
-        print(f"{'ours/floor':10s} {summary['ours']['floor_ratio']:9.3f}   (median over rounds of our step / the "
-              f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f in round_ratios)})")
-        phases = [p for run in results["ours"] for p in run["phases"][args.untimed:]]
+    for side in ours_sides:
+        ratios = round_ratios[side]
+        summary[side]["floor_ratio"] = statistics.median(r for r, _, _ in ratios)
+        print(f"{side + '/floor':18s} {summary[side]['floor_ratio']:9.3f}   (median over rounds of our step / the "
+              f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f in ratios)})")
+    if ours_sides:
         print(f"\nper phase, s    {'sample':>8s} {'reference':>10s} {'update':>8s}")
+    for side in ours_sides:
+        phases = [p for run in results[side] for p in run["phases"][args.untimed:]]
         ours = {part: statistics.median(p[part] for p in phases) for part in ("sample", "reference", "update")}
-        print(f"{'ours':14s} {ours['sample']:8.3f} {ours['reference']:10.3f} {ours['update']:8.3f}")
+        print(f"{side:14s} {ours['sample']:8.3f} {ours['reference']:10.3f} {ours['update']:8.3f}")
+        summary[side]["phases"] = ours
+    if ours_sides:
         print(f"{'floor':14s} {floor['sample']:8.3f} {floor['reference']:10.3f} {floor['update']:8.3f}")
-        summary["ours"]["phases"] = ours
     return {"summary": summary, "floor": floor}
+
+
+def _tail(text, limit: int = 3000) -> str:
+    text = text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+    return text[-limit:]
 
 
 if __name__ == "__main__":
