@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from data.synthetic import make_synthetic_gsm8k  # noqa: E402
 from data.prompts import build_prompt  # noqa: E402
+from grpo.models import use_packed_decode_attention  # noqa: E402
 from grpo.sampler import SamplingParams, left_pad, sample_groups, sample_next_token  # noqa: E402
 from grpo.tiny_model import build_tiny_model  # noqa: E402
 
@@ -81,6 +82,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if cuda else torch.float32
 
     model, tokenizer = build_tiny_model(shape, seed=0)
+    use_packed_decode_attention(model)  # as grpo.models.load_model does for the trainer
     model = model.to(args.device, dtype)
     rows = make_synthetic_gsm8k(num_prompts, seed=0)
     prompts = [tokenizer.apply_chat_template(build_prompt(r["question"]), add_generation_prompt=True, return_dict=False) for r in rows]

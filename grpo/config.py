@@ -85,7 +85,7 @@ class GRPOConfig(ConfigMixin):
     top_k: int = _f(0, "top-k sampling (0 = off)")
     min_p: float = _f(0.0, "min-p sampling (0.0 = off)")
     static_cache: bool = _f(False, "CUDA: decode into a preallocated StaticCache")
-    compile_decode: bool = _f(False, "CUDA: torch.compile the decode step (CUDA graphs); implies --static-cache")
+    compile_decode: str = _f("auto", "torch.compile the decode step, captured as CUDA graphs on a GPU (implies a static cache): on, off, or auto = on with CUDA, off on CPU (where it measured slower than eager decoding)", choices=("auto", "on", "off"))
 
     # --- the objective ---
     reward: list[str] = _f(GSM8K_RECIPE_REWARDS, "reward functions by name, each with an optional weight: correctness:2")
@@ -143,6 +143,8 @@ class GRPOConfig(ConfigMixin):
         from rewards.registry import parse_reward_specs
 
         problems = []
+        if isinstance(self.compile_decode, bool):  # YAML reads `on` / `off` as booleans; earlier versions had a bool flag
+            self.compile_decode = "on" if self.compile_decode else "off"
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

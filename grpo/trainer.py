@@ -126,6 +126,8 @@ class Trainer:
         self.eos_token_ids = eos_token_ids(self.policy, self.tokenizer)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16"
                          else contextlib.nullcontext())
+        # The compiled decode step pays off on CUDA (CUDA graphs: 2.2x faster steps on an H200, README); on CPU eager is faster.
+        self.compile_decode = cfg.compile_decode == "on" or (cfg.compile_decode == "auto" and self.device.type == "cuda")
 
         # --- optimizer and schedule: weight decay on matrices only (not on norms and biases, as HF Trainer) ---
         decay = [p for p in self.policy.parameters() if p.requires_grad and p.dim() >= 2]
@@ -227,16 +229,30 @@ class Trainer:
         return indices
 
     # ------------------------------------------------------------------ sample + reward
+    def _sample(self, prompt_ids: list[list[int]]):
+        """The group sampler with this run's settings. With --compile-decode auto, a compiled decode step that
+        fails (no working compiler on this machine, say) is reported once and the run decodes eagerly."""
+        cfg = self.config
+        try:
+            with torch.no_grad(), self.autocast:
+                return sample_groups(self.policy, prompt_ids, cfg.num_generations, self.sampling,
+                                     self.tokenizer.pad_token_id, generator=self.sample_generator,
+                                     static_cache=cfg.static_cache, compile_decode=self.compile_decode,
+                                     max_prompt_length=cfg.max_prompt_length)
+        except Exception as error:
+            if not (self.compile_decode and cfg.compile_decode == "auto"):
+                raise
+            logger.warning("the compiled decode step failed (%s: %s); decoding eagerly from now on "
+                           "(--compile-decode off skips the attempt)", type(error).__name__, error)
+            self.compile_decode = False
+            return self._sample(prompt_ids)
+
     def make_rollout(self, indices: list[int]) -> tuple[Rollout, list, list]:
         """Sample G completions for each prompt, decode and score them. Returns (rollout, prompts, texts)."""
-        cfg, group = self.config, self.config.num_generations
+        group = self.config.num_generations
         rows = [self.train_rows[i] for i in indices]
         self.policy.eval()
-        with torch.no_grad(), self.autocast:
-            sample = sample_groups(self.policy, [self.train_prompt_ids[i] for i in indices], group, self.sampling,
-                                   self.tokenizer.pad_token_id, generator=self.sample_generator,
-                                   static_cache=cfg.static_cache, compile_decode=cfg.compile_decode,
-                                   max_prompt_length=cfg.max_prompt_length)
+        sample = self._sample([self.train_prompt_ids[i] for i in indices])
         self.policy.train()
         completion_ids = [ids[mask].tolist() for ids, mask in
                           zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]

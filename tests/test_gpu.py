@@ -1,8 +1,11 @@
 """Checks that need a CUDA GPU (skipped elsewhere). Run on a GPU machine with bench/gpu_check.sh."""
 
+import copy
+
 import pytest
 import torch
 
+from grpo.models import use_packed_decode_attention
 from grpo.sampler import SamplingParams, sample_groups
 from grpo.tiny_model import build_tiny_model
 
@@ -30,6 +33,10 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(dtype):
     compiled = sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, compile_decode=True)
     assert torch.equal(static.completion_ids, eager.completion_ids)
     assert torch.equal(compiled.completion_ids, eager.completion_ids)
+    switched = copy.deepcopy(model)  # a new model: a new compiled decoder
+    assert use_packed_decode_attention(switched)  # as load_model does: grouped heads packed in the compiled step too
+    packed = sample_groups(switched, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, compile_decode=True)
+    assert torch.equal(packed.completion_ids, eager.completion_ids)
 
 
 def test_bf16_training_step_on_cuda(tmp_path):
@@ -41,4 +48,5 @@ def test_bf16_training_step_on_cuda(tmp_path):
                         reward=["tags"], device="cuda", precision="auto", save_steps=0)
     trainer = Trainer(config)
     assert trainer.precision == "bf16" and next(trainer.policy.parameters()).dtype == torch.float32
+    assert trainer.compile_decode  # auto: the compiled decode step on CUDA
     assert trainer.train()["status"] == "finished"

@@ -1,3 +1,6 @@
+import types
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -46,3 +49,77 @@ def test_saved_folder_loads_like_a_hub_id(tiny_model_dir):
     assert (tiny_model_dir / "model.safetensors").exists()
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+
+
+def _naive_attention(query, key, value, mask, scaling):
+    """Float64 reference: each query head h attends over its key/value head h // G; mask True = attend."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    key, value = (t.double().repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))  # (N, H, L, D)
+    scores = query.double() @ key.transpose(-1, -2) * scaling  # (N, H, 1, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2)  # (N, 1, H, D)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(14, 2), (4, 2), (6, 3), (8, 1)])
+def test_packed_decode_attention_matches_a_naive_reference(heads, kv_heads):
+    from grpo.models import packed_decode_sdpa
+
+    generator = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    rows, length, dim = 5, 11, 16
+    query = torch.randn(rows, heads, 1, dim, generator=generator)
+    key, value = (torch.randn(rows, kv_heads, length, dim, generator=generator) for _ in range(2))
+    mask = torch.rand(rows, 1, 1, length, generator=generator) > 0.3
+    mask[..., -1] = True  # every row attends at least to its own position
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    out, weights = packed_decode_sdpa(module, query, key, value, mask, scaling=dim**-0.5)
+    assert weights is None and out.shape == (rows, 1, heads, dim)
+    torch.testing.assert_close(out.double(), _naive_attention(query, key, value, mask, dim**-0.5), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_decode_attention_leaves_other_calls_to_transformers():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from grpo.models import packed_decode_sdpa
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 4, 6, 8, generator=generator)  # six query tokens: a prefill, not a decode step
+    key, value = (torch.randn(3, 2, 6, 8, generator=generator) for _ in range(2))
+    mask = torch.ones(3, 1, 6, 6, dtype=torch.bool).tril()
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    ours, _ = packed_decode_sdpa(module, query, key, value, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert torch.equal(ours, theirs)
+
+
+def test_models_switched_to_packed_attention_decode_the_same_logits(tokenizer):
+    """A model switched by use_packed_decode_attention gives the logits of the unswitched one, eagerly and compiled
+    (the compiled decode step is where transformers' own SDPA copies K and V for every head)."""
+    import copy
+
+    from grpo.models import PACKED_DECODE_SDPA, use_packed_decode_attention
+    from grpo.sampler import SamplingParams, sample_groups
+
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny shape groups its heads
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(8.0)  # sharp next-token distributions, so greedy tokens are not near-ties
+    switched = copy.deepcopy(model)
+    assert use_packed_decode_attention(switched) and switched.config._attn_implementation == PACKED_DECODE_SDPA
+    assert not use_packed_decode_attention(switched)  # only models on transformers' SDPA are switched
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_dict=False) for q in ("What is 2 + 3?", "Hi", "Ava has 4 apples.")]
+    params = SamplingParams(max_completion_length=10, temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,))
+
+    def logits_of(m, **kwargs):
+        seen = []
+        sample = sample_groups(m, prompts, 2, params, tokenizer.pad_token_id, max_prompt_length=64,
+                               step_callback=lambda step, logits: seen.append(logits.clone()), **kwargs)
+        return sample.completion_ids, torch.stack(seen)
+
+    reference_ids, reference = logits_of(model)
+    for kwargs in ({}, {"compile_decode": True}):
+        ids, logits = logits_of(switched, **kwargs)
+        assert torch.equal(ids, reference_ids), kwargs
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)

@@ -235,3 +235,38 @@ def test_fused_loss_gives_the_same_gradients(tmp_path, options):
             assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5, abs=1e-6), key
     if options.get("num_iterations"):
         assert metrics[True]["clip_ratio/region_mean"] > 0  # the second pass is off-policy and clips
+
+
+def test_compile_decode_setting(tmp_path):
+    assert make_config(tmp_path).compile_decode == "auto"
+    assert not Trainer(make_config(tmp_path)).compile_decode  # auto: off on CPU, where eager decoding is faster
+    assert Trainer(make_config(tmp_path, compile_decode="on", overwrite=True)).compile_decode
+    assert make_config(tmp_path, compile_decode=True).validate().compile_decode == "on"  # YAML's `on`, old bool flag
+    assert make_config(tmp_path, compile_decode=False).validate().compile_decode == "off"
+    with pytest.raises(ValueError, match="compile_decode must be one of"):
+        make_config(tmp_path, compile_decode="yes").validate()
+
+
+def test_failing_compiled_decode_falls_back_to_eager_in_auto_mode(tmp_path, monkeypatch, caplog):
+    import grpo.trainer as trainer_module
+
+    real = trainer_module.sample_groups
+    calls = []
+
+    def compile_fails(*args, compile_decode=False, **kwargs):
+        calls.append(compile_decode)
+        if compile_decode:
+            raise RuntimeError("no C compiler")
+        return real(*args, compile_decode=compile_decode, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "sample_groups", compile_fails)
+    trainer = Trainer(make_config(tmp_path, max_steps=2))
+    trainer.compile_decode = True  # as auto resolves it on a CUDA machine
+    with caplog.at_level("WARNING", logger="grpo"):
+        assert trainer.train()["status"] == "finished"
+    assert calls == [True, False, False]  # one failed attempt, then eager for the rest of the run
+    assert "compiled decode step failed (RuntimeError: no C compiler)" in caplog.text
+
+    trainer = Trainer(make_config(tmp_path, max_steps=1, compile_decode="on", overwrite=True))
+    with pytest.raises(RuntimeError, match="no C compiler"):  # asked for explicitly: the error is the user's to see
+        trainer.train()
