@@ -3,6 +3,7 @@
     python bench/trainer.py --shape small                  # CPU, fp32: 4 prompts x G=4, 64 new tokens
     python bench/trainer.py --shape qwen2.5-0.5b --steps 2 # CPU, the real Qwen2.5-0.5B shape (random init)
     python bench/trainer.py --device cuda --shape qwen2.5-0.5b   # GPU, bf16: 16 prompts x G=8, 256 tokens
+        --sides ours,trl,ours-eager      # ours: our defaults (compiled decode on CUDA, eager on CPU); ours-eager, ours-compiled force one
 
 Same work on both sides: one random-init model saved to a folder (so completions run to the token
 budget: EOS is a 1-in-150k token for it), the same prompts, num_generations, completions per
@@ -15,8 +16,8 @@ set size of the process; CUDA: torch.cuda.max_memory_allocated), the ratio ours/
 the time of the matrix products one step cannot avoid at these shapes, measured here in the same
 run (prefill of each distinct prompt, T decode steps of N rows, the training forward + backward of
 the trunk and of the output projection on completion positions, the reference forward; each
-product timed on its own, into a preallocated output, in the faster of its two orientations: see
-floor_seconds), and ours/floor. The floor is measured right before and right after each of our runs; ours/floor is the
+product timed on its own, into a preallocated output, in the faster of its two orientations, on a GPU
+ten times back to back: see floor_seconds), and ours/floor. The floor is measured right before and right after each of our runs; ours/floor is the
 median over rounds of (our median step in that run) / (the mean of its two floors), so the slow
 drift of a shared machine's speed largely cancels in each ratio.
 """
