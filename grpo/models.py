@@ -118,10 +118,19 @@ AttentionMaskInterface.register(PACKED_DECODE_SDPA, sdpa_mask)
 
 
 def use_packed_decode_attention(model) -> bool:
-    """Switch a model that runs transformers' SDPA attention to `packed_decode_sdpa` (same results); True if switched."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    """Switch a model that runs transformers' SDPA attention to `packed_decode_sdpa` (same results); True if switched.
+
+    Only models whose attention goes through transformers' attention interface (`_supports_attention_backend`)
+    are switched: others (older remote code, say) may test for the name "sdpa" themselves, and are left as they are.
+    """
+    if (getattr(model.config, "_attn_implementation", None) != "sdpa"
+            or not getattr(model, "_supports_attention_backend", False)):
         return False
-    model.set_attn_implementation(PACKED_DECODE_SDPA)
+    try:
+        model.set_attn_implementation(PACKED_DECODE_SDPA)
+    except (ValueError, ImportError) as error:  # a model that refuses custom attention keeps its own
+        logger.info("keeping SDPA attention for %s: %s", type(model).__name__, error)
+        return False
     return True
 
 

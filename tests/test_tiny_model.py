@@ -123,3 +123,14 @@ def test_models_switched_to_packed_attention_decode_the_same_logits(tokenizer):
         ids, logits = logits_of(switched, **kwargs)
         assert torch.equal(ids, reference_ids), kwargs
         torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_models_outside_the_attention_interface_keep_their_attention(tokenizer):
+    from grpo.models import use_packed_decode_attention
+
+    model, _ = build_tiny_model("tiny", seed=0, tokenizer=tokenizer)
+    model._supports_attention_backend = False  # as remote-code models that pick their attention class by name
+    assert not use_packed_decode_attention(model) and model.config._attn_implementation == "sdpa"
+    model, _ = build_tiny_model("tiny", seed=0, tokenizer=tokenizer)
+    model.set_attn_implementation("eager")
+    assert not use_packed_decode_attention(model) and model.config._attn_implementation == "eager"
