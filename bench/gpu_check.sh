@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (about 8 minutes on one H200), run from the repository root on a CUDA machine.
+# The prepared GPU check (about 6 minutes on one H200), run from the repository root on a CUDA machine.
 # In order of priority, each part under its own time limit so one failure leaves the others' figures:
 #   1. ours vs trl on the trainer benchmark: the qwen2.5-0.5b shape, bf16, 16 prompts x G=8, 256 new tokens,
 #      micro-batch 32, beta 0.04; ours as configured by default (the compiled, CUDA-graph decode step) and eager;

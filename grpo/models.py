@@ -128,7 +128,7 @@ def use_packed_decode_attention(model) -> bool:
         return False
     try:
         model.set_attn_implementation(PACKED_DECODE_SDPA)
-    except (ValueError, ImportError) as error:  # a model that refuses custom attention keeps its own
+    except (ValueError, ImportError, AttributeError) as error:  # refused, or a transformers without the switch
         logger.info("keeping SDPA attention for %s: %s", type(model).__name__, error)
         return False
     return True
