@@ -25,3 +25,20 @@ def test_trainer_benchmark_runs(capsys):
                            "--new-tokens", "8", "--micro-batch", "4"])
     assert set(result["summary"]) == {"ours", "trl"} and result["floor"]["total"] > 0
     assert "ours/trl" in capsys.readouterr().out
+
+
+def test_trainer_benchmark_reports_a_stopped_side_and_goes_on(capsys):
+    from bench import trainer
+
+    result = trainer.main(["--shape", "tiny", "--steps", "1", "--untimed", "0", "--repeats", "1", "--prompts", "2",
+                           "--group-size", "2", "--new-tokens", "4", "--micro-batch", "4", "--sides", "ours",
+                           "--side-timeout", "0.01"])
+    assert result["summary"] == {}
+    assert "ours run stopped after 0.01 s" in capsys.readouterr().out
+
+
+def test_trainer_benchmark_names_an_unknown_side():
+    from bench import trainer
+
+    with pytest.raises(SystemExit):
+        trainer.main(["--sides", "ours,vllm"])
