@@ -312,19 +312,17 @@ def main(argv=None):
     if ours_sides:
         print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here; "
               f"median of {len(floors)} measurements, before and after each of our runs)")
-    for side in ours_sides:
-        ratios = round_ratios[side]
-        summary[side]["floor_ratio"] = statistics.median(r for r, _, _ in ratios)
-        print(f"{side + '/floor':18s} {summary[side]['floor_ratio']:9.3f}   (median over rounds of our step / the "
-              f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f in ratios)})")
-    if ours_sides:
+        for side in ours_sides:
+            ratios = round_ratios[side]
+            summary[side]["floor_ratio"] = statistics.median(r for r, _, _ in ratios)
+            print(f"{side + '/floor':18s} {summary[side]['floor_ratio']:9.3f}   (median over rounds of our step / the "
+                  f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f in ratios)})")
         print(f"\nper phase, s    {'sample':>8s} {'reference':>10s} {'update':>8s}")
-    for side in ours_sides:
-        phases = [p for run in results[side] for p in run["phases"][args.untimed:]]
-        ours = {part: statistics.median(p[part] for p in phases) for part in ("sample", "reference", "update")}
-        print(f"{side:14s} {ours['sample']:8.3f} {ours['reference']:10.3f} {ours['update']:8.3f}")
-        summary[side]["phases"] = ours
-    if ours_sides:
+        for side in ours_sides:
+            phases = [p for run in results[side] for p in run["phases"][args.untimed:]]
+            ours = summary[side]["phases"] = {part: statistics.median(p[part] for p in phases)
+                                              for part in ("sample", "reference", "update")}
+            print(f"{side:14s} {ours['sample']:8.3f} {ours['reference']:10.3f} {ours['update']:8.3f}")
         print(f"{'floor':14s} {floor['sample']:8.3f} {floor['reference']:10.3f} {floor['update']:8.3f}")
     return {"summary": summary, "floor": floor}
 
