@@ -13,9 +13,10 @@ row: exp(z - max), cumulative sums, binary search. On a CPU at Qwen's 151,936-to
 less than `torch.multinomial` or exponential-noise (Gumbel) sampling; top-k, top-p and min-p filters
 only run when enabled. Temperature 0 is greedy (argmax).
 
-On CUDA, `static_cache=True` decodes into a preallocated StaticCache and `compile_decode=True`
+`static_cache=True` decodes into a preallocated StaticCache. `compile_decode=True` (implies it) on CUDA
 captures the decode step with `torch.compile(mode="reduce-overhead")` (CUDA graphs): small models'
-decoding is bound by per-kernel launch overhead, which the graph replays without Python.
+decoding is bound by per-kernel launch overhead, which the graph replays without Python. On CPU it
+compiles the trunk of the step and keeps the output projection in the reused buffer (see _StaticDecoder).
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ class _DecodeHead:
                          and self.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
         self.out = None
 
-    def __call__(self, cache, **inputs) -> torch.Tensor:
-        """(N, V) fp32 logits of each row's next token; the buffer is overwritten by the next call."""
+    def __call__(self, cache, run_trunk=None, **inputs) -> torch.Tensor:
+        """(N, V) fp32 logits of each row's next token; the buffer is overwritten by the next call.
+        `run_trunk(trunk, **inputs)`, if given, runs the trunk (the CPU's compiled decode step passes one)."""
         if not self.buffered:
             return self.model(**inputs, use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1].float()
-        hidden = self.trunk(**inputs, use_cache=True, **{self.cache_kwarg: cache}).last_hidden_state[:, -1]  # (N, H)
+        inputs = {**inputs, "use_cache": True, self.cache_kwarg: cache}
+        hidden = (run_trunk(self.trunk, **inputs) if run_trunk else self.trunk(**inputs)).last_hidden_state[:, -1]  # (N, H)
         shape = (self.weight.shape[0], hidden.shape[0]) if self.transposed else (hidden.shape[0], self.weight.shape[0])
         if self.out is None or self.out.shape != shape:
             self.out = hidden.new_empty(shape)
@@ -273,11 +276,19 @@ def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[tor
     return ids.to(device), mask.to(device)
 
 
+def _run_trunk(trunk, **inputs):
+    return trunk(**inputs)
+
+
 class _StaticDecoder:
     """Decode steps into a preallocated StaticCache, optionally captured with torch.compile (CUDA graphs).
 
     Every shape it sees is fixed (N rows, a cache of `cache_len` positions), so one compilation serves
     the whole run: the trainer passes cache_len = max_prompt_length + max_completion_length.
+    On CUDA the whole step (trunk and projection) is compiled and replayed as CUDA graphs. On CPU only
+    the trunk is: the projection stays W h^T into the decode head's reused buffer (inductor's own
+    projection writes a fresh (N, V) tensor every token, which made the whole compiled step slower
+    than eager decoding there).
     The decoder kept between calls (its cache and compiled graph) refers to its model weakly: it never
     keeps a model alive, and a new model gets a new decoder.
     """
@@ -286,18 +297,27 @@ class _StaticDecoder:
 
     @classmethod
     def get(cls, model, num_rows: int, cache_len: int, compile_decode: bool) -> "_StaticDecoder":
-        current = cls._current
-        if current is None or current.model_ref() is not model or current.key != (num_rows, cache_len, compile_decode):
-            cls._current = current = cls(model, num_rows, cache_len, compile_decode)
+        """The decoder kept from the last call if it fits (same model, rows, cache length, compile setting, and
+        autocast dtype: the cache holds keys and values in the dtype the first call wrote), else a new one."""
+        device_type = next(model.parameters()).device.type
+        autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        key, current = (num_rows, cache_len, compile_decode, autocast), cls._current
+        if current is None or current.model_ref() is not model or current.key != key:
+            cls._current = current = cls(model, key)
         return current
 
-    def __init__(self, model, num_rows: int, cache_len: int, compile_decode: bool):
-        self.model_ref, self.key = weakref.ref(model), (num_rows, cache_len, compile_decode)
+    def __init__(self, model, key: tuple):
+        num_rows, cache_len, compile_decode, _ = key
+        self.model_ref, self.key = weakref.ref(model), key
         self.cache_len, self.cache_kwarg = cache_len, _cache_kwarg(model)
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         device_type = next(model.parameters()).device.type
-        mode = "reduce-overhead" if device_type == "cuda" else "default"
-        self.step_fn = torch.compile(self._step, mode=mode, dynamic=False) if compile_decode else self._step
+        self.compiled_step = self.run_trunk = None  # torch.compile is lazy: nothing compiles before a first call
+        if compile_decode and device_type == "cuda":
+            self.compiled_step = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
+        elif compile_decode:  # the trunk is passed in, so the decoder holds no reference to the model
+            self.compiled_step = torch.compile(self._step, dynamic=False)  # for heads that are not buffered
+            self.run_trunk = torch.compile(_run_trunk, dynamic=False)
 
     def start(self, prefilled: DynamicCache, attention_mask: torch.Tensor) -> None:
         """Copy the expanded prefill cache (N rows, P positions) into the static cache."""
@@ -317,14 +337,16 @@ class _StaticDecoder:
     def _step(self, model, head, tokens, position_ids, cache_position, attention_mask):
         inputs = dict(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
                       cache_position=cache_position)
-        if head is not None:  # eager: the trunk, then the projection into a reused buffer
-            return head(self.cache, **inputs)
+        if head is not None:  # the trunk, then the projection into a reused buffer
+            return head(self.cache, run_trunk=self.run_trunk, **inputs)
         return model(**inputs, use_cache=True, **{self.cache_kwarg: self.cache}).logits[:, -1]
 
-    def __call__(self, model, head: "_DecodeHead | None", tokens, position_ids, step: int):
-        """(N, V) fp32 logits of the next token; `head` None runs the model's own forward (the compiled path)."""
+    def __call__(self, model, head: "_DecodeHead", tokens, position_ids, step: int):
+        """(N, V) fp32 logits of the next token."""
         cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)
-        return self.step_fn(model, head, tokens, position_ids, cache_position, self.attention_mask).float()
+        if self.compiled_step is None or (self.run_trunk is not None and head.buffered):  # eager, or CPU's compiled trunk
+            return self._step(model, head, tokens, position_ids, cache_position, self.attention_mask)
+        return self.compiled_step(model, None, tokens, position_ids, cache_position, self.attention_mask).float()
 
 
 @torch.no_grad()
@@ -402,7 +424,7 @@ def sample_groups(
         if step == max_new - 1 or bool(done.all()):  # note: a CPU-GPU sync point, once per token
             break
         if decoder is not None:
-            logits = decoder(model, None if compile_decode else head, tokens[:, None], positions, step)
+            logits = decoder(model, head, tokens[:, None], positions, step)
         else:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
             logits = head(cache, input_ids=tokens[:, None], attention_mask=attention_mask,
