@@ -126,8 +126,8 @@ class Trainer:
         self.eos_token_ids = eos_token_ids(self.policy, self.tokenizer)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16"
                          else contextlib.nullcontext())
-        # The compiled decode step pays off on CUDA (CUDA graphs: 2.8x faster steps on an H200, README); on CPU it saves
-        # ~12% of a rollout after a compile of 10-20 s, so auto leaves it to long runs that ask for it.
+        # The compiled decode step pays off on CUDA (CUDA graphs: 2.8x faster steps on an H200, README); on CPU it
+        # measured no faster in the trainer benchmark (README), so auto leaves it off there.
         self.compile_decode = cfg.compile_decode == "on" or (cfg.compile_decode == "auto" and self.device.type == "cuda")
 
         # --- optimizer and schedule: weight decay on matrices only (not on norms and biases, as HF Trainer) ---
