@@ -13,7 +13,7 @@ their softmax (trl 1.16's fused LM head does the same with tiles; older trl buil
 
 Training uses `completion_token_loss` when each token's loss depends on its own log-prob only
 (token-level ratios): `_FusedTokenLoss` evaluates the loss per chunk and forms the gradient there,
-while the chunk's exp(z - max) is still in memory, so no logits are recomputed (three
+while the chunk's exp(z - z[target]) is still in memory, so no logits are recomputed (three
 vocabulary-sized products per chunk instead of four). With a tied embedding matrix, the head's and
 the embedding's gradients are summed in one reused buffer (`_TiedGradient`).
 
@@ -95,32 +95,37 @@ def _project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # Rows per block in `_softmax_pass`: 8 rows of 151,936 fp32 values (4.9 MB) stay in a CPU's last-level cache.
 _BLOCK_ROWS = 8
 
+# A row's exponentials are taken relative to its target token's logit, not its maximum (`_chunk_forward`). A row whose
+# max exceeds its target by more than this (base 2: a target probability under 2^-64, about 5e-20) falls back to its
+# maximum. Below it every 2^(y_j - shift) <= 2^64, their total <= 2^64 V, and the products that follow stay far inside
+# the range of fp32 and bf16 (the gradient's factor g / total too, for any |g| above 2^-60).
+_MAX_SHIFT_GAP = 64.0
 
-def _softmax_pass(logits: torch.Tensor, with_entropy: bool, keep_exps: bool):
-    """Row statistics of (rows, V) base-2 logits y = z log2(e), a block of rows at a time so each block is read
-    from memory once.
 
-    Returns (max, total, entropy or None), fp32 (rows,): max = max_j y_j (base 2), total = sum_j
-    2^(y_j - max) = sum_j exp(z_j - max_j z_j), so lse = ln 2 (max + log2 total) and entropy (nats)
-    = ln 2 (log2 total - sum_j 2^(y_j - max) (y_j - max) / total).
-    keep_exps: overwrite `logits` with exp(z - max z) (in its own dtype), for the products that follow.
-    The max, the subtraction, the exp2 and the sums run in fp32 whatever the logits' dtype.
+def _softmax_pass(logits: torch.Tensor, shift: torch.Tensor, with_entropy: bool, keep_exps: bool):
+    """Row statistics of (rows, V) base-2 logits y = z log2(e), relative to a per-row base-2 `shift` (rows,),
+    a block of rows at a time so each block is read from memory once.
+
+    Returns (total, entropy or None), fp32 (rows,): total = sum_j 2^(y_j - shift), so lse = ln 2 (shift + log2 total),
+    and entropy (nats) = ln 2 (log2 total - sum_j 2^(y_j - shift) (y_j - shift) / total); both hold for any shift.
+    The usual shift is the row's max; `_chunk_forward` passes the target token's logit instead, which needs no pass
+    over the row to find (the softmax is shift-invariant: only overflow limits the choice, see `_chunk_forward`).
+    keep_exps: overwrite `logits` with 2^(y - shift) (in its own dtype), for the products that follow.
+    The subtraction, the exp2 and the sums run in fp32 whatever the logits' dtype.
     """
     rows = logits.shape[0]
     block_rows = _BLOCK_ROWS if logits.device.type == "cpu" else rows  # accelerators: one pass, few kernels
-    row_max = logits.new_empty(rows, dtype=torch.float32)
     total = logits.new_empty(rows, dtype=torch.float32)
     entropy = logits.new_empty(rows, dtype=torch.float32) if with_entropy else None
     in_place = logits.dtype == torch.float32 and not with_entropy
     for start in range(0, rows, block_rows):
         block = logits[start : start + block_rows]  # (b, V)
-        block_max = block.amax(-1, keepdim=True).float()  # (b, 1)
-        row_max[start : start + block_rows] = block_max.squeeze(-1)
-        if in_place:  # fp32 without entropy: exp(z - max) written over z
-            exps = block.sub_(block_max).exp2_()
+        block_shift = shift[start : start + block_rows, None]  # (b, 1) fp32
+        if in_place:  # fp32 without entropy: 2^(y - shift) written over y
+            exps = block.sub_(block_shift).exp2_()
         else:
             shifted = _buffer("shifted", block.shape[0], block.shape[1], torch.float32, block.device)
-            shifted = torch.sub(block, block_max, out=shifted)  # (b, V) fp32
+            shifted = torch.sub(block, block_shift, out=shifted)  # (b, V) fp32
             exps = torch.exp2(shifted, out=_buffer("exps", *shifted.shape, torch.float32, block.device))
             if with_entropy:  # sum_j 2^(s_j) s_j, one dot product per row
                 dot = torch.linalg.vecdot(exps, shifted)  # (b,)
@@ -130,7 +135,7 @@ def _softmax_pass(logits: torch.Tensor, with_entropy: bool, keep_exps: bool):
         total[start : start + block_rows] = block_total
         if with_entropy:
             entropy[start : start + block_rows] = (block_total.log2() - dot / block_total) * _LN_2
-    return row_max, total, entropy
+    return total, entropy
 
 
 def _chunk_inputs(hidden, rows, temperature, dtype):
@@ -142,14 +147,45 @@ def _chunk_inputs(hidden, rows, temperature, dtype):
 
 
 def _chunk_forward(hidden, w, targets, rows, temperature, dtype, with_entropy, keep_exps):
-    """One chunk: (c, H) scaled inputs h, (c, V) base-2 logits (exp(z - max) if keep_exps), log-probs, lse, total,
-    entropy; lse in nats, total = sum_j exp(z_j - max_j z_j)."""
+    """One chunk: (c, H) scaled inputs h, (c, V) base-2 logits (2^(y - shift) if keep_exps), and per row (c,) the
+    log-probs, the base-2 shift, total = sum_j 2^(y_j - shift) and the entropy (nats; None unless with_entropy).
+    lse = ln 2 (shift + log2 total).
+
+    On CPU the shift is each row's target logit y_t, which the log-prob reads anyway: logp = ln 2 (y_t - lse2) =
+    -ln 2 log2(total), and no pass over the (memory-bound) row looks for its max. As y_t <= max, no term underflows
+    relative to the largest. A row whose total exceeds 2^_MAX_SHIFT_GAP V (its max is then more than _MAX_SHIFT_GAP
+    above y_t: a target probability under ~5e-20) or is not finite is redone from its logits with its max as the
+    shift. Accelerators shift by the row max (one cheap kernel; the redo test would cost a host sync per chunk),
+    and so does the entropy: ln 2 (log2 total - sum_j p_j (y_j - shift)) loses ~(max - shift) fp32 ulps to
+    cancellation, nothing when the shift is the max.
+    """
     h, h2 = _chunk_inputs(hidden, rows, temperature, dtype)
+    chunk_targets = targets[rows]  # (c,)
     logits = _project(h2, w)  # (c, V) base 2
-    target_logits = logits.gather(-1, targets[rows, None]).squeeze(-1).float()  # (c,), before any overwrite
-    row_max, total, entropy = _softmax_pass(logits, with_entropy, keep_exps)
-    lse2 = row_max + total.log2()  # (c,) base 2
-    return h, logits, (target_logits - lse2) * _LN_2, lse2 * _LN_2, total, entropy
+    target_logits = logits.gather(-1, chunk_targets[:, None]).squeeze(-1).float()  # (c,), before any overwrite
+    by_target = _shift_by_target(logits.device) and not with_entropy
+    shift = target_logits.clone() if by_target else logits.amax(-1).float()  # (c,) base 2
+    total, entropy = _softmax_pass(logits, shift, with_entropy, keep_exps)
+    # 2^gap * V bounds the total when max - shift <= gap: a larger total, inf or nan means the shift was too low
+    # (nan also from non-finite logits, which the redo leaves non-finite: the trainer then skips the update).
+    redo = ~(total <= 2.0 ** _MAX_SHIFT_GAP * logits.shape[-1]) if by_target else None
+    if redo is not None and bool(redo.any()):
+        index = redo.nonzero().squeeze(-1)  # (r,)
+        fresh = torch.matmul(h2[index], w.T).float()  # (r, V) the rows' logits again (the buffer may hold exps)
+        row_shift = fresh.amax(-1)  # (r,)
+        row_total, row_entropy = _softmax_pass(fresh, row_shift, with_entropy, keep_exps)  # fresh: exps if keep_exps
+        if keep_exps:
+            logits[index] = fresh.to(logits.dtype)
+        shift[index], total[index] = row_shift, row_total
+        if with_entropy:
+            entropy[index] = row_entropy
+    chunk_logps = (target_logits - shift - total.log2()) * _LN_2  # (c,) y_t - lse2; -log2(total) where shift = y_t
+    return h, logits, chunk_logps, shift, total, entropy
+
+
+def _shift_by_target(device: torch.device) -> bool:
+    """Whether `_chunk_forward` shifts a row's exponentials by its target logit (CPU) rather than its max."""
+    return device.type == "cpu"
 
 
 def _add_chunk_grads(probs, probs_w, minus_scale, g, h, w, targets, rows, temperature, grad_hidden, grad_weight,
@@ -184,25 +220,25 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         forward    logp = z[target] - lse(z),   entropy = lse(z) - sum_j p_j z_j
         backward   d logp / d z_j = [j == target] - p_j, so with the incoming gradient g:
                    dz = g * onehot(target) - g * p,  dh = dz W / temperature,  dW = dz^T h / temperature
-    In backward, |g| * p is computed as exp(z - lse + log|g|): one exp2 pass over the recomputed base-2 logits.
+    Backward recomputes the forward's e = exp(z - shift) (its shift and total are saved; p = e / total) and puts
+    -g / total on the (c, H) side of the products, as `_FusedTokenLoss` does: one exp2 pass per chunk.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool):
         dtype = _compute_dtype(weight)
         num_rows = hidden.shape[0]
-        logps = hidden.new_empty(num_rows, dtype=torch.float32)  # (M,)
-        lse = hidden.new_empty(num_rows, dtype=torch.float32)  # (M,)
+        logps, shift, total = (hidden.new_empty(num_rows, dtype=torch.float32) for _ in range(3))  # (M,) each
         entropy = hidden.new_empty(num_rows, dtype=torch.float32) if with_entropy else None
         w = weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, num_rows, chunk_size):
                 rows = slice(start, start + chunk_size)
-                _, _, logps[rows], lse[rows], _, chunk_entropy = _chunk_forward(
+                _, _, logps[rows], shift[rows], total[rows], chunk_entropy = _chunk_forward(
                     hidden, w, targets, rows, temperature, dtype, with_entropy, keep_exps=False)
                 if with_entropy:
                     entropy[rows] = chunk_entropy
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, shift, total)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         if entropy is not None:
             ctx.mark_non_differentiable(entropy)
@@ -210,7 +246,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, shift, total = ctx.saved_tensors
         temperature, chunk_size, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
         w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -220,14 +256,12 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 rows = slice(start, start + chunk_size)
                 h, h2 = _chunk_inputs(hidden, rows, temperature, dtype)  # (chunk, H) each
                 g = grad_logps[rows].float()  # (chunk,)
-                # exp(z - lse + log|g|) = |g| * p, recomputed from the logits (never stored).
-                scaled_probs = _shifted_logits(h2, w, (lse[rows] - g.abs().log()) * _LOG2_E)
-                scaled_probs = scaled_probs.exp2_()  # (chunk, V) fp32
-                minus_sign = torch.where(g < 0, 1.0, -1.0).to(dtype)[:, None]  # -g * p = -sign(g) |g| p
+                exps = _shifted_logits(h2, w, shift[rows]).exp2_()  # (chunk, V) fp32: the forward's exp(z - shift)
+                minus_scale = (-g / total[rows]).to(dtype)[:, None]  # (chunk, 1): -g p = minus_scale * exps
                 if dtype != torch.float32:
-                    scaled_probs = _buffer("logits_low", *scaled_probs.shape, dtype, h.device).copy_(scaled_probs)
-                probs_w = scaled_probs @ w if grad_hidden is not None else None  # (chunk, H)
-                _add_chunk_grads(scaled_probs, probs_w, minus_sign, g, h, w, targets[rows], rows, temperature,
+                    exps = _buffer("logits_low", *exps.shape, dtype, h.device).copy_(exps)
+                exps_w = exps @ w if grad_hidden is not None else None  # (chunk, H)
+                _add_chunk_grads(exps, exps_w, minus_scale, g, h, w, targets[rows], rows, temperature,
                                  grad_hidden, grad_weight, first=False)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
@@ -239,11 +273,11 @@ class _FusedTokenLoss(torch.autograd.Function):
 
     When the loss of each token depends on that token's log-prob alone (token-level ratios: every
     GRPO/DAPO/Dr. GRPO variant), d loss / d logp_t = f'(logp_t) is known as soon as a chunk's
-    log-probs are, so the chunk's gradients can be formed while its exp(z - max) is still in memory:
+    log-probs are, so the chunk's gradients can be formed while its e = exp(z - z[target]) is still in memory:
         g   = f'(logp)                       (c,)   autograd on the small per-token function
-        g p = (g / total) * exp(z - max)     (c, V) never formed: the scale goes on the (c, H) side
-        dh  = (g W[target] - (g / total) * (exp(z - max) @ W)) / temperature
-        dW  = (onehot(target) g - exp(z - max) (g / total))^T h / temperature
+        g p = (g / total) * e                (c, V) never formed: the scale goes on the (c, H) side
+        dh  = (g W[target] - (g / total) * (e @ W)) / temperature
+        dW  = (onehot(target) g - e (g / total))^T h / temperature,   total = sum_j e_j
     Three products per chunk (logits, dh, dW) instead of four (the recompute in backward), and one
     exp pass instead of two. Backward only scales the stored (M, H) and (V, H) gradients by the
     incoming scalar gradient. Liger-Kernel's fused linear losses use the same order of work.
@@ -263,7 +297,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, num_rows, chunk_size):
                 rows = slice(start, start + chunk_size)
-                h, exps, chunk_logps, lse, total, _ = _chunk_forward(
+                h, exps, chunk_logps, shift, total, _ = _chunk_forward(
                     hidden, w, targets, rows, temperature, dtype, with_entropy=False, keep_exps=True)  # exps (c, V)
                 logps[rows] = chunk_logps
                 probe = chunk_logps.detach().requires_grad_()
@@ -278,6 +312,7 @@ class _FusedTokenLoss(torch.autograd.Function):
                 if grad_hidden is not None or with_entropy:
                     exps_w = exps @ w  # (c, H) = total * sum_j p_j W_j
                 if with_entropy:  # sum_j p_j z_j = (sum_j p_j W_j) . h: entropy without another pass over (c, V)
+                    lse = (shift + total.log2()) * _LN_2  # (c,) nats
                     entropy[rows] = lse - (exps_w.float() * h.float()).sum(-1) / total
                 _add_chunk_grads(exps, exps_w if grad_hidden is not None else None, minus_scale, g, h, w,
                                  targets[rows], rows, temperature, grad_hidden, grad_weight, first=start == 0)

@@ -216,3 +216,97 @@ def test_fused_token_loss_edge_cases(tiny_model_and_tokenizer):
         assert logps.shape == mask.shape and (logps[mask == 0] == 0).all()
         assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
     assert loss.item() == 0.5  # the constant, once: the 9 tokens fit in one chunk
+
+
+def _far_targets(generator, rows=12, vocab=50, hidden=8):
+    """Hidden states, weights and targets with logits up to ~110 nats: a third of the targets are each row's least
+    likely token (more than 64 below the max in base 2, so their exponentials relative to the target would
+    pass the bound and the rows are redone), a third one about 30 nats below the max (exponentials up to ~2^43
+    relative to the target), a third the most likely."""
+    weight = torch.randn(vocab, hidden, generator=generator)
+    states = torch.randn(rows, hidden, generator=generator) * 8.0
+    logits = states @ weight.T  # (rows, V)
+    order = logits.argsort(-1)
+    middling = ((logits.amax(-1, keepdim=True) - logits) - 30.0).abs().argmin(-1)  # ~30 nats below the max
+    targets = torch.cat([order[0:4, 0], middling[4:8], order[8:12, -1]])
+    gaps = (logits.amax(-1) - logits.gather(-1, targets[:, None]).squeeze(-1)) * 1.4426950408889634  # base 2
+    assert (gaps[:4] > 64).all() and (gaps[4:8] > 20).any() and (gaps[4:8] < 64).all()
+    return states, weight, targets
+
+
+def _float64_reference(states, weight, targets, temperature):
+    states, weight = states.double().requires_grad_(), weight.double().requires_grad_()
+    logp_all = torch.log_softmax(states @ weight.T / temperature, -1)  # (M, V)
+    logps = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return states, weight, logps, entropy
+
+
+def _close_to(got, expected, name, scale=None):
+    # fp32 against float64: atol 1e-6 of the largest value (fp32 sums of ~100-sized terms in another order), as
+    # a plain fp32 log_softmax + autograd measures here; `scale` replaces the largest value where the result is a
+    # difference of larger quantities.
+    expected = expected.detach()
+    atol = 1e-6 * max(1.0, scale or expected.abs().max().item())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("chunk_size", [5, 64])
+@pytest.mark.parametrize("by_target", [True, False])
+def test_targets_far_below_the_max(chunk_size, by_target, monkeypatch):
+    # On CPU exponentials are taken relative to the target's logit; rows whose target is less likely than 2^-64 are
+    # redone with their max. Accelerators shift by the max (run here on CPU too). Log-probs, entropies and
+    # gradients against float64, through both Functions.
+    import grpo.logprobs
+    from grpo.logprobs import _ChunkedTokenLogProbs, _FusedTokenLoss
+
+    assert grpo.logprobs._shift_by_target(torch.device("cpu"))
+    monkeypatch.setattr(grpo.logprobs, "_shift_by_target", lambda device: by_target)
+    passes, real_pass = [], grpo.logprobs._softmax_pass
+    monkeypatch.setattr(grpo.logprobs, "_softmax_pass", lambda *args: passes.append(1) or real_pass(*args))
+
+    generator = torch.Generator().manual_seed(7)
+    states, weight, targets = _far_targets(generator)
+    scale = torch.rand(targets.shape, generator=generator)  # d loss / d logp per token
+    temperature = 0.9
+    ref_states, ref_weight, ref_logps, ref_entropy = _float64_reference(states, weight, targets, temperature)
+    (ref_logps * scale.double()).sum().backward()
+    assert ref_logps.min() < -60
+
+    chunks = -(-len(targets) // chunk_size)
+    hidden, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
+    logps, _ = _ChunkedTokenLogProbs.apply(hidden, w, targets, temperature, chunk_size, False)
+    (logps * scale).sum().backward()
+    assert len(passes) == (chunks + 1 if by_target else chunks)  # the far rows' chunk redone once
+    for name, got, expected in [("logps", logps, ref_logps), ("d hidden", hidden.grad, ref_states.grad),
+                                ("d weight", w.grad, ref_weight.grad)]:
+        _close_to(got, expected, name)
+    _, entropy = _ChunkedTokenLogProbs.apply(states, weight, targets, temperature, chunk_size, True)
+    _close_to(entropy, ref_entropy, "entropy")  # with the entropy the shift is the max: no redo, no cancellation
+
+    hidden, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, logps, entropy = _FusedTokenLoss.apply(hidden, w, targets, temperature, chunk_size, True,
+                                                 lambda chunk, index: (chunk * scale[index]).sum(), None)
+    loss.backward()
+    for name, got, expected in [("loss", loss, (ref_logps * scale.double()).sum()), ("logps", logps, ref_logps),
+                                ("d hidden", hidden.grad, ref_states.grad), ("d weight", w.grad, ref_weight.grad)]:
+        _close_to(got, expected, name)
+    # The fused pass takes the entropy as lse - sum_j p_j z_j from its (c, H) products, a difference of two
+    # quantities as large as the logits (~120 nats here): its fp32 error scales with them, whatever the shift.
+    logits_scale = (states @ weight.T).abs().max().item() / temperature
+    _close_to(entropy, ref_entropy, "entropy", scale=logits_scale)
+
+
+def test_non_finite_logits_give_non_finite_log_probs():
+    # A row with a nan hidden state has no finite log-prob (the trainer then skips the update); the other rows are
+    # unaffected and nothing raises.
+    from grpo.logprobs import _ChunkedTokenLogProbs
+
+    generator = torch.Generator().manual_seed(8)
+    states, weight, targets = _far_targets(generator)
+    states[3, 0] = float("nan")
+    logps, entropy = _ChunkedTokenLogProbs.apply(states, weight, targets, 1.0, 5, True)
+    kept = [row for row in range(len(targets)) if row != 3]
+    _, _, expected, _ = _float64_reference(states[kept], weight, targets[kept], 1.0)
+    assert logps[3].isnan() and entropy[3].isnan()
+    _close_to(logps[kept], expected, "logps")
