@@ -155,15 +155,16 @@ def _chunk_forward(hidden, w, targets, rows, temperature, dtype, with_entropy, k
     -ln 2 log2(total), and no pass over the (memory-bound) row looks for its max. As y_t <= max, no term underflows
     relative to the largest. A row whose total exceeds 2^_MAX_SHIFT_GAP V (its max is then more than _MAX_SHIFT_GAP
     above y_t: a target probability under ~5e-20) or is not finite is redone from its logits with its max as the
-    shift. Accelerators shift by the row max (one cheap kernel; the redo test would cost a host sync per chunk),
-    and so does the entropy: ln 2 (log2 total - sum_j p_j (y_j - shift)) loses ~(max - shift) fp32 ulps to
-    cancellation, nothing when the shift is the max.
+    shift. Accelerators shift by the row max (one cheap kernel; the redo test would cost a host sync per chunk).
+    Every CPU pass uses the same shift, so the fused loss and the plain log-probs give identical log-probs (a
+    token's clipping cannot differ between them). The entropy, ln 2 (log2 total - sum_j p_j (y_j - shift)), is a
+    difference of two terms of size ~(max - shift): its fp32 error grows with that gap, ~1e-6 nats at a gap of 40.
     """
     h, h2 = _chunk_inputs(hidden, rows, temperature, dtype)
     chunk_targets = targets[rows]  # (c,)
     logits = _project(h2, w)  # (c, V) base 2
     target_logits = logits.gather(-1, chunk_targets[:, None]).squeeze(-1).float()  # (c,), before any overwrite
-    by_target = _shift_by_target(logits.device) and not with_entropy
+    by_target = _shift_by_target(logits.device)
     shift = target_logits.clone() if by_target else logits.amax(-1).float()  # (c,) base 2
     total, entropy = _softmax_pass(logits, shift, with_entropy, keep_exps)
     # 2^gap * V bounds the total when max - shift <= gap: a larger total, inf or nan means the shift was too low
