@@ -95,10 +95,11 @@ def _project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # Rows per block in `_softmax_pass`: 8 rows of 151,936 fp32 values (4.9 MB) stay in a CPU's last-level cache.
 _BLOCK_ROWS = 8
 
-# A row's exponentials are taken relative to its target token's logit, not its maximum (`_chunk_forward`). A row whose
-# max exceeds its target by more than this (base 2: a target probability under 2^-64, about 5e-20) falls back to its
-# maximum. Below it every 2^(y_j - shift) <= 2^64, their total <= 2^64 V, and the products that follow stay far inside
-# the range of fp32 and bf16 (the gradient's factor g / total too, for any |g| above 2^-60).
+# On CPU a row's exponentials are taken relative to its target token's logit, not its maximum (`_chunk_forward`). A row
+# whose total of 2^(y_j - shift) exceeds 2^64 V (its max is then more than 64 above its target in base 2: a target
+# probability under 2^-64, about 5e-20) falls back to its maximum. Within the bound every term and the total are at most
+# 2^64 V (2^81.2 at Qwen's vocabulary), the products that follow stay far inside the range of fp32 and bf16, and the
+# gradient's factor g / total stays a normal number for any |g| above 2^-44.
 _MAX_SHIFT_GAP = 64.0
 
 
