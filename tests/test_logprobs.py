@@ -253,15 +253,17 @@ def _close_to(got, expected, name, scale=None):
 
 @pytest.mark.parametrize("chunk_size", [5, 64])
 @pytest.mark.parametrize("by_target", [True, False])
-def test_targets_far_below_the_max(chunk_size, by_target, monkeypatch):
+@pytest.mark.parametrize("columns", [True, False])
+def test_targets_far_below_the_max(chunk_size, by_target, columns, monkeypatch):
     # On CPU exponentials are taken relative to the target's logit; rows whose target is less likely than 2^-64 are
-    # redone with their max. Accelerators shift by the max (run here on CPU too). Log-probs, entropies and
-    # gradients against float64, through both Functions.
+    # redone with their max, and fp32 logits are stored as (V, c) columns. Accelerators shift by the max and store
+    # (c, V) rows (both run here on CPU too). Log-probs, entropies and gradients against float64, both Functions.
     import grpo.logprobs
     from grpo.logprobs import _ChunkedTokenLogProbs, _FusedTokenLoss
 
-    assert grpo.logprobs._shift_by_target(torch.device("cpu"))
+    assert grpo.logprobs._shift_by_target(torch.device("cpu")) and grpo.logprobs._columns_layout(torch.zeros(1))
     monkeypatch.setattr(grpo.logprobs, "_shift_by_target", lambda device: by_target)
+    monkeypatch.setattr(grpo.logprobs, "_columns_layout", lambda h: columns)
     passes, real_pass = [], grpo.logprobs._softmax_pass
     monkeypatch.setattr(grpo.logprobs, "_softmax_pass", lambda *args: passes.append(1) or real_pass(*args))
 
