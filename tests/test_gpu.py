@@ -50,3 +50,31 @@ def test_bf16_training_step_on_cuda(tmp_path):
     assert trainer.precision == "bf16" and next(trainer.policy.parameters()).dtype == torch.float32
     assert trainer.compile_decode  # auto: the compiled decode step on CUDA
     assert trainer.train()["status"] == "finished"
+
+
+def test_log_probs_on_cuda_match_float64():
+    # On CUDA the log-probs shift by each row's max and store (c, V) rows (CPU: the target's logit, (V, c) columns):
+    # values and gradients of both Functions against float64, on logits of ~100 nats with far targets.
+    from grpo.logprobs import _ChunkedTokenLogProbs, _FusedTokenLoss, _shift_by_target
+    from tests.test_logprobs import _close_to, _far_targets, _float64_reference
+
+    assert not _shift_by_target(torch.device("cuda"))
+    generator = torch.Generator().manual_seed(7)
+    states, weight, targets = _far_targets(generator)
+    scale = torch.rand(targets.shape, generator=generator)
+    ref_states, ref_weight, ref_logps, _ = _float64_reference(states, weight, targets, 0.9)
+    (ref_logps * scale.double()).sum().backward()
+    expected = {"logps": ref_logps, "d hidden": ref_states.grad, "d weight": ref_weight.grad}
+    for fused in (False, True):
+        hidden = states.cuda().requires_grad_()
+        w = weight.cuda().requires_grad_()
+        cuda_targets, cuda_scale = targets.cuda(), scale.cuda()
+        if fused:
+            loss, logps, _ = _FusedTokenLoss.apply(hidden, w, cuda_targets, 0.9, 5, False,
+                                                   lambda chunk, index: (chunk * cuda_scale[index]).sum(), None)
+        else:
+            logps, _ = _ChunkedTokenLogProbs.apply(hidden, w, cuda_targets, 0.9, 5, False)
+            loss = (logps * cuda_scale).sum()
+        loss.backward()
+        for name, got in (("logps", logps), ("d hidden", hidden.grad), ("d weight", w.grad)):
+            _close_to(got.detach().cpu(), expected[name], f"{name}, fused={fused}")
