@@ -49,6 +49,12 @@ def _buffer(name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.d
     return buffer[:size].view(rows, cols)
 
 
+def _column_storage(x: torch.Tensor) -> torch.Tensor | None:
+    """x.T, (V, N), when the (N, V) tensor x is the transposed view of a contiguous (V, N) one (the layout of the CPU
+    log-prob chunks and of the sampler's decode head); None otherwise."""
+    return x.T if x.stride(-1) != 1 and x.T.is_contiguous() else None
+
+
 def _columns_layout(h: torch.Tensor) -> bool:
     """Whether a chunk's logits are stored as (V, c) columns, W h^T, rather than (c, V) rows, h W^T: on CPU in fp32.
     There BLAS computes W h^T faster (0.35 against 0.43 ms a row of 151,936 x 128 at 192 and 220 rows on the
@@ -127,8 +133,9 @@ def _softmax_pass(logits: torch.Tensor, shift: torch.Tensor, with_entropy: bool,
     keep_exps: overwrite `logits` with 2^(y - shift) (in its own dtype), for the products that follow.
     The subtraction, the exp2 and the sums run in fp32 whatever the logits' dtype.
     """
-    if logits.stride(-1) != 1 and logits.T.is_contiguous():  # the (c, V) view of (V, c) columns
-        return _column_softmax_pass(logits.T, shift, with_entropy, keep_exps)
+    columns = _column_storage(logits)  # (V, c) or None
+    if columns is not None:
+        return _column_softmax_pass(columns, shift, with_entropy, keep_exps)
     rows = logits.shape[0]
     block_rows = _BLOCK_ROWS if logits.device.type == "cpu" else rows  # accelerators: one pass, few kernels
     total = logits.new_empty(rows, dtype=torch.float32)
@@ -306,7 +313,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 h, h2 = _chunk_inputs(hidden, rows, temperature, dtype)  # (chunk, H) each
                 g = grad_logps[rows].float()  # (chunk,)
                 exps = _shifted_logits(h2, w, shift[rows]).exp2_()  # (chunk, V) fp32: the forward's exp(z - shift)
-                index = redone[rows].nonzero().squeeze(-1) if redone.device.type == "cpu" else None  # (r,)
+                index = redone[rows].nonzero().squeeze(-1) if _shift_by_target(redone.device) else None  # (r,)
                 if index is not None and index.numel():  # recomputed as the forward did
                     exps[index] = torch.exp2(_redo_logits(h2, w, index) - shift[rows][index, None])
                 minus_scale = (-g / total[rows]).to(dtype)[:, None]  # (chunk, 1): -g p = minus_scale * exps

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo.logprobs import check_plain_output_head, position_ids_from_mask
+from grpo.logprobs import _column_storage, check_plain_output_head, position_ids_from_mask
 
 _LOG2_E = math.log2(math.e)
 
@@ -204,12 +204,6 @@ def sample_next_token(
     weights = torch.add(_row_max(logits) * -scale, logits, alpha=scale, out=out).exp2_()  # (N, V)
     uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
     return _inverse_cdf(weights, uniform)
-
-
-def _column_storage(x: torch.Tensor) -> torch.Tensor | None:
-    """x.T, (V, N), when the (N, V) tensor x is the transposed view of a contiguous (V, N) one (the CPU decode
-    head's layout); None otherwise."""
-    return x.T if x.stride(-1) != 1 and x.T.is_contiguous() else None
 
 
 def _row_max(logits: torch.Tensor, slots: int = 64) -> torch.Tensor:
