@@ -11,7 +11,10 @@ saves (G - 1) / G of that work and of the prompt's KV cache writes.
 Next-token sampling (`sample_next_token`) is exact inverse-CDF sampling with one uniform number per
 row: exp(z - max), cumulative sums, binary search. On a CPU at Qwen's 151,936-token vocabulary this costs
 less than `torch.multinomial` or exponential-noise (Gumbel) sampling; top-k, top-p and min-p filters
-only run when enabled. Temperature 0 is greedy (argmax).
+only run when enabled. Temperature 0 is greedy (argmax). On CPU in fp32 without filters the decode
+steps skip the search for the max: the projection itself writes z log2(e) / T - c, with c from the
+previous token's log-normaliser, and only rows whose sum leaves a safe range are redone with their
+max (`_sample_base2`).
 
 `static_cache=True` decodes into a preallocated StaticCache. `compile_decode=True` (implies it) on CUDA
 captures the decode step with `torch.compile(mode="reduce-overhead")` (CUDA graphs): small models'
@@ -30,9 +33,10 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo.logprobs import _column_storage, check_plain_output_head, position_ids_from_mask
+from grpo.logprobs import _buffer, _column_storage, check_plain_output_head, position_ids_from_mask
 
 _LOG2_E = math.log2(math.e)
+_LN_2 = math.log(2.0)
 
 
 def _cache_kwarg(model) -> str:
@@ -45,10 +49,11 @@ class _DecodeHead:
 
     On CPU a fresh (N, V) logits tensor per token is page-faulted in every step (10 MB at N = 16 and
     Qwen's vocabulary), which costs about as much as the product itself; writing into one buffer
-    avoids it. `transposed`: the buffer is (V, N), W h^T, and the logits are its (N, V) transposed view:
-    for a few rows the BLAS product in that orientation takes ~2/3 of the time of h W^T (measured on
-    the benchmark CPU at N = 16, H = 128, V = 151,936). Models whose logits are not plain W h
-    (soft-capping, scaling, a bias), other devices and mixed dtypes use the model's own forward.
+    (kept between calls, `grpo.logprobs._buffer`) avoids it. `transposed`: the buffer is (V, N), W h^T,
+    and the logits are its (N, V) transposed view: for a few rows the BLAS product in that orientation
+    takes ~2/3 of the time of h W^T (measured on the benchmark CPU at N = 16, H = 128, V = 151,936).
+    Models whose logits are not plain W h (soft-capping, scaling, a bias), other devices and mixed
+    dtypes use the model's own forward.
     """
 
     def __init__(self, model, cache_kwarg: str, transposed: bool = False):
@@ -65,19 +70,37 @@ class _DecodeHead:
                          and self.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
         self.out = None
 
-    def __call__(self, cache, run_trunk=None, **inputs) -> torch.Tensor:
-        """(N, V) fp32 logits of each row's next token; the buffer is overwritten by the next call.
-        `run_trunk(trunk, **inputs)`, if given, runs the trunk (the CPU's compiled decode step passes one)."""
+    def output(self, num_rows: int) -> torch.Tensor:
+        """The (N, V) view of the reused buffer that the next call writes (buffered heads only)."""
+        vocab = self.weight.shape[0]
+        if self.transposed:
+            self.out = _buffer("decode_logits", vocab, num_rows, torch.float32, self.weight.device)  # (V, N)
+            return self.out.T
+        self.out = _buffer("decode_logits", num_rows, vocab, torch.float32, self.weight.device)
+        return self.out
+
+    def __call__(self, cache, run_trunk=None, shift: torch.Tensor | None = None, scale: float = 1.0,
+                 **inputs) -> torch.Tensor:
+        """(N, V) fp32 logits z of each row's next token; the buffer is overwritten by the next call.
+        `run_trunk(trunk, **inputs)`, if given, runs the trunk (the CPU's compiled decode step passes one).
+        `shift` (N,), buffered heads only: returns scale * z - shift[:, None] instead, formed by the product
+        itself (BLAS adds the broadcast shift as it writes: no pass of its own over the (N, V) values)."""
         if not self.buffered:
+            if shift is not None:
+                raise ValueError("a shift needs the buffered decode head (CPU, fp32, logits = W h)")
             return self.model(**inputs, use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1].float()
         inputs = {**inputs, "use_cache": True, self.cache_kwarg: cache}
         hidden = (run_trunk(self.trunk, **inputs) if run_trunk else self.trunk(**inputs)).last_hidden_state[:, -1]  # (N, H)
-        shape = (self.weight.shape[0], hidden.shape[0]) if self.transposed else (hidden.shape[0], self.weight.shape[0])
-        if self.out is None or self.out.shape != shape:
-            self.out = hidden.new_empty(shape)
-        if self.transposed:
-            return torch.mm(self.weight, hidden.T, out=self.out).T  # (N, V) view of (V, N)
-        return torch.mm(hidden, self.weight.T, out=self.out)  # (N, V)
+        out = self.output(hidden.shape[0])  # (N, V), a view of the (V, N) buffer when transposed
+        if shift is None and self.transposed:
+            torch.mm(self.weight, hidden.T, out=self.out)  # (V, N)
+        elif shift is None:
+            torch.mm(hidden, self.weight.T, out=self.out)  # (N, V)
+        elif self.transposed:  # (V, N) = -shift (1, N) + scale * W h^T
+            torch.addmm(-shift[None, :], self.weight, hidden.T, alpha=scale, out=self.out)
+        else:  # (N, V) = -shift (N, 1) + scale * h W^T
+            torch.addmm(-shift[:, None], hidden, self.weight.T, alpha=scale, out=self.out)
+        return out
 
 
 class _ReservedLayer(DynamicLayer):
@@ -237,6 +260,11 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor, block: int = 1024
     chosen: keys are kept strictly below each level's total and at or above 0.
     weights (N, V) >= 0 with a positive sum per row; uniform (N, 1) in [0, 1). Returns (N,) int64.
     """
+    return _draw(weights, _block_sums(weights, block), uniform, block)
+
+
+def _block_sums(weights: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """(N, V) -> (N, ceil(V / block)) sums of consecutive blocks of `block` weights; the last may be partial."""
     rows, vocab = weights.shape
     full = vocab // block
     columns = _column_storage(weights)  # (V, N) or None
@@ -246,6 +274,12 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor, block: int = 1024
         block_sums = weights[:, : full * block].view(rows, full, block).sum(-1)  # (N, full)
     if vocab % block:
         block_sums = torch.cat([block_sums, weights[:, full * block :].sum(-1, keepdim=True)], dim=1)  # (N, nb)
+    return block_sums
+
+
+def _draw(weights: torch.Tensor, block_sums: torch.Tensor, uniform: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """`_inverse_cdf` given the weights' block sums (N, nb) from `_block_sums`."""
+    vocab = weights.shape[1]
     block_cdf = block_sums.cumsum(-1)  # (N, nb)
     key = torch.minimum(uniform * block_cdf[:, -1:], _below(block_cdf[:, -1:]))  # (N, 1)
     chosen = torch.searchsorted(block_cdf, key, right=True)  # (N, 1): first block whose cdf exceeds the key
@@ -255,6 +289,36 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor, block: int = 1024
     key = torch.minimum((key - before).clamp(min=0.0), _below(inside[:, -1:]))  # (N, 1), within the block's mass
     position = torch.searchsorted(inside, key, right=True)  # (N, 1)
     return (chosen * block + position).squeeze(-1)
+
+
+# The sampler's shifted steps (CPU, plain sampling): each step's base-2 logits y = z log2(e) / T - c come out of the
+# projection already shifted by c, the row's previous log-normaliser less _SHIFT_MARGIN, so no pass looks for the
+# max. Consecutive tokens' normalisers are close; a row whose sum of 2^y falls outside _TOTAL_RANGE (its max moved by
+# more than ~60 in base 2 since the last token) is redone with its max. Inside the range the sums stay far from fp32's
+# overflow, and the largest weight is at least 2^-60 / V, so only weights under ~2^-49 of it reach fp32's subnormals.
+_SHIFT_MARGIN = 16.0
+_TOTAL_RANGE = (2.0**-60, 2.0**110)
+
+
+def _sample_base2(y: torch.Tensor, uniform: torch.Tensor, out: torch.Tensor | None = None):
+    """One token per row from p_j = 2^(y_j) / sum_k 2^(y_k), for base-2 logits y (N, V) with any per-row offset.
+
+    Returns (tokens (N,), log2 sum_j 2^(y_j) (N,): the row's base-2 log-normaliser in y's frame). The weights 2^y
+    go into `out` (laid out like y) when given. Rows whose sum is outside _TOTAL_RANGE are redone as 2^(y - max).
+    """
+    weights = torch.exp2(y, out=out)  # (N, V)
+    sums = _block_sums(weights)  # (N, nb)
+    total = sums.sum(-1)  # (N,)
+    offset = None
+    outside = ~((total >= _TOTAL_RANGE[0]) & (total <= _TOTAL_RANGE[1]))  # also inf and nan
+    if bool(outside.any()):  # rare: a host sync on accelerators, but this path runs on CPU
+        offset = torch.where(outside, _row_max(y).squeeze(-1), 0.0)  # (N,)
+        weights = torch.exp2(y - offset[:, None], out=out)
+        sums = _block_sums(weights)
+        total = sums.sum(-1)
+    tokens = _draw(weights, sums, uniform)
+    log2_total = total.log2()
+    return tokens, log2_total if offset is None else log2_total + offset
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,18 +392,18 @@ class _StaticDecoder:
             [attention_mask, attention_mask.new_ones(num_rows, self.cache_len - prompt_len)], dim=1
         )
 
-    def _step(self, model, head, tokens, position_ids, cache_position, attention_mask):
+    def _step(self, model, head, tokens, position_ids, cache_position, attention_mask, **head_kwargs):
         inputs = dict(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
                       cache_position=cache_position)
         if head is not None:  # the trunk, then the projection into a reused buffer
-            return head(self.cache, run_trunk=self.run_trunk, **inputs)
+            return head(self.cache, run_trunk=self.run_trunk, **head_kwargs, **inputs)
         return model(**inputs, use_cache=True, **{self.cache_kwarg: self.cache}).logits[:, -1]
 
-    def __call__(self, model, head: "_DecodeHead", tokens, position_ids, step: int):
-        """(N, V) fp32 logits of the next token."""
+    def __call__(self, model, head: "_DecodeHead", tokens, position_ids, step: int, **head_kwargs):
+        """(N, V) fp32 logits of the next token (`head_kwargs`, the buffered head's shift and scale: see _DecodeHead)."""
         cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)
         if self.compiled_step is None or (self.run_trunk is not None and head.buffered):  # eager, or CPU's compiled trunk
-            return self._step(model, head, tokens, position_ids, cache_position, self.attention_mask)
+            return self._step(model, head, tokens, position_ids, cache_position, self.attention_mask, **head_kwargs)
         return self.compiled_step(model, None, tokens, position_ids, cache_position, self.attention_mask).float()
 
 
@@ -382,7 +446,6 @@ def sample_groups(
     cache.batch_repeat_interleave(group_size)
     if not (static_cache or compile_decode):
         _reserve(cache, max_new)
-    logits = logits.repeat_interleave(group_size, dim=0)  # (N, V)
     attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
     positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
     # (V, N) logits storage when the sampler reads it in place: unfiltered sampling (greedy argmax and the
@@ -393,36 +456,57 @@ def sample_groups(
         cache_len = max(max_prompt_length or 0, prompt_ids.shape[1]) + max_new
         decoder = _StaticDecoder.get(model, num_rows, cache_len, compile_decode)
         decoder.start(cache, attention_mask)
+    # Shifted steps (CPU, fp32, plain sampling; see _sample_base2): `logits` holds base-2 logits y = z s - shift,
+    # s = log2(e) / T, formed by the head's product; the first step's are the prefill's, scaled (shift 0).
+    shifted = plain_sampling and head.buffered
+    scale, shift = (_LOG2_E / params.temperature, None) if shifted else (1.0, None)  # shift: (N,) once known
+    if shifted:  # into the head's reused (V, N) buffer: a fresh (N, V) tensor costs page faults every call
+        vocab = logits.shape[-1]
+        head.output(num_rows).view(len(prompts), group_size, vocab).copy_((logits * scale)[:, None, :])
+        logits = head.output(num_rows)  # (N, V)
+        scratch = _buffer("decode_weights", vocab, num_rows, torch.float32, device).T  # (N, V), like the logits
+    else:
+        logits, scratch = logits.repeat_interleave(group_size, dim=0), None  # (N, V)
 
     eos = torch.tensor(sorted(set(params.eos_token_ids)), device=device)
     completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(num_rows, max_new, device=device) if return_logprobs else None
     done = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    scratch = None  # fp32 scratch for the sampling weights, laid out like the logits
     lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
     for step in range(max_new):
-        if step_callback is not None:
-            step_callback(step, logits)
-        if scratch is None or scratch.stride() != logits.stride():
-            scratch = torch.empty_like(logits, dtype=torch.float32)
-        tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p, generator,
-                                   out=scratch)
+        if step_callback is not None:  # the logits z, also in shifted steps
+            step_callback(step, logits if not shifted else (logits if shift is None else logits + shift[:, None]) / scale)
+        if shifted:
+            uniform = torch.rand(num_rows, 1, device=device, generator=generator)  # (N, 1), as sample_next_token draws
+            tokens, log2_total = _sample_base2(logits, uniform, out=scratch)  # log2_total (N,) in y's frame
+        else:
+            if scratch is None or scratch.stride() != logits.stride():
+                scratch = torch.empty_like(logits, dtype=torch.float32)
+            tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p,
+                                       generator, out=scratch)
         tokens = tokens.masked_fill(done, pad_token_id)  # (N,) finished rows are padded
         completion_ids[:, step] = tokens
-        if return_logprobs:
-            scale = params.temperature if params.temperature > 0 else 1.0
-            logprobs[:, step] = torch.log_softmax(logits / scale, -1).gather(-1, tokens[:, None]).squeeze(-1) * ~done
+        if return_logprobs and shifted:  # log p = ln 2 (y_token - log2 sum_j 2^y_j)
+            logprobs[:, step] = (logits.gather(-1, tokens[:, None]).squeeze(-1) - log2_total) * _LN_2 * ~done
+        elif return_logprobs:
+            temperature = params.temperature if params.temperature > 0 else 1.0
+            logprobs[:, step] = torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1) * ~done
         hit_eos = torch.isin(tokens, eos) & ~done
         lengths = torch.where(hit_eos, step + 1, lengths)
         done |= hit_eos
         if step == max_new - 1 or bool(done.all()):  # note: a CPU-GPU sync point, once per token
             break
+        # The next step's shift: this step's log-normaliser (shift + log2_total) less a margin (see _SHIFT_MARGIN).
+        head_kwargs = {}
+        if shifted:
+            shift = (log2_total if shift is None else shift + log2_total) - _SHIFT_MARGIN  # (N,)
+            head_kwargs = {"shift": shift, "scale": scale}
         if decoder is not None:
-            logits = decoder(model, head, tokens[:, None], positions, step)
+            logits = decoder(model, head, tokens[:, None], positions, step, **head_kwargs)
         else:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
             logits = head(cache, input_ids=tokens[:, None], attention_mask=attention_mask,
-                          position_ids=positions)  # (N, V)
+                          position_ids=positions, **head_kwargs)  # (N, V)
         positions = positions + 1
 
     steps = min(step + 1, max_new)

@@ -317,3 +317,64 @@ def test_return_logprobs_changes_no_drawn_token():
                       return_logprobs=flag) for flag in (False, True))
     assert torch.equal(with_logprobs.completion_ids, plain.completion_ids)
     assert with_logprobs.logprobs.shape == plain.completion_ids.shape and (with_logprobs.logprobs <= 0).all()
+
+
+@pytest.mark.parametrize("offset", [0.0, 40.0, -50.0, 150.0, -300.0, float("nan")])
+def test_shifted_base2_sampling_matches_the_softmax_for_any_offset(offset):
+    """The sampler's shifted steps draw from 2^y with y = z log2(e) / T - c for a c carried over from the last
+    token. Whatever the offset (inside the accepted range, or far enough out that the sums overflow or the
+    weights underflow, which redoes the row with its max), tokens follow softmax(z / T) and the returned
+    log-normaliser is log2 sum 2^y. One row in four has no offset, so a redo must leave the other rows alone."""
+    from grpo.sampler import _sample_base2
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    rows, temperature = 40_000, 0.8
+    offsets = torch.full((rows, 1), offset if offset == offset else 0.0)
+    offsets[::4] = 0.0
+    y = (logits / temperature * 1.4426950408889634).expand(rows, -1) + offsets
+    if offset != offset:  # nan: a non-finite offset in every other row but the first of four; only finite rows drawn
+        y = y[::4]
+    y = y.T.contiguous().T  # (rows, V) view of (V, rows) storage, as the decode head writes it
+    uniform = torch.rand(y.shape[0], 1, generator=torch.Generator().manual_seed(12))
+    tokens, log2_total = _sample_base2(y, uniform, out=torch.empty_like(y))
+    statistic, dof = _chi_square(tokens, torch.softmax(logits / temperature, -1))
+    assert statistic < CHI2_9999[dof], statistic
+    expected = torch.logsumexp(y.double() * torch.log(torch.tensor(2.0, dtype=torch.float64)), -1) / torch.log(
+        torch.tensor(2.0, dtype=torch.float64))
+    torch.testing.assert_close(log2_total.double(), expected, rtol=0, atol=1e-5 * max(1.0, abs(offset or 0.0)))
+
+
+@pytest.mark.parametrize("margin", [-300.0, 300.0])
+def test_shifted_steps_redone_with_the_max_draw_the_same_tokens(margin, monkeypatch):
+    """A shift far from every row's maximum (the margin moves it: sums overflow, or weights underflow) makes each
+    decode step redo its rows with their max. The tokens drawn and their log-probs must not change, and the
+    log-probs must be those of softmax(z / T) of the step's logits."""
+    import grpo.sampler as sampler_module
+
+    model, tokenizer = build_tiny_model("small", seed=0)  # the real 151,936-token vocabulary: the shifted steps' path
+    temperature = 0.05  # base-2 logits of tens: the shift matters
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_dict=False) for q in QUESTIONS]
+    params = SamplingParams(max_completion_length=8, temperature=temperature, eos_token_ids=(tokenizer.eos_token_id,))
+
+    def sample(seen=None):
+        callback = None if seen is None else (lambda step, logits: seen.append(logits.clone()))
+        return sample_groups(model, prompts, 4, params, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(3),
+                             return_logprobs=True, step_callback=callback)
+
+    seen = []
+    usual = sample(seen)
+    assert len(set(usual.completion_ids.flatten().tolist())) > 8, "the tokens should vary"
+    for step, logits in enumerate(seen):
+        expected = torch.log_softmax(logits.double() / temperature, -1).gather(-1, usual.completion_ids[:, step : step + 1])
+        done = usual.completion_mask[:, step] == 0
+        torch.testing.assert_close(usual.logprobs[:, step].double(), expected.squeeze(-1).masked_fill(done, 0.0),
+                                   rtol=0, atol=1e-4)
+    calls = []
+    real = sampler_module._row_max
+    monkeypatch.setattr(sampler_module, "_row_max", lambda y: calls.append(1) or real(y))
+    monkeypatch.setattr(sampler_module, "_SHIFT_MARGIN", margin)
+    redone = sample()
+    assert len(calls) == usual.completion_ids.shape[1] - 1  # every decode step after the first was redone
+    assert torch.equal(redone.completion_ids, usual.completion_ids)
+    torch.testing.assert_close(redone.logprobs, usual.logprobs, rtol=0, atol=1e-4)
