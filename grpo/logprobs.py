@@ -76,7 +76,7 @@ def _shifted_logits(h2: torch.Tensor, w: torch.Tensor, shift2: torch.Tensor) -> 
     """
     rows, vocab = h2.shape[0], w.shape[0]
     if _columns_layout(h2):
-        return _project(h2, w).sub_(shift2[:, None])  # (rows, V) view of (V, rows)
+        return _project(h2, w, shift2)  # (rows, V) view of (V, rows)
     shifted = _buffer("logits", rows, vocab, torch.float32, h2.device)
     if h2.dtype == torch.float32:
         return torch.matmul(h2, w.T, out=shifted).sub_(shift2[:, None])  # (rows, V)
@@ -102,11 +102,16 @@ def _give_back_grad_buffer(buffer: torch.Tensor) -> None:
         _GRAD_BUFFERS[(tuple(buffer.shape), buffer.device)] = buffer
 
 
-def _project(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _project(h: torch.Tensor, w: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
     """(rows, V) logits h @ w.T in h's dtype (bf16 under autocast), written into a reused buffer; on CPU in fp32 the
-    transposed view of a (V, rows) buffer (`_columns_layout`)."""
+    transposed view of a (V, rows) buffer (`_columns_layout`). There `shift` (rows,), if given, is subtracted from
+    each row by the product itself (addmm: BLAS adds the broadcast -shift as it writes, no pass of its own)."""
     if _columns_layout(h):
-        return torch.mm(w, h.T, out=_buffer("columns", w.shape[0], h.shape[0], h.dtype, h.device)).T  # (rows, V)
+        out = _buffer("columns", w.shape[0], h.shape[0], h.dtype, h.device)  # (V, rows)
+        if shift is None:
+            return torch.mm(w, h.T, out=out).T  # (rows, V)
+        return torch.addmm(-shift[None, :], w, h.T, out=out).T  # (rows, V): logits - shift
+    assert shift is None, "a shift in the product is for the columns layout"
     name = "logits" if h.dtype == torch.float32 else "logits_low"
     return torch.matmul(h, w.T, out=_buffer(name, h.shape[0], w.shape[0], h.dtype, h.device))  # (rows, V)
 
@@ -131,11 +136,14 @@ def _softmax_pass(logits: torch.Tensor, shift: torch.Tensor, with_entropy: bool,
     The usual shift is the row's max; `_chunk_forward` passes the target token's logit instead, which needs no pass
     over the row to find (the softmax is shift-invariant: only overflow limits the choice, see `_chunk_forward`).
     keep_exps: overwrite `logits` with 2^(y - shift) (in its own dtype), for the products that follow.
-    The subtraction, the exp2 and the sums run in fp32 whatever the logits' dtype.
+    The subtraction, the exp2 and the sums run in fp32 whatever the logits' dtype. shift None: the logits are
+    already y - shift (the columns layout, whose product subtracts it; `_project`).
     """
     columns = _column_storage(logits)  # (V, c) or None
     if columns is not None:
         return _column_softmax_pass(columns, shift, with_entropy, keep_exps)
+    if shift is None:  # a single row's (V, 1) column is also a row
+        shift = logits.new_zeros(logits.shape[0], dtype=torch.float32)
     rows = logits.shape[0]
     block_rows = _BLOCK_ROWS if logits.device.type == "cpu" else rows  # accelerators: one pass, few kernels
     total = logits.new_empty(rows, dtype=torch.float32)
@@ -163,7 +171,8 @@ def _softmax_pass(logits: torch.Tensor, shift: torch.Tensor, with_entropy: bool,
 
 def _column_softmax_pass(columns: torch.Tensor, shift: torch.Tensor, with_entropy: bool, keep_exps: bool):
     """`_softmax_pass` for fp32 logits stored as (V, c) columns: blocks of vocabulary rows of about the size of 8
-    logit rows (each read from memory once), every reduction over the vocabulary dimension. Same returns."""
+    logit rows (each read from memory once), every reduction over the vocabulary dimension. Same returns.
+    shift None: the columns already hold y - shift."""
     vocab, rows = columns.shape
     block = max(1, _BLOCK_ROWS * vocab // rows)  # (block, c) ~ (8, V) values
     total = columns.new_zeros(rows)
@@ -171,9 +180,10 @@ def _column_softmax_pass(columns: torch.Tensor, shift: torch.Tensor, with_entrop
     for start in range(0, vocab, block):
         part = columns[start : start + block]  # (b, c)
         if not with_entropy:  # 2^(y - shift) written over y
-            exps = part.sub_(shift).exp2_()
+            exps = (part if shift is None else part.sub_(shift)).exp2_()
         else:
-            shifted = torch.sub(part, shift, out=_buffer("shifted", *part.shape, torch.float32, part.device))
+            shifted = part if shift is None else torch.sub(
+                part, shift, out=_buffer("shifted", *part.shape, torch.float32, part.device))
             exps = torch.exp2(shifted, out=_buffer("exps", *part.shape, torch.float32, part.device))
             dot += torch.linalg.vecdot(exps, shifted, dim=0)  # (c,) sum_j 2^(s_j) s_j
             if keep_exps:
@@ -197,7 +207,10 @@ def _chunk_forward(hidden, w, targets, rows, temperature, dtype, with_entropy, k
     which rows were redone (bool; None when the shift is the max). lse = ln 2 (shift + log2 total).
 
     On CPU the shift is each row's target logit y_t, which the log-prob reads anyway: logp = ln 2 (y_t - lse2) =
-    -ln 2 log2(total), and no pass over the (memory-bound) row looks for its max. As y_t <= max, no term underflows
+    -ln 2 log2(total), and no pass over the (memory-bound) row looks for its max. In fp32 (the columns layout) y_t
+    is taken first as the dot product h2 . W[target] and the projection writes y - y_t directly, so no pass
+    subtracts it either (the product's own y_t may differ from the dot product's by rounding: the log-prob reads
+    the product's, logp = ln 2 ((y_t - shift) - log2 total), consistent with the total). As y_t <= max, no term underflows
     relative to the largest. A row whose total exceeds 2^_MAX_SHIFT_GAP V (its max is then more than _MAX_SHIFT_GAP
     above y_t: a target probability under ~5e-20) or is not finite is redone from its logits with its max as the
     shift. Accelerators shift by the row max (one cheap kernel; the redo test would cost a host sync per chunk).
@@ -207,11 +220,18 @@ def _chunk_forward(hidden, w, targets, rows, temperature, dtype, with_entropy, k
     """
     h, h2 = _chunk_inputs(hidden, rows, temperature, dtype)
     chunk_targets = targets[rows]  # (c,)
-    logits = _project(h2, w)  # (c, V) base 2
-    target_logits = logits.gather(-1, chunk_targets[:, None]).squeeze(-1).float()  # (c,), before any overwrite
-    by_target = _shift_by_target(logits.device)
-    shift = target_logits.clone() if by_target else logits.amax(-1).float()  # (c,) base 2
-    total, entropy = _softmax_pass(logits, shift, with_entropy, keep_exps)
+    by_target = _shift_by_target(h2.device)
+    if by_target and _columns_layout(h2):  # y_t = h2 . W[target] first, so the product itself subtracts it
+        shift = (h2 * w[chunk_targets]).sum(-1)  # (c,) base 2
+        logits = _project(h2, w, shift)  # (c, V) y - shift
+        target_rel = logits.gather(-1, chunk_targets[:, None]).squeeze(-1)  # (c,) the product's y_t - shift, ~0
+        total, entropy = _softmax_pass(logits, None, with_entropy, keep_exps)
+    else:
+        logits = _project(h2, w)  # (c, V) base 2
+        target_logits = logits.gather(-1, chunk_targets[:, None]).squeeze(-1).float()  # (c,), before any overwrite
+        shift = target_logits.clone() if by_target else logits.amax(-1).float()  # (c,) base 2
+        target_rel = target_logits - shift  # (c,)
+        total, entropy = _softmax_pass(logits, shift, with_entropy, keep_exps)
     # 2^gap * V bounds the total when max - shift <= gap: a larger total, inf or nan means the shift was too low
     # (nan also from non-finite logits, which the redo leaves non-finite: the trainer then skips the update).
     redo = ~(total <= 2.0 ** _MAX_SHIFT_GAP * logits.shape[-1]) if by_target else None
@@ -219,13 +239,14 @@ def _chunk_forward(hidden, w, targets, rows, temperature, dtype, with_entropy, k
         index = redo.nonzero().squeeze(-1)  # (r,)
         fresh = _redo_logits(h2, w, index)  # (r, V) the rows' logits again (the buffer may hold exps)
         row_shift = fresh.amax(-1)  # (r,)
+        target_rel[index] = fresh.gather(-1, chunk_targets[index, None]).squeeze(-1) - row_shift
         row_total, row_entropy = _softmax_pass(fresh, row_shift, with_entropy, keep_exps)  # fresh: exps if keep_exps
         if keep_exps:
             logits[index] = fresh.to(logits.dtype)
         shift[index], total[index] = row_shift, row_total
         if with_entropy:
             entropy[index] = row_entropy
-    chunk_logps = (target_logits - shift - total.log2()) * _LN_2  # (c,) y_t - lse2; -log2(total) where shift = y_t
+    chunk_logps = (target_rel - total.log2()) * _LN_2  # (c,) y_t - lse2 = ln 2 (y_t - shift - log2 total)
     return h, logits, chunk_logps, shift, total, entropy, redo
 
 
