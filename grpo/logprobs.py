@@ -44,8 +44,9 @@ def _buffer(name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.d
         return torch.empty(rows, cols, dtype=dtype, device=device)
     key, size = (name, dtype), rows * cols
     buffer = _BUFFERS.get(key)
-    if buffer is None or buffer.numel() < size:
-        buffer = _BUFFERS[key] = torch.empty(size, dtype=dtype, device=device)
+    if buffer is None or buffer.numel() < size:  # a normal tensor even when first asked for in inference mode
+        with torch.inference_mode(False):  # (the CPU sampler runs in it), so it stays writable outside it
+            buffer = _BUFFERS[key] = torch.empty(size, dtype=dtype, device=device)
     return buffer[:size].view(rows, cols)
 
 
