@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from data.synthetic import make_synthetic_gsm8k  # noqa: E402
 from data.prompts import build_prompt  # noqa: E402
 from grpo.models import use_packed_decode_attention  # noqa: E402
-from grpo.sampler import SamplingParams, left_pad, sample_groups, sample_next_token  # noqa: E402
+from grpo.sampler import SamplingParams, _sample_base2, left_pad, sample_groups, sample_next_token  # noqa: E402
 from grpo.tiny_model import build_tiny_model  # noqa: E402
 
 
@@ -53,11 +53,15 @@ def sampler_costs(vocab_size: int, rows: int, repeats: int = 20) -> dict[str, fl
     hidden, weight = torch.randn(rows, 128), torch.randn(vocab_size, 128)
     out, out_t = torch.empty(rows, vocab_size), torch.empty(vocab_size, rows)
     logits_t = logits.T.contiguous().T  # the same logits in (V, N) storage, as our CPU decode head writes them
+    weights_t = torch.empty_like(logits_t)
     ways = {
         "output projection h W^T (hidden 128), (N, V) storage": lambda: torch.mm(hidden, weight.T, out=out),
         "output projection W h^T (hidden 128), (V, N) storage": lambda: torch.mm(weight, hidden.T, out=out_t),
         "ours: inverse CDF, (N, V) storage": lambda: sample_next_token(logits, 1.0, generator=generator),
         "ours: inverse CDF, (V, N) storage": lambda: sample_next_token(logits_t, 1.0, generator=generator),
+        # the decode loop's CPU step: the projection wrote z log2(e) / T - c, so no max and no shift pass
+        "ours: shifted base-2 step, (V, N) storage": lambda: _sample_base2(
+            logits_t, torch.rand(rows, 1, generator=generator), out=weights_t),
         "torch.multinomial(softmax)": lambda: torch.multinomial(torch.softmax(logits, -1), 1, generator=generator),
         "exponential noise (argmax p/q)": lambda: (torch.softmax(logits, -1) / torch.empty_like(logits).exponential_(generator=generator)).argmax(-1),
     }
@@ -122,7 +126,7 @@ def main(argv=None):
     if args.samplers and not cuda:
         print(f"\nper decode step at V={model.config.vocab_size}, {num_prompts * group_size} rows (median ms):")
         for name, ms in sampler_costs(model.config.vocab_size, num_prompts * group_size).items():
-            print(f"  {name:34s} {ms:7.3f}")
+            print(f"  {name:44s} {ms:7.3f}")
     return times
 
 

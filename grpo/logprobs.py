@@ -409,10 +409,12 @@ class _FusedTokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_logps, grad_entropy):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # Scaled in place: these are this call's own tensors (a fresh (V, H) copy is slow on CPU).
-        if grad_hidden is not None:
-            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
-        grad_weight.mul_(grad_loss)
+        # Scaled in place: these are this call's own tensors (a fresh (V, H) copy is slow on CPU). loss.backward()
+        # sends 1, which needs no pass over the (V, H) gradient (read on CPU only: elsewhere .item() waits).
+        if grad_loss.device.type != "cpu" or grad_loss.item() != 1.0:
+            if grad_hidden is not None:
+                grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+            grad_weight.mul_(grad_loss)
         if ctx.tied is not None:  # the embedding's backward adds its rows and returns the sum
             ctx.tied.head_done = True
             return grad_hidden, None, None, None, None, None, None, None

@@ -13,7 +13,7 @@ def test_sampler_benchmark_runs(capsys):
 
 def test_sampler_cost_table_runs():
     costs = sampler.sampler_costs(vocab_size=1000, rows=4, repeats=1)
-    assert len(costs) == 6 and all(ms > 0 for ms in costs.values())
+    assert len(costs) == 7 and all(ms > 0 for ms in costs.values())
 
 
 @pytest.mark.slow
