@@ -376,3 +376,18 @@ def test_shifted_steps_redone_with_the_max_draw_the_same_tokens(margin, monkeypa
     assert len(calls) == usual.completion_ids.shape[1] - 1  # every decode step after the first was redone
     assert torch.equal(redone.completion_ids, usual.completion_ids)
     torch.testing.assert_close(redone.logprobs, usual.logprobs, rtol=0, atol=1e-4)
+
+
+def test_sample_returns_tensors_usable_with_autograd(tiny_model_and_tokenizer, prompts):
+    """On CPU the sampler runs in inference mode; what it returns must still work as autograd inputs and be
+    writable (the trainer builds its training inputs from it)."""
+    model, tokenizer = tiny_model_and_tokenizer
+    params = SamplingParams(max_completion_length=4, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,))
+    sample = sample_groups(model, prompts, 2, params, tokenizer.pad_token_id, return_logprobs=True,
+                           generator=torch.Generator().manual_seed(0))
+    tensors = [value for value in vars(sample).values() if isinstance(value, torch.Tensor)]
+    assert len(tensors) == 6 and not any(t.is_inference() for t in tensors)
+    sample.completion_mask[:, 0] = 1  # writable
+    embedding = torch.nn.Embedding(model.config.vocab_size, 3)
+    embedding(sample.completion_ids).sum().backward()  # the ids saved for backward
+    assert embedding.weight.grad is not None
