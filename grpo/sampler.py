@@ -93,15 +93,17 @@ class _DecodeHead:
                  **inputs) -> torch.Tensor:
         """(N, V) fp32 logits z of each row's next token; the buffer is overwritten by the next call.
         `run_trunk(trunk, **inputs)`, if given, runs the trunk (the CPU's compiled decode step passes one).
-        `shift` (N,), buffered heads only: returns scale * z - shift[:, None] instead, formed by the product
-        itself (BLAS adds the broadcast shift as it writes: no pass of its own over the (N, V) values)."""
+        `shift` (N,) and `scale`, buffered heads only: returns scale * z - shift[:, None] instead, formed by the
+        product itself (BLAS adds the broadcast shift as it writes: no pass of its own over the (N, V) values)."""
         if not self.buffered:
-            if shift is not None:
-                raise ValueError("a shift needs the buffered decode head (CPU, fp32, logits = W h)")
+            if shift is not None or scale != 1.0:
+                raise ValueError("a shift or scale needs the buffered decode head (CPU, fp32, logits = W h)")
             return self.model(**inputs, use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1].float()
         inputs = {**inputs, "use_cache": True, self.cache_kwarg: cache}
         hidden = (run_trunk(self.trunk, **inputs) if run_trunk else self.trunk(**inputs)).last_hidden_state[:, -1]  # (N, H)
         out = self.output(hidden.shape[0])  # (N, V), a view of the (V, N) buffer when transposed
+        if shift is None and scale != 1.0:
+            hidden = hidden * scale  # (N, H)
         if shift is None and self.transposed:
             torch.mm(self.weight, hidden.T, out=self.out)  # (V, N)
         elif shift is None:
@@ -414,6 +416,8 @@ class _StaticDecoder:
         cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)
         if self.compiled_step is None or (self.run_trunk is not None and head.buffered):  # eager, or CPU's compiled trunk
             return self._step(model, head, tokens, position_ids, cache_position, self.attention_mask, **head_kwargs)
+        if head_kwargs:
+            raise ValueError("the compiled decode step computes plain logits: no shift or scale")
         return self.compiled_step(model, None, tokens, position_ids, cache_position, self.attention_mask).float()
 
 

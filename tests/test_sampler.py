@@ -296,14 +296,20 @@ def test_transposed_decode_head_gives_the_same_logits(tiny_model_and_tokenizer, 
 
     model, _ = tiny_model_and_tokenizer
     ids, mask = left_pad(prompts, 0, "cpu")
+    shift = torch.tensor([3.0, -2.0, 0.5])
     logits = {}
     for transposed in (False, True):
         head = _DecodeHead(model, _cache_kwarg(model), transposed=transposed)
-        with torch.no_grad():
-            logits[transposed] = head(DynamicCache(config=model.config), input_ids=ids, attention_mask=mask,
-                                      position_ids=position_ids_from_mask(mask)).clone()
-    assert logits[True].shape == (len(prompts), model.config.vocab_size)
-    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+        for name, kwargs in (("plain", {}), ("scaled", {"scale": 1.7}), ("shifted", {"scale": 1.7, "shift": shift})):
+            with torch.no_grad():
+                logits[transposed, name] = head(DynamicCache(config=model.config), input_ids=ids, attention_mask=mask,
+                                                position_ids=position_ids_from_mask(mask), **kwargs).clone()
+    plain = logits[False, "plain"]
+    assert plain.shape == (len(prompts), model.config.vocab_size)
+    for transposed in (False, True):
+        torch.testing.assert_close(logits[transposed, "plain"], plain, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[transposed, "scaled"], 1.7 * plain, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[transposed, "shifted"], 1.7 * plain - shift[:, None], rtol=1e-5, atol=1e-5)
 
 
 def test_return_logprobs_changes_no_drawn_token():
