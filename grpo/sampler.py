@@ -25,6 +25,7 @@ compiles the trunk of the step and keeps the output projection in the reused buf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import weakref
@@ -421,6 +422,28 @@ class _StaticDecoder:
         return self.compiled_step(model, None, tokens, position_ids, cache_position, self.attention_mask).float()
 
 
+def _inference_mode_on_cpu(sample):
+    """Run the sampler in inference mode on CPU, no_grad elsewhere, and copy inference tensors out of its result.
+
+    In inference mode the decode loop's ~400 small operations a token skip autograd's bookkeeping (version
+    counters, view tracking): ~0.7 of ~6.5 ms a token of the `small` trunk on the benchmark CPU. The tensors
+    returned are copied out of it, so callers may use them with autograd. Accelerators keep no_grad: their
+    decode step is compiled into CUDA graphs, where this overhead is gone.
+    """
+
+    @functools.wraps(sample)
+    def run(model, *args, **kwargs) -> GroupSample:
+        cpu = next(model.parameters()).device.type == "cpu"
+        with torch.inference_mode() if cpu else torch.no_grad():
+            result = sample(model, *args, **kwargs)
+        inference = {name: value.clone() for name, value in vars(result).items()
+                     if isinstance(value, torch.Tensor) and value.is_inference()}
+        return dataclasses.replace(result, **inference)
+
+    return run
+
+
+@_inference_mode_on_cpu
 def sample_groups(
     model,
     prompts: list[list[int]],
@@ -440,35 +463,8 @@ def sample_groups(
     compiled decode step is captured once per run instead of once per prompt length.
     `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
     (tests use it to check that sharing the prefill changes no logit).
-
-    On CPU the sampler runs in inference mode: the decode loop's ~400 small operations a token then skip
-    autograd's bookkeeping (version counters, view tracking), ~0.7 of ~6.5 ms a token of the `small` trunk
-    on the benchmark CPU. The tensors returned are copied out of it, so callers may use them with autograd.
-    Accelerators keep no_grad: their decode step is compiled into CUDA graphs, where this overhead is gone.
+    On CPU it runs in inference mode (`_inference_mode_on_cpu`); the tensors it returns are ordinary ones.
     """
-    cpu = next(model.parameters()).device.type == "cpu"
-    with torch.inference_mode() if cpu else torch.no_grad():
-        sample = _sample_groups(model, prompts, group_size, params, pad_token_id, generator, return_logprobs,
-                                static_cache, compile_decode, max_prompt_length, step_callback)
-    inference = {name: value.clone() for name, value in vars(sample).items()
-                 if isinstance(value, torch.Tensor) and value.is_inference()}
-    return dataclasses.replace(sample, **inference)
-
-
-def _sample_groups(
-    model,
-    prompts: list[list[int]],
-    group_size: int,
-    params: SamplingParams,
-    pad_token_id: int,
-    generator: torch.Generator | None = None,
-    return_logprobs: bool = False,
-    static_cache: bool = False,
-    compile_decode: bool = False,
-    max_prompt_length: int | None = None,
-    step_callback=None,
-) -> GroupSample:
-    """`sample_groups`, under inference mode or no_grad."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if not params.eos_token_ids:
