@@ -481,7 +481,8 @@ def sample_groups(
     # Shifted steps (CPU, fp32, plain sampling; see _sample_base2): `logits` holds base-2 logits y = z s - shift,
     # s = log2(e) / T, formed by the head's product; the first step's are the prefill's, scaled (shift 0).
     shifted = plain_sampling and head.buffered
-    scale, shift = (_LOG2_E / params.temperature if shifted else 1.0), None  # shift: (N,) once known
+    scale = _LOG2_E / params.temperature if shifted else 1.0
+    shift = None  # (N,) c of the next step's logits, from the second step on
 
     # Prefill each distinct prompt once.
     prefill = dict(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
@@ -512,7 +513,7 @@ def sample_groups(
     lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
     for step in range(max_new):
         if step_callback is not None:  # the logits z, also in shifted steps
-            step_callback(step, logits if not shifted else (logits if shift is None else logits + shift[:, None]) / scale)
+            step_callback(step, (logits if shift is None else logits + shift[:, None]) / scale)
         if shifted:
             uniform = torch.rand(num_rows, 1, device=device, generator=generator)  # (N, 1), as sample_next_token draws
             tokens, log2_total = _sample_base2(logits, uniform, out=scratch)  # log2_total (N,) in y's frame
