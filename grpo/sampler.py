@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -35,10 +34,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo.logprobs import _buffer, _column_storage, check_plain_output_head, position_ids_from_mask
-
-_LOG2_E = math.log2(math.e)
-_LN_2 = math.log(2.0)
+from grpo.logprobs import _LN_2, _LOG2_E, _buffer, _column_storage, check_plain_output_head, position_ids_from_mask
 
 
 def _cache_kwarg(model) -> str:
