@@ -4,6 +4,7 @@
     grpo.advantages   group-relative advantages and reward statistics
     grpo.loss         the clipped surrogate + k3 KL per token, and the loss_type aggregations
     grpo.sampler      group sampling: prompt prefilled once, G completions decoded with a KV cache
+    grpo.lean_decode  the CPU decode step of Qwen2/Llama trunks from the model's own modules, minus transformers' framework
     grpo.config       GRPOConfig, the single source of truth for every hyperparameter (and the CLI)
     grpo.trainer      the training loop
     grpo.tiny_model   tiny random-init Qwen2 models + ChatML tokenizer for offline runs and tests

@@ -14,7 +14,8 @@ less than `torch.multinomial` or exponential-noise (Gumbel) sampling; top-k, top
 only run when enabled. Temperature 0 is greedy (argmax). On CPU in fp32 without filters the decode
 steps skip the search for the max: the projection itself writes z log2(e) / T - c, with c from the
 previous token's log-normaliser, and only rows whose sum leaves a safe range are redone with their
-max (`_sample_base2`).
+max (`_sample_base2`). There the trunk of a Qwen2 or Llama model runs as `grpo.lean_decode.LeanDecodeStep`:
+the model's own modules, called without transformers' per-call framework (the same hidden states).
 
 `static_cache=True` decodes into a preallocated StaticCache. `compile_decode=True` (implies it) on CUDA
 captures the decode step with `torch.compile(mode="reduce-overhead")` (CUDA graphs): small models'
@@ -34,6 +35,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
+from grpo.lean_decode import LeanDecodeStep, unsupported_reason
 from grpo.logprobs import _LN_2, _LOG2_E, _buffer, _column_storage, check_plain_output_head, position_ids_from_mask
 
 
@@ -98,6 +100,10 @@ class _DecodeHead:
             return self.model(**inputs, use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1].float()
         inputs = {**inputs, "use_cache": True, self.cache_kwarg: cache}
         hidden = (run_trunk(self.trunk, **inputs) if run_trunk else self.trunk(**inputs)).last_hidden_state[:, -1]  # (N, H)
+        return self.project(hidden, shift, scale)
+
+    def project(self, hidden: torch.Tensor, shift: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        """The buffered head's product for (N, H) final hidden states: (N, V) logits, as `__call__` returns."""
         out = self.output(hidden.shape[0])  # (N, V), a view of the (V, N) buffer when transposed
         if shift is None and scale != 1.0:
             hidden = hidden * scale  # (N, H)
@@ -452,6 +458,7 @@ def sample_groups(
     compile_decode: bool = False,
     max_prompt_length: int | None = None,
     step_callback=None,
+    lean_decode: bool = True,
 ) -> GroupSample:
     """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
 
@@ -459,6 +466,8 @@ def sample_groups(
     compiled decode step is captured once per run instead of once per prompt length.
     `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
     (tests use it to check that sharing the prefill changes no logit).
+    `lean_decode`: eager CPU decoding of Qwen2/Llama trunks runs `grpo.lean_decode.LeanDecodeStep` (the same
+    hidden states bit for bit, fewer operations); False keeps transformers' forward (tests compare the two).
     On CPU it runs in inference mode (`_inference_mode_on_cpu`); the tensors it returns are ordinary ones.
     """
     if group_size < 1:
@@ -493,6 +502,10 @@ def sample_groups(
     if not (static_cache or compile_decode):
         _reserve(cache, max_new)
     attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
+    # Eager buffered decoding of a Qwen2/Llama trunk: the model's modules without transformers' per-call framework.
+    lean = None
+    if lean_decode and head.buffered and not (static_cache or compile_decode) and unsupported_reason(head.trunk) is None:
+        lean = LeanDecodeStep(head.trunk, cache, attention_mask, max_new)
     positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
     decoder = None
     if static_cache or compile_decode:  # fixed shapes: the prompt budget (if given) + the completion budget
@@ -537,6 +550,8 @@ def sample_groups(
             head_kwargs = {"shift": shift, "scale": scale}
         if decoder is not None:
             logits = decoder(model, head, tokens[:, None], positions, step, **head_kwargs)
+        elif lean is not None:
+            logits = head.project(lean(tokens[:, None], positions), **head_kwargs)  # (N, V)
         else:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
             logits = head(cache, input_ids=tokens[:, None], attention_mask=attention_mask,
