@@ -14,7 +14,7 @@ less than `torch.multinomial` or exponential-noise (Gumbel) sampling; top-k, top
 only run when enabled. Temperature 0 is greedy (argmax). On CPU in fp32 without filters the decode
 steps skip the search for the max: the projection itself writes z log2(e) / T - c, with c from the
 previous token's log-normaliser, and only rows whose sum leaves a safe range are redone with their
-max (`_sample_base2`). There the trunk of a Qwen2 or Llama model runs as `grpo.lean_decode.LeanDecodeStep`:
+max (`_sample_base2`). Eager CPU decoding runs the trunk of a Qwen2 or Llama model as `grpo.lean_decode.LeanDecodeStep`:
 the model's own modules, called without transformers' per-call framework (the same hidden states).
 
 `static_cache=True` decodes into a preallocated StaticCache. `compile_decode=True` (implies it) on CUDA
