@@ -19,7 +19,9 @@ the trunk and of the output projection on completion positions, the reference fo
 product timed on its own, into a preallocated output, in the faster of its two orientations, on a GPU
 ten times back to back: see floor_seconds), and ours/floor. The floor is measured right before and right after each of our runs; ours/floor is the
 median over rounds of (our median step in that run) / (the mean of its two floors), so the slow
-drift of a shared machine's speed largely cancels in each ratio.
+drift of a shared machine's speed largely cancels in each ratio. The floor counts each product's fastest
+timing; a second line sums each product's median timing instead ("median floor"), the statistic our
+step is reported in, and gives ours against it too: on a noisy machine the two differ by the noise.
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
     at once (no chunking); attention's two batched products per layer. Each product writes into a
     preallocated output (allocation is not part of a product), is timed in both orientations (A B, and
     (B^T A^T)^T with the weight's own (out, in) layout: BLAS speed depends on it) and up to `repeats`
-    times; the fastest counts. Returns the parts and their total (seconds).
+    times; the fastest timing of the faster orientation counts. Returns the parts and their total
+    (seconds), and under "<part>_median" the same sums of each product's median timing: a step's median
+    includes the machine's timing noise, which the fastest of several timings leaves out.
     """
     import torch
 
@@ -146,7 +150,7 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
     rows, new = work["prompts"] * work["group"], work["new_tokens"]
     linears = [(hidden, hidden), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim), (hidden, hidden),
                (hidden, inter), (hidden, inter), (inter, hidden)]  # q, k, v, o, gate, up, down: (in, out)
-    measured: dict[tuple, float] = {}
+    measured: dict[tuple, tuple[float, float]] = {}  # product -> (fastest, median) seconds
 
     def sync():
         if device == "cuda":
@@ -156,8 +160,9 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
     # synchronisation. There each timing runs it `calls` times back to back and takes the mean.
     calls = 10 if device == "cuda" else 1
 
-    def fastest(run) -> float:
-        best, spent = float("inf"), 0.0
+    def timed(run) -> tuple[float, float]:
+        """(fastest, median) seconds of `run` over up to `repeats` timings."""
+        times, spent = [], 0.0
         for attempt in range(repeats):
             sync()
             start = time.perf_counter()
@@ -165,45 +170,55 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
                 run()
             sync()
             elapsed = time.perf_counter() - start
-            best, spent = min(best, elapsed / calls), spent + elapsed
+            times.append(elapsed / calls)
+            spent += elapsed
             if attempt and spent > 1.0:  # large products: two or three timings are enough
                 break
-        return best
+        return min(times), statistics.median(times)
 
-    def product(m, k, n) -> float:
-        """Fastest seconds of one (m, k) @ (k, n) product."""
+    def product(m, k, n) -> tuple[float, float]:
+        """One (m, k) @ (k, n) product in its faster orientation (by fastest timing)."""
         if (m, k, n) not in measured:
             a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
             out = torch.empty(m, n, device=device, dtype=dtype)
-            plain = fastest(lambda: torch.mm(a, b, out=out))
+            plain = timed(lambda: torch.mm(a, b, out=out))
             del out
             b_rows, out = b.T.contiguous(), torch.empty(n, m, device=device, dtype=dtype)  # (n, k) and (n, m) storage
-            measured[(m, k, n)] = min(plain, fastest(lambda: torch.mm(b_rows, a.T, out=out)))
+            measured[(m, k, n)] = min(plain, timed(lambda: torch.mm(b_rows, a.T, out=out)))
             del a, b, b_rows, out
         return measured[(m, k, n)]
 
-    def linear(tokens, fan_in, fan_out, backward=False) -> float:
-        seconds = product(tokens, fan_in, fan_out)  # Y = X W^T
-        if backward:
-            seconds += product(tokens, fan_out, fan_in) + product(fan_out, tokens, fan_in)  # dX = dY W, dW = dY^T X
-        return seconds
+    def attention(batch, queries, keys) -> tuple[float, float]:  # QK^T and AV per head, one batched product each
+        key = ("attention", batch, queries, keys)
+        if key not in measured:
+            q = torch.randn(batch * heads, queries, head_dim, device=device, dtype=dtype)
+            k = torch.randn(batch * heads, head_dim, keys, device=device, dtype=dtype)
+            measured[key] = timed(lambda: (torch.bmm(q, k), torch.bmm(q, k)))
+        return measured[key]
 
-    def trunk(tokens, backward=False) -> float:
-        return sum(linear(tokens, i, o, backward) for i, o in linears) * layers
+    def parts(pick: int) -> dict:
+        """The step's parts (seconds) from each product's fastest (pick 0) or median (pick 1) timing."""
 
-    def attention(batch, queries, keys, passes=1):  # QK^T and AV per head, as one batched product each
-        q = torch.randn(batch * heads, queries, head_dim, device=device, dtype=dtype)
-        k = torch.randn(batch * heads, head_dim, keys, device=device, dtype=dtype)
-        return fastest(lambda: (torch.bmm(q, k), torch.bmm(q, k))) * layers * passes
+        def linear(tokens, fan_in, fan_out, backward=False) -> float:
+            seconds = product(tokens, fan_in, fan_out)[pick]  # Y = X W^T
+            if backward:  # dX = dY W, dW = dY^T X
+                seconds += product(tokens, fan_out, fan_in)[pick] + product(fan_out, tokens, fan_in)[pick]
+            return seconds
 
-    seq = prompt_len + new
-    prefill = trunk(work["prompts"] * prompt_len) + attention(work["prompts"], prompt_len, prompt_len)
-    decode = (trunk(rows) + linear(rows, hidden, vocab) + attention(rows, 1, seq)) * new
-    train = (trunk(rows * seq, backward=True) + linear(rows * new, hidden, vocab, backward=True)
-             + attention(rows, seq, seq, passes=3))
-    reference = trunk(rows * seq) + linear(rows * new, hidden, vocab) + attention(rows, seq, seq) if work["beta"] else 0.0
-    return {"sample": prefill + decode, "reference": reference, "update": train,
-            "total": prefill + decode + train + reference}
+        def trunk(tokens, backward=False) -> float:
+            return sum(linear(tokens, i, o, backward) for i, o in linears) * layers
+
+        seq = prompt_len + new
+        prefill = trunk(work["prompts"] * prompt_len) + attention(work["prompts"], prompt_len, prompt_len)[pick] * layers
+        decode = (trunk(rows) + linear(rows, hidden, vocab) + attention(rows, 1, seq)[pick] * layers) * new
+        train = (trunk(rows * seq, backward=True) + linear(rows * new, hidden, vocab, backward=True)
+                 + attention(rows, seq, seq)[pick] * layers * 3)
+        reference = (trunk(rows * seq) + linear(rows * new, hidden, vocab) + attention(rows, seq, seq)[pick] * layers
+                     if work["beta"] else 0.0)
+        return {"sample": prefill + decode, "reference": reference, "update": train,
+                "total": prefill + decode + train + reference}
+
+    return {**parts(0), **{f"{part}_median": seconds for part, seconds in parts(1).items()}}
 
 
 # ours: our defaults (the compiled decode step on CUDA, eager decoding on CPU); ours-eager / ours-compiled force either.
@@ -282,8 +297,9 @@ def main(argv=None):
                 if side.startswith("ours"):
                     floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # and just after it
                     around = (floors[-2]["total"] + floors[-1]["total"]) / 2
+                    around_median = (floors[-2]["total_median"] + floors[-1]["total_median"]) / 2
                     step = statistics.median(results[side][-1]["step_times"][args.untimed:])
-                    round_ratios[side].append((step / around, step, around))
+                    round_ratios[side].append((step / around, step, around, step / around_median))
     floor = {part: statistics.median(f[part] for f in floors) for part in floors[0]} if floors else None
 
     summary = {}
@@ -310,13 +326,18 @@ def main(argv=None):
             print(f"{side + '/trl':18s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
                   f"{o['peak_mib'] / t['peak_mib']:10.3f}   ({side} steps/s = {t['step_s'] / o['step_s']:.2f} x trl's)")
     if ours_sides:
-        print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here; "
-              f"median of {len(floors)} measurements, before and after each of our runs)")
+        print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here, each "
+              f"product's fastest timing; median of {len(floors)} measurements, before and after each of our runs)")
+        print(f"{'median floor':18s} {floor['total_median']:9.3f}   (the same products, each at its median timing, "
+              "as our step is a median)")
         for side in ours_sides:
             ratios = round_ratios[side]
-            summary[side]["floor_ratio"] = statistics.median(r for r, _, _ in ratios)
+            summary[side]["floor_ratio"] = statistics.median(r for r, _, _, _ in ratios)
+            summary[side]["floor_median_ratio"] = statistics.median(r for _, _, _, r in ratios)
             print(f"{side + '/floor':18s} {summary[side]['floor_ratio']:9.3f}   (median over rounds of our step / the "
-                  f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f in ratios)})")
+                  f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f, _ in ratios)})")
+            print(f"{side + '/median floor':18s} {summary[side]['floor_median_ratio']:9.3f}   (the same against the "
+                  f"floor of median timings; per round: {', '.join(f'{r:.3f}' for _, _, _, r in ratios)})")
         print(f"\nper phase, s    {'sample':>8s} {'reference':>10s} {'update':>8s}")
         for side in ours_sides:
             phases = [p for run in results[side] for p in run["phases"][args.untimed:]]
@@ -324,6 +345,8 @@ def main(argv=None):
                                               for part in ("sample", "reference", "update")}
             print(f"{side:14s} {ours['sample']:8.3f} {ours['reference']:10.3f} {ours['update']:8.3f}")
         print(f"{'floor':14s} {floor['sample']:8.3f} {floor['reference']:10.3f} {floor['update']:8.3f}")
+        print(f"{'median floor':14s} {floor['sample_median']:8.3f} {floor['reference_median']:10.3f} "
+              f"{floor['update_median']:8.3f}")
     return {"summary": summary, "floor": floor}
 
 

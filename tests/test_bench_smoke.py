@@ -24,6 +24,9 @@ def test_trainer_benchmark_runs(capsys):
     result = trainer.main(["--shape", "tiny", "--steps", "2", "--repeats", "1", "--prompts", "2", "--group-size", "2",
                            "--new-tokens", "8", "--micro-batch", "4"])
     assert set(result["summary"]) == {"ours", "trl"} and result["floor"]["total"] > 0
+    floor = result["floor"]  # each product's fastest timing, and its median (never below the fastest)
+    assert all(floor[f"{part}_median"] >= floor[part] for part in ("sample", "reference", "update", "total"))
+    assert result["summary"]["ours"]["floor_median_ratio"] <= result["summary"]["ours"]["floor_ratio"]
     assert "ours/trl" in capsys.readouterr().out
 
 
