@@ -1,9 +1,9 @@
 """A lean decode step for Qwen2 and Llama trunks: the model's own modules, without transformers' per-call framework.
 
 Called for one token per row, transformers' decoder forward spends most of a small model's decode step
-outside its arithmetic: each call builds the attention masks, recomputes nothing it could keep, and
-passes (N, 1, H) hidden states through keyword plumbing, output recording, dtype round trips and the
-cache's update protocol, ~1,000 tensor operations a token on the 4-layer `small` benchmark shape.
+outside its arithmetic: each call builds the attention masks anew and passes (N, 1, H) hidden states
+through keyword plumbing, output recording, dtype round trips and the cache's update protocol, ~1,000
+tensor operations a token on the 4-layer `small` benchmark shape.
 `LeanDecodeStep` calls the same modules in the same order on (N, H) rows:
 
     x = embed(token)                                         (N, H)
@@ -18,9 +18,9 @@ cache's update protocol, ~1,000 tensor operations a token on the 4-layer `small`
 
 with the attention mask (the prompts' left padding) built once per rollout instead of once per token.
 Same modules and the same operations as transformers' forward (the decoder layer's two residual blocks,
-`grpo.models.packed_decode_sdpa`'s attention call), so its hidden states equal transformers' bit for bit
-(tests/test_sampler.py compares them). On the benchmark CPU a `small` decode token takes ~3.3 ms
-instead of ~5.0 (medians of 11 alternated 63-token runs).
+`grpo.models.packed_decode_sdpa`'s attention call), so its hidden states equal transformers' (bit for
+bit on the benchmark machine; tests/test_lean_decode.py compares them to within fp32 rounding). On the
+benchmark CPU a `small` decode token takes ~3.3 ms instead of ~5.0 (medians of 11 alternated runs).
 
 Used by the sampler's eager CPU decoding of the model classes in `_FAMILIES`, with transformers' SDPA
 attention (ours or theirs) and full attention in every layer; anything else (other architectures,
