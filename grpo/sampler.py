@@ -499,16 +499,17 @@ def sample_groups(
         logits = logits.repeat_interleave(group_size, dim=0)  # (N, V)
     # Expand to the group: rows [prompt 0 x G, prompt 1 x G, ...].
     cache.batch_repeat_interleave(group_size)
-    if not (static_cache or compile_decode):
+    static = static_cache or compile_decode  # a StaticCache of fixed shapes; else the dynamic cache, with room
+    if not static:
         _reserve(cache, max_new)
     attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
     # Eager buffered decoding of a Qwen2/Llama trunk: the model's modules without transformers' per-call framework.
     lean = None
-    if lean_decode and head.buffered and not (static_cache or compile_decode) and unsupported_reason(head.trunk) is None:
+    if lean_decode and head.buffered and not static and unsupported_reason(head.trunk) is None:
         lean = LeanDecodeStep(head.trunk, cache, attention_mask, max_new)
     positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
     decoder = None
-    if static_cache or compile_decode:  # fixed shapes: the prompt budget (if given) + the completion budget
+    if static:  # fixed shapes: the prompt budget (if given) + the completion budget
         cache_len = max(max_prompt_length or 0, prompt_ids.shape[1]) + max_new
         decoder = _StaticDecoder.get(model, num_rows, cache_len, compile_decode)
         decoder.start(cache, attention_mask)
