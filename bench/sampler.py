@@ -1,4 +1,5 @@
-"""Sampler throughput: grpo.sampler.sample_groups vs transformers' model.generate, same model and prompts.
+"""Sampler throughput: ours (the plain grpo.sampler.sample_groups and the grpo.kernels.sampling kernel) vs
+transformers' model.generate, same model and prompts.
 
 CPU default: the `small` shape (151,936 vocabulary), 4 prompts x G=4, 64 new tokens, fp32.
 CUDA (`--device cuda`): the `qwen2.5-0.5b` shape in bf16, 64 prompts x G=8, 256 new tokens, eager and
@@ -25,8 +26,9 @@ import torch  # noqa: E402
 
 from data.synthetic import make_synthetic_gsm8k  # noqa: E402
 from data.prompts import build_prompt  # noqa: E402
-from grpo.models import use_packed_decode_attention  # noqa: E402
-from grpo.sampler import SamplingParams, _sample_base2, left_pad, sample_groups, sample_next_token  # noqa: E402
+from grpo.kernels.compiled_decode import use_packed_decode_attention  # noqa: E402
+from grpo.kernels.sampling import FastSampler, _sample_base2, sample_next_token  # noqa: E402
+from grpo.sampler import SamplingParams, left_pad, sample_groups  # noqa: E402
 from grpo.tiny_model import build_tiny_model  # noqa: E402
 
 
@@ -86,7 +88,8 @@ def main(argv=None):
     dtype = torch.bfloat16 if cuda else torch.float32
 
     model, tokenizer = build_tiny_model(shape, seed=0)
-    use_packed_decode_attention(model)  # as grpo.models.load_model does for the trainer
+    if cuda:
+        use_packed_decode_attention(model)  # as grpo.generation.GroupSampler does with the compiled decode step
     model = model.to(args.device, dtype)
     rows = make_synthetic_gsm8k(num_prompts, seed=0)
     prompts = [tokenizer.apply_chat_template(build_prompt(r["question"]), add_generation_prompt=True, return_dict=False) for r in rows]
@@ -96,8 +99,10 @@ def main(argv=None):
     ids, mask = left_pad(prompts, pad, args.device)
     total_tokens = num_prompts * group_size * new_tokens
 
+    kernel = FastSampler()
+
     def ours(**kwargs):
-        return lambda: sample_groups(model, prompts, group_size, params, pad, **kwargs)
+        return lambda: kernel.sample_groups(model, prompts, group_size, params, pad, **kwargs)
 
     def hf_generate():
         with torch.no_grad():
@@ -105,7 +110,9 @@ def main(argv=None):
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_return_sequences=group_size,
                            pad_token_id=pad, eos_token_id=never)
 
-    contenders = {"model.generate": hf_generate, "ours (dynamic cache)": ours()}
+    contenders = {"model.generate": hf_generate,
+                  "ours, plain": lambda: sample_groups(model, prompts, group_size, params, pad),
+                  "ours, kernel (eager)": ours()}
     if cuda:
         contenders["ours (static cache + compiled decode)"] = ours(compile_decode=True)
         contenders["ours (static cache + compiled decode)"]()  # compile / capture outside the timing

@@ -10,10 +10,7 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo.tiny_model import build_tiny_model, build_tokenizer
 
@@ -83,55 +80,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
         )
-    use_packed_decode_attention(model)
     return model.to(device=device, dtype=dtype)
-
-
-PACKED_DECODE_SDPA = "grpo_sdpa"
-
-
-def packed_decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention, with one query token's grouped heads packed onto their shared key/value head.
-
-    Grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245): query head h = j G + g reads key/value
-    head j, out_h = softmax(q_h K_j^T * scaling + mask) V_j. With one query token per row (a decode step),
-    the G query heads of group j are G queries of the same attention problem, so
-        (N, H, 1, D) -> (N, H_kv, G, D),  SDPA against K_j, V_j (N, H_kv, L, D)  -> (N, H_kv, G, D) -> (N, 1, H, D)
-    computes every head without `repeat_kv`'s copies of K and V (G times the cache, per layer per step).
-    transformers packs the same way in eager mode but not while torch.compile traces (its decode then
-    copies K and V every step); this function packs in both. Every other call (several query tokens,
-    position biases, per-head masks, dropout) is transformers' `sdpa_attention_forward` unchanged.
-    """
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_length, _ = query.shape
-    if (q_length != 1 or groups == 1 or dropout or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None or (attention_mask is not None and attention_mask.shape[1] != 1)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    packed = query.reshape(batch, heads // groups, groups, query.shape[-1])  # (N, H_kv, G, D)
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)  # (N, H_kv, G, Dv)
-    return out.reshape(out.shape[0], 1, heads, value.shape[-1]), None  # (N, 1, H, Dv), as sdpa_attention_forward
-
-
-AttentionInterface.register(PACKED_DECODE_SDPA, packed_decode_sdpa)
-AttentionMaskInterface.register(PACKED_DECODE_SDPA, sdpa_mask)
-
-
-def use_packed_decode_attention(model) -> bool:
-    """Switch a model that runs transformers' SDPA attention to `packed_decode_sdpa` (same results); True if switched.
-
-    Only models whose attention goes through transformers' attention interface (`_supports_attention_backend`)
-    are switched: others (older remote code, say) may test for the name "sdpa" themselves, and are left as they are.
-    """
-    if (getattr(model.config, "_attn_implementation", None) != "sdpa"
-            or not getattr(model, "_supports_attention_backend", False)):
-        return False
-    try:
-        model.set_attn_implementation(PACKED_DECODE_SDPA)
-    except (ValueError, ImportError, AttributeError) as error:  # refused, or a transformers without the switch
-        logger.info("keeping SDPA attention for %s: %s", type(model).__name__, error)
-        return False
-    return True
 
 
 def eos_token_ids(model, tokenizer) -> tuple[int, ...]:

@@ -1,159 +1,31 @@
 """Group sampling: each prompt is prefilled once, then its G completions are decoded together from a KV cache.
 
-    prefill   B distinct prompts, left-padded (B, P), positions skip the padding    -> KV cache (B, ., P, .)
-    expand    every cache tensor repeat_interleave(G) along the batch                -> (N, ., P, .), N = B * G
-    decode    one token for all N rows per step; rows stop at EOS (padding after);
-              the loop ends as soon as every row is done or T = max_completion_length tokens were made
+    prefill   B distinct prompts, left-padded (B, P), positions skip the padding   -> KV cache of B rows
+    expand    the cache's rows repeated G times: [prompt 0 x G, prompt 1 x G, ...] -> N = B * G rows
+    decode    one token for all N rows per step; a row that drew EOS is done (padding after it);
+              the loop ends when every row is done or T = max_completion_length tokens were drawn
 
-trl/transformers' `generate` prefills every prompt G times (N rows of P tokens); sharing the prefill
-saves (G - 1) / G of that work and of the prompt's KV cache writes.
+`model.generate` prefills every prompt G times (N rows of P tokens); sharing the prefill saves
+(G - 1) / G of that work and of the prompt's KV cache writes (DeepSeekMath arXiv 2402.03300 samples
+G outputs per question; nanochat's engine shares the prefill the same way).
 
-Next-token sampling (`sample_next_token`) is exact inverse-CDF sampling with one uniform number per
-row: exp(z - max), cumulative sums, binary search. On a CPU at Qwen's 151,936-token vocabulary this costs
-less than `torch.multinomial` or exponential-noise (Gumbel) sampling; top-k, top-p and min-p filters
-only run when enabled. Temperature 0 is greedy (argmax). On CPU in fp32 without filters the decode
-steps skip the search for the max: the projection itself writes z log2(e) / T - c, with c from the
-previous token's log-normaliser, and only rows whose sum leaves a safe range are redone with their
-max (`_sample_base2`). Eager CPU decoding runs the trunk of a Qwen2 or Llama model as `grpo.lean_decode.LeanDecodeStep`:
-the model's own modules, called without transformers' per-call framework (the same hidden states).
+Each next token is drawn by inverse-CDF sampling with one uniform number per row: the first token
+whose cumulative probability exceeds u. Temperature 0 is greedy; top-k, top-p (nucleus) and min-p
+filters apply when set. `grpo.kernels.sampling` draws the same tokens from the same uniforms, faster
+(--kernels auto); this file is the definition.
 
-`static_cache=True` decodes into a preallocated StaticCache. `compile_decode=True` (implies it) on CUDA
-captures the decode step with `torch.compile(mode="reduce-overhead")` (CUDA graphs): small models'
-decoding is bound by per-kernel launch overhead, which the graph replays without Python. On CPU it
-compiles the trunk of the step and keeps the output projection in the reused buffer (see _StaticDecoder).
+Notation: B prompts, G completions per prompt, N = B * G rows, P prompt tokens, T completion tokens, V vocabulary.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import inspect
-import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, StaticCache
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache
 
-from grpo.lean_decode import LeanDecodeStep, unsupported_reason
-from grpo.logprobs import _LN_2, _LOG2_E, _buffer, _column_storage, check_plain_output_head, position_ids_from_mask
-
-
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.x names the KV-cache argument `cache`; earlier releases `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-class _DecodeHead:
-    """The decode step's logits: the trunk, then the output projection into one reused buffer.
-
-    On CPU a fresh (N, V) logits tensor per token is page-faulted in every step (10 MB at N = 16 and
-    Qwen's vocabulary), which costs about as much as the product itself; writing into one buffer
-    (kept between calls, `grpo.logprobs._buffer`) avoids it. `transposed`: the buffer is (V, N), W h^T,
-    and the logits are its (N, V) transposed view: for a few rows the BLAS product in that orientation
-    takes ~2/3 of the time of h W^T (measured on the benchmark CPU at N = 16, H = 128, V = 151,936).
-    Models whose logits are not plain W h (soft-capping, scaling, a bias), other devices and mixed
-    dtypes use the model's own forward.
-    """
-
-    def __init__(self, model, cache_kwarg: str, transposed: bool = False):
-        self.model, self.cache_kwarg, self.transposed = model, cache_kwarg, transposed
-        head = model.get_output_embeddings()
-        self.trunk = getattr(model, model.base_model_prefix, None)
-        self.weight = getattr(head, "weight", None)
-        try:
-            check_plain_output_head(model.config)
-            plain = getattr(head, "bias", None) is None and self.weight is not None
-        except NotImplementedError:
-            plain = False
-        self.buffered = (plain and self.trunk is not None and self.weight.device.type == "cpu"
-                         and self.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
-        self.out = None
-
-    def output(self, num_rows: int) -> torch.Tensor:
-        """The (N, V) view of the reused buffer that the next call writes (buffered heads only)."""
-        vocab = self.weight.shape[0]
-        if self.transposed:
-            self.out = _buffer("decode_logits", vocab, num_rows, torch.float32, self.weight.device)  # (V, N)
-            return self.out.T
-        self.out = _buffer("decode_logits", num_rows, vocab, torch.float32, self.weight.device)
-        return self.out
-
-    def expand(self, hidden: torch.Tensor, group_size: int) -> torch.Tensor:
-        """(B * G, V) logits of (B, H) hidden states, each row repeated G times (the prefill's, one row per prompt),
-        in the reused buffer. The product runs on the B rows (W h^T: for a few rows much faster than h W^T)."""
-        shape = (self.weight.shape[0], hidden.shape[0])  # (V, B)
-        logits = torch.mm(self.weight, hidden.T, out=_buffer("prefill_logits", *shape, torch.float32, hidden.device))
-        out = self.output(hidden.shape[0] * group_size)  # (N, V)
-        out.view(hidden.shape[0], group_size, -1).copy_(logits.T[:, None, :])
-        return out
-
-    def __call__(self, cache, run_trunk=None, shift: torch.Tensor | None = None, scale: float = 1.0,
-                 **inputs) -> torch.Tensor:
-        """(N, V) fp32 logits z of each row's next token; the buffer is overwritten by the next call.
-        `run_trunk(trunk, **inputs)`, if given, runs the trunk (the CPU's compiled decode step passes one).
-        `shift` (N,) and `scale`, buffered heads only: returns scale * z - shift[:, None] instead, formed by the
-        product itself (BLAS adds the broadcast shift as it writes: no pass of its own over the (N, V) values)."""
-        if not self.buffered:
-            if shift is not None or scale != 1.0:
-                raise ValueError("a shift or scale needs the buffered decode head (CPU, fp32, logits = W h)")
-            return self.model(**inputs, use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1].float()
-        inputs = {**inputs, "use_cache": True, self.cache_kwarg: cache}
-        hidden = (run_trunk(self.trunk, **inputs) if run_trunk else self.trunk(**inputs)).last_hidden_state[:, -1]  # (N, H)
-        return self.project(hidden, shift, scale)
-
-    def project(self, hidden: torch.Tensor, shift: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
-        """The buffered head's product for (N, H) final hidden states: (N, V) logits, as `__call__` returns."""
-        out = self.output(hidden.shape[0])  # (N, V), a view of the (V, N) buffer when transposed
-        if shift is None and scale != 1.0:
-            hidden = hidden * scale  # (N, H)
-        if shift is None and self.transposed:
-            torch.mm(self.weight, hidden.T, out=self.out)  # (V, N)
-        elif shift is None:
-            torch.mm(hidden, self.weight.T, out=self.out)  # (N, V)
-        elif self.transposed:  # (V, N) = -shift (1, N) + scale * W h^T
-            torch.addmm(-shift[None, :], self.weight, hidden.T, alpha=scale, out=self.out)
-        else:  # (N, V) = -shift (N, 1) + scale * h W^T
-            torch.addmm(-shift[:, None], hidden, self.weight.T, alpha=scale, out=self.out)
-        return out
-
-
-class _ReservedLayer(DynamicLayer):
-    """A filled DynamicLayer whose keys and values are views into buffers with room for `extra` more positions.
-
-    DynamicLayer.update concatenates: every decode step copies the whole (N, heads, length, D) cache of
-    every layer (on CPU ~2 ms per token for the `small` benchmark shape). Here a step writes its one
-    position in place. Past the reserved room it falls back to concatenation.
-    """
-
-    def __init__(self, layer: DynamicLayer, extra: int):
-        super().__init__()
-        self.device, self.is_initialized = layer.keys.device, True
-        length = layer.keys.shape[-2]
-        self._room = []
-        for source in (layer.keys, layer.values):  # (N, heads, length, D)
-            room = source.new_empty(*source.shape[:-2], length + extra, source.shape[-1])
-            room[..., :length, :] = source
-            self._room.append(room)
-        self.keys, self.values = (room[..., :length, :] for room in self._room)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        start = self.keys.shape[-2]
-        end = start + key_states.shape[-2]
-        keys_room, values_room = self._room
-        if end > keys_room.shape[-2] or self.keys.data_ptr() != keys_room.data_ptr():
-            return super().update(key_states, value_states, *args, **kwargs)
-        keys_room[..., start:end, :] = key_states
-        values_room[..., start:end, :] = value_states
-        self.keys, self.values = keys_room[..., :end, :], values_room[..., :end, :]
-        return self.keys, self.values
-
-
-def _reserve(cache: DynamicCache, extra: int) -> None:
-    """Give each plain, filled DynamicLayer of `cache` room for `extra` more positions (others are left as they are)."""
-    for index, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.dim() == 4:
-            cache.layers[index] = _ReservedLayer(layer, extra)
+from grpo.logprobs import position_ids_from_mask
 
 
 @dataclass
@@ -179,6 +51,10 @@ class SamplingParams:
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
 
+    @property
+    def filtered(self) -> bool:
+        return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
+
 
 @dataclass
 class GroupSample:
@@ -191,6 +67,24 @@ class GroupSample:
     truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
     num_generated_tokens: int  # real completion tokens (sum of completion_mask)
     logprobs: torch.Tensor | None = None  # (N, T) log-probs of the chosen tokens under softmax(logits / temperature)
+
+
+def cache_kwarg(model) -> str:
+    """transformers >= 5.x names the KV-cache argument `cache`; earlier releases `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (B, P) ids left-padded with pad_token_id, and the (B, P) attention mask."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("every prompt needs at least one token")
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        ids[row, length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, length - len(tokens) :] = 1
+    return ids.to(device), mask.to(device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
@@ -221,231 +115,30 @@ def sample_next_token(
     top_p: float = 1.0,
     min_p: float = 0.0,
     generator: torch.Generator | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), filtered; (N, V) -> (N,). Exact inverse-CDF sampling.
+    """One token per row from softmax(filtered logits / temperature); (N, V) -> (N,). Exact inverse-CDF sampling.
 
-    `logits` may be the transposed view of a (V, N) tensor (the CPU decode head's layout).
-    `out`, an fp32 tensor laid out like `logits`, is used as scratch space when given (the sampler
-    reuses one per call).
+    Draws one uniform u per row (N, 1) and returns the first token whose cumulative probability exceeds
+    u times the total. A token of probability 0 occupies an empty interval and is never drawn.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float()
-    scale = _LOG2_E / temperature
-    if top_k or top_p < 1.0 or min_p > 0.0:
-        logits, scale = filter_logits(logits / temperature, top_k, top_p, min_p), _LOG2_E
-    if out is not None and out.stride() != logits.stride():
-        out = None
-    # Unnormalised probabilities exp((z - max) / T) = 2^(z s - max s) with s = log2(e) / T: one pass, then torch's
-    # exp2 (on CPU ~60% of the cost of its exp, as accurate); the division by their total moves to the uniform number.
-    weights = torch.add(_row_max(logits) * -scale, logits, alpha=scale, out=out).exp2_()  # (N, V)
-    uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
-    return _inverse_cdf(weights, uniform)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p, min_p)  # (N, V)
+    # float64 sums: in fp32 a cumulative sum over 151,936 probabilities drifts by more than one token's share
+    cdf = torch.softmax(logits, dim=-1).double().cumsum(dim=-1)  # (N, V)
+    uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator).double()  # (N, 1)
+    total = cdf[:, -1:]  # (N, 1), 1 up to rounding
+    key = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
+    return torch.searchsorted(cdf, key, right=True).squeeze(-1)  # (N,)
 
 
-def _row_max(logits: torch.Tensor, slots: int = 64) -> torch.Tensor:
-    """(N, V) -> (N, 1) row maxima. For the transposed view of a contiguous (V, N) tensor, torch's reduction over
-    the outer dimension with N inner columns is slow (~8 ms at 151,936 x 16 on the benchmark CPU); reducing
-    (V / slots, slots * N) rows first, then the `slots` partial maxima per column, takes ~0.4 ms."""
-    columns = _column_storage(logits)  # (V, N)
-    if columns is None:
-        return logits.amax(dim=-1, keepdim=True)
-    vocab, rows = columns.shape
-    body = vocab - vocab % slots
-    if body == 0:
-        return columns.amax(0)[:, None]
-    partial = columns[:body].reshape(body // slots, slots * rows).amax(0).view(slots, rows).amax(0)  # (N,)
-    if body < vocab:
-        partial = torch.maximum(partial, columns[body:].amax(0))
-    return partial[:, None]
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(N,) log-probs of `tokens` under softmax(logits / temperature), unfiltered (the log-probs training uses)."""
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (N, V)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _below(limit: torch.Tensor) -> torch.Tensor:
-    """The largest float below `limit`: a search key strictly under a total never lands past the last token."""
-    return torch.nextafter(limit, torch.zeros_like(limit))
-
-
-def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """Per row, the first index j with cumsum(weights)_j > u * sum(weights): token j with probability w_j / sum.
-
-    Two levels, so no sequential cumulative sum runs over the whole vocabulary: the sums of blocks of
-    `block` weights (one vectorised pass), their cumulative sum, the block the key falls in, then the
-    cumulative sum inside that block only. Zero-weight tokens occupy empty intervals and are never
-    chosen: keys are kept strictly below each level's total and at or above 0.
-    weights (N, V) >= 0 with a positive sum per row; uniform (N, 1) in [0, 1). Returns (N,) int64.
-    """
-    return _draw(weights, _block_sums(weights, block), uniform, block)
-
-
-def _block_sums(weights: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """(N, V) -> (N, ceil(V / block)) sums of consecutive blocks of `block` weights; the last may be partial."""
-    rows, vocab = weights.shape
-    full = vocab // block
-    columns = _column_storage(weights)  # (V, N) or None
-    if columns is not None:  # reduce the middle dimension of (nb, block, N)
-        block_sums = columns[: full * block].view(full, block, rows).sum(1).T  # (N, full)
-    else:
-        block_sums = weights[:, : full * block].view(rows, full, block).sum(-1)  # (N, full)
-    if vocab % block:
-        block_sums = torch.cat([block_sums, weights[:, full * block :].sum(-1, keepdim=True)], dim=1)  # (N, nb)
-    return block_sums
-
-
-def _draw(weights: torch.Tensor, block_sums: torch.Tensor, uniform: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """`_inverse_cdf` given the weights' block sums (N, nb) from `_block_sums`."""
-    vocab = weights.shape[1]
-    block_cdf = block_sums.cumsum(-1)  # (N, nb)
-    key = torch.minimum(uniform * block_cdf[:, -1:], _below(block_cdf[:, -1:]))  # (N, 1)
-    chosen = torch.searchsorted(block_cdf, key, right=True)  # (N, 1): first block whose cdf exceeds the key
-    before = torch.where(chosen > 0, block_cdf.gather(-1, (chosen - 1).clamp(min=0)), 0.0)  # (N, 1) mass before it
-    columns = chosen * block + torch.arange(block, device=weights.device)  # (N, block)
-    inside = weights.gather(-1, columns.clamp(max=vocab - 1)).masked_fill(columns >= vocab, 0.0).cumsum(-1)
-    key = torch.minimum((key - before).clamp(min=0.0), _below(inside[:, -1:]))  # (N, 1), within the block's mass
-    position = torch.searchsorted(inside, key, right=True)  # (N, 1)
-    return (chosen * block + position).squeeze(-1)
-
-
-# The sampler's shifted steps (CPU, plain sampling): each step's base-2 logits y = z log2(e) / T - c come out of the
-# projection already shifted by c, the row's previous log-normaliser less _SHIFT_MARGIN, so no pass looks for the
-# max. Consecutive tokens' normalisers are close; a row whose sum of 2^y falls outside _TOTAL_RANGE (its max moved by
-# more than ~60 in base 2 since the last token) is redone with its max. Inside the range the sums stay far from fp32's
-# overflow, and the largest weight is at least 2^-60 / V, so only weights under ~2^-49 of it reach fp32's subnormals.
-_SHIFT_MARGIN = 16.0
-_TOTAL_RANGE = (2.0**-60, 2.0**110)
-
-
-def _sample_base2(y: torch.Tensor, uniform: torch.Tensor, out: torch.Tensor | None = None):
-    """One token per row from p_j = 2^(y_j) / sum_k 2^(y_k), for base-2 logits y (N, V) with any per-row offset.
-
-    Returns (tokens (N,), log2 sum_j 2^(y_j) (N,): the row's base-2 log-normaliser in y's frame). The weights 2^y
-    go into `out` (laid out like y) when given. Rows whose sum is outside _TOTAL_RANGE are redone as 2^(y - max).
-    """
-    weights = torch.exp2(y, out=out)  # (N, V)
-    sums = _block_sums(weights)  # (N, nb)
-    total = sums.sum(-1)  # (N,)
-    offset = None
-    outside = ~((total >= _TOTAL_RANGE[0]) & (total <= _TOTAL_RANGE[1]))  # also inf and nan
-    if bool(outside.any()):  # rare: a host sync on accelerators, but this path runs on CPU
-        offset = torch.where(outside, _row_max(y).squeeze(-1), 0.0)  # (N,)
-        weights = torch.exp2(y - offset[:, None], out=out)
-        sums = _block_sums(weights)
-        total = sums.sum(-1)
-    tokens = _draw(weights, sums, uniform)
-    log2_total = total.log2()
-    return tokens, log2_total if offset is None else log2_total + offset
-
-
-def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists -> (B, P) ids left-padded with pad_token_id, and the (B, P) attention mask."""
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise ValueError("every prompt needs at least one token")
-    length = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    for row, tokens in enumerate(sequences):
-        ids[row, length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, length - len(tokens) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _run_trunk(trunk, **inputs):
-    return trunk(**inputs)
-
-
-class _StaticDecoder:
-    """Decode steps into a preallocated StaticCache, optionally captured with torch.compile (CUDA graphs).
-
-    Every shape it sees is fixed (N rows, a cache of `cache_len` positions), so one compilation serves
-    the whole run: the trainer passes cache_len = max_prompt_length + max_completion_length.
-    On CUDA the whole step (trunk and projection) is compiled and replayed as CUDA graphs. On CPU only
-    the trunk is: the projection stays W h^T into the decode head's reused buffer (inductor's own
-    projection writes a fresh (N, V) tensor every token, which made the whole compiled step slower
-    than eager decoding there).
-    The decoder kept between calls (its cache and compiled graph) refers to its model weakly: it never
-    keeps a model alive, and a new model gets a new decoder.
-    """
-
-    _current: "_StaticDecoder | None" = None
-
-    @classmethod
-    def get(cls, model, num_rows: int, cache_len: int, compile_decode: bool) -> "_StaticDecoder":
-        """The decoder kept from the last call if it fits (same model, rows, cache length, compile setting, and
-        autocast dtype: the cache holds keys and values in the dtype the first call wrote), else a new one."""
-        device_type = next(model.parameters()).device.type
-        autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        key, current = (num_rows, cache_len, compile_decode, autocast), cls._current
-        if current is None or current.model_ref() is not model or current.key != key:
-            cls._current = current = cls(model, key)
-        return current
-
-    def __init__(self, model, key: tuple):
-        num_rows, cache_len, compile_decode, _ = key
-        self.model_ref, self.key = weakref.ref(model), key
-        self.cache_len, self.cache_kwarg = cache_len, _cache_kwarg(model)
-        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
-        device_type = next(model.parameters()).device.type
-        self.compiled_step = self.run_trunk = None  # torch.compile is lazy: nothing compiles before a first call
-        if compile_decode and device_type == "cuda":
-            self.compiled_step = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
-        elif compile_decode:  # the trunk is passed in, so the decoder holds no reference to the model
-            self.compiled_step = torch.compile(self._step, dynamic=False)  # for heads that are not buffered
-            self.run_trunk = torch.compile(_run_trunk, dynamic=False)
-
-    def start(self, prefilled: DynamicCache, attention_mask: torch.Tensor) -> None:
-        """Copy the expanded prefill cache (N rows, P positions) into the static cache."""
-        num_rows, prompt_len = attention_mask.shape
-        if prompt_len >= self.cache_len:
-            raise ValueError(f"prompt length {prompt_len} does not fit the static cache of {self.cache_len} positions")
-        for layer, source in zip(self.cache.layers, prefilled.layers, strict=True):
-            if layer.is_initialized:
-                layer.cumulative_length.zero_()  # positions past the new prompt are stale: the causal mask hides them
-            layer.update(source.keys, source.values)  # writes positions [0, P)
-        self.prompt_len = prompt_len
-        # Static shapes: the mask covers the whole cache; the causal mask hides positions not yet written.
-        self.attention_mask = torch.cat(
-            [attention_mask, attention_mask.new_ones(num_rows, self.cache_len - prompt_len)], dim=1
-        )
-
-    def _step(self, model, head, tokens, position_ids, cache_position, attention_mask, **head_kwargs):
-        inputs = dict(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
-                      cache_position=cache_position)
-        if head is not None:  # the trunk, then the projection into a reused buffer
-            return head(self.cache, run_trunk=self.run_trunk, **head_kwargs, **inputs)
-        return model(**inputs, use_cache=True, **{self.cache_kwarg: self.cache}).logits[:, -1]
-
-    def __call__(self, model, head: "_DecodeHead", tokens, position_ids, step: int, **head_kwargs):
-        """(N, V) fp32 logits of the next token (`head_kwargs`, the buffered head's shift and scale: see _DecodeHead)."""
-        cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)
-        if self.compiled_step is None or (self.run_trunk is not None and head.buffered):  # eager, or CPU's compiled trunk
-            return self._step(model, head, tokens, position_ids, cache_position, self.attention_mask, **head_kwargs)
-        if head_kwargs:
-            raise ValueError("the compiled decode step computes plain logits: no shift or scale")
-        return self.compiled_step(model, None, tokens, position_ids, cache_position, self.attention_mask).float()
-
-
-def _inference_mode_on_cpu(sample):
-    """Run the sampler in inference mode on CPU, no_grad elsewhere, and copy inference tensors out of its result.
-
-    In inference mode the decode loop's ~400 small operations a token skip autograd's bookkeeping (version
-    counters, view tracking): ~0.7 of ~6.5 ms a token of the `small` trunk on the benchmark CPU. The tensors
-    returned are copied out of it, so callers may use them with autograd. Accelerators keep no_grad: their
-    decode step is compiled into CUDA graphs, where this overhead is gone.
-    """
-
-    @functools.wraps(sample)
-    def run(model, *args, **kwargs) -> GroupSample:
-        cpu = next(model.parameters()).device.type == "cpu"
-        with torch.inference_mode() if cpu else torch.no_grad():
-            result = sample(model, *args, **kwargs)
-        inference = {name: value.clone() for name, value in vars(result).items()
-                     if isinstance(value, torch.Tensor) and value.is_inference()}
-        return dataclasses.replace(result, **inference)
-
-    return run
-
-
-@_inference_mode_on_cpu
+@torch.no_grad()
 def sample_groups(
     model,
     prompts: list[list[int]],
@@ -454,21 +147,12 @@ def sample_groups(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     return_logprobs: bool = False,
-    static_cache: bool = False,
-    compile_decode: bool = False,
-    max_prompt_length: int | None = None,
     step_callback=None,
-    lean_decode: bool = True,
 ) -> GroupSample:
     """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
 
-    `max_prompt_length` fixes the static cache's length (prompt budget + completion budget), so a
-    compiled decode step is captured once per run instead of once per prompt length.
     `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
     (tests use it to check that sharing the prefill changes no logit).
-    `lean_decode`: eager CPU decoding of Qwen2/Llama trunks runs `grpo.lean_decode.LeanDecodeStep` (the same
-    hidden states bit for bit, fewer operations); False keeps transformers' forward (tests compare the two).
-    On CPU it runs in inference mode (`_inference_mode_on_cpu`); the tensors it returns are ordinary ones.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -477,95 +161,51 @@ def sample_groups(
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)
     num_rows, max_new = len(prompts) * group_size, params.max_completion_length
+    cache, cache_name = DynamicCache(config=model.config), cache_kwarg(model)
 
-    cache, cache_kwarg = DynamicCache(config=model.config), _cache_kwarg(model)
-    # (V, N) logits storage when the sampler reads it in place: unfiltered sampling (greedy argmax and the
-    # filters' sorts prefer rows). return_logprobs reads it too, so turning it on changes no drawn token.
-    plain_sampling = params.temperature > 0 and not (params.top_k or params.top_p < 1.0 or params.min_p > 0.0)
-    head = _DecodeHead(model, cache_kwarg, transposed=plain_sampling)
-    # Shifted steps (CPU, fp32, plain sampling; see _sample_base2): `logits` holds base-2 logits y = z s - shift,
-    # s = log2(e) / T, formed by the head's product; the first step's are the prefill's, scaled (shift 0).
-    shifted = plain_sampling and head.buffered
-    scale = _LOG2_E / params.temperature if shifted else 1.0
-    shift = None  # (N,) c of the next step's logits, from the second step on
-
-    # Prefill each distinct prompt once.
-    prefill = dict(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                   use_cache=True, **{cache_kwarg: cache})
-    if shifted:  # the trunk, then the head's product for the B prompts, copied to their groups' rows
-        logits = head.expand(head.trunk(**prefill).last_hidden_state[:, -1] * scale, group_size)  # (N, V) y = z s
-    else:
-        logits = model(**prefill, logits_to_keep=1).logits[:, -1].float()  # (B, V)
-        logits = logits.repeat_interleave(group_size, dim=0)  # (N, V)
-    # Expand to the group: rows [prompt 0 x G, prompt 1 x G, ...].
-    cache.batch_repeat_interleave(group_size)
-    static = static_cache or compile_decode  # a StaticCache of fixed shapes; else the dynamic cache, with room
-    if not static:
-        _reserve(cache, max_new)
+    # --- prefill each distinct prompt once, then expand the cache to the group ---
+    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                   use_cache=True, logits_to_keep=1, **{cache_name: cache}).logits[:, -1].float()  # (B, V)
+    logits = logits.repeat_interleave(group_size, dim=0)  # (N, V)
+    cache.batch_repeat_interleave(group_size)  # every layer's keys and values: (B, ...) -> (N, ...)
     attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
-    # Eager buffered decoding of a Qwen2/Llama trunk: the model's modules without transformers' per-call framework.
-    lean = None
-    if lean_decode and head.buffered and not static and unsupported_reason(head.trunk) is None:
-        lean = LeanDecodeStep(head.trunk, cache, attention_mask, max_new)
     positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
-    decoder = None
-    if static:  # fixed shapes: the prompt budget (if given) + the completion budget
-        cache_len = max(max_prompt_length or 0, prompt_ids.shape[1]) + max_new
-        decoder = _StaticDecoder.get(model, num_rows, cache_len, compile_decode)
-        decoder.start(cache, attention_mask)
-    # fp32 scratch for the sampling weights, laid out like the logits (shifted steps: reused between calls)
-    scratch = _buffer("decode_weights", logits.shape[1], num_rows, torch.float32, device).T if shifted else None
 
+    # --- decode: one token for every row per step ---
     eos = torch.tensor(sorted(set(params.eos_token_ids)), device=device)
-    completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(num_rows, max_new, device=device) if return_logprobs else None
-    done = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
+    completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)  # (N, T)
+    logprobs = torch.zeros(num_rows, max_new, device=device) if return_logprobs else None  # (N, T)
+    done = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,)
+    lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)  # (N,)
     for step in range(max_new):
-        if step_callback is not None:  # the logits z, also in shifted steps
-            step_callback(step, (logits if shift is None else logits + shift[:, None]) / scale)
-        if shifted:
-            uniform = torch.rand(num_rows, 1, device=device, generator=generator)  # (N, 1), as sample_next_token draws
-            tokens, log2_total = _sample_base2(logits, uniform, out=scratch)  # log2_total (N,) in y's frame
-        else:
-            if scratch is None or scratch.stride() != logits.stride():
-                scratch = torch.empty_like(logits, dtype=torch.float32)
-            tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p,
-                                       generator, out=scratch)
+        if step_callback is not None:
+            step_callback(step, logits)
+        tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p, generator)
         tokens = tokens.masked_fill(done, pad_token_id)  # (N,) finished rows are padded
         completion_ids[:, step] = tokens
-        if return_logprobs and shifted:  # log p = ln 2 (y_token - log2 sum_j 2^y_j)
-            logprobs[:, step] = (logits.gather(-1, tokens[:, None]).squeeze(-1) - log2_total) * _LN_2 * ~done
-        elif return_logprobs:
-            temperature = params.temperature if params.temperature > 0 else 1.0
-            logprobs[:, step] = torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1) * ~done
+        if return_logprobs:
+            logprobs[:, step] = token_logprobs(logits, tokens, params.temperature) * ~done
         hit_eos = torch.isin(tokens, eos) & ~done
         lengths = torch.where(hit_eos, step + 1, lengths)
         done |= hit_eos
         if step == max_new - 1 or bool(done.all()):  # note: a CPU-GPU sync point, once per token
             break
-        # The next step's shift: this step's log-normaliser (shift + log2_total) less a margin (see _SHIFT_MARGIN).
-        head_kwargs = {}
-        if shifted:
-            shift = (log2_total if shift is None else shift + log2_total) - _SHIFT_MARGIN  # (N,)
-            head_kwargs = {"shift": shift, "scale": scale}
-        if decoder is not None:
-            logits = decoder(model, head, tokens[:, None], positions, step, **head_kwargs)
-        elif lean is not None:
-            logits = head.project(lean(tokens[:, None], positions), **head_kwargs)  # (N, V)
-        else:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
-            logits = head(cache, input_ids=tokens[:, None], attention_mask=attention_mask,
-                          position_ids=positions, **head_kwargs)  # (N, V)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
+        logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
+                       use_cache=True, **{cache_name: cache}).logits[:, -1].float()  # (N, V)
         positions = positions + 1
 
-    steps = min(step + 1, max_new)
-    completion_ids = completion_ids[:, :steps]  # trim to the longest row
-    completion_mask = (torch.arange(steps, device=device)[None, :] < lengths[:, None]).long()  # (N, T)
+    return finish_sample(prompt_ids, prompt_mask, completion_ids, lengths, done, logprobs, steps=step + 1)
+
+
+def finish_sample(prompt_ids, prompt_mask, completion_ids, lengths, done, logprobs, steps: int) -> GroupSample:
+    """The GroupSample of a decode loop that ran `steps` steps: (N, T_max) buffers trimmed to the longest row,
+    the completion mask from each row's length (up to and including its EOS), truncated = no EOS drawn."""
+    completion_mask = (torch.arange(steps, device=lengths.device)[None, :] < lengths[:, None]).long()  # (N, T)
     return GroupSample(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
+        completion_ids=completion_ids[:, :steps],
         completion_mask=completion_mask,
         truncated=~done,
         num_generated_tokens=int(completion_mask.sum()),

@@ -5,7 +5,9 @@ import copy
 import pytest
 import torch
 
-from grpo.models import use_packed_decode_attention
+from grpo.kernels.buffers import Buffers
+from grpo.kernels.compiled_decode import use_packed_decode_attention
+from grpo.kernels.sampling import FastSampler
 from grpo.sampler import SamplingParams, sample_groups
 from grpo.tiny_model import build_tiny_model
 
@@ -29,13 +31,14 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(dtype):
     model = model.to("cuda", dtype)
     params = SamplingParams(max_completion_length=24, temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,))
     eager = sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id)
-    static = sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, static_cache=True)
-    compiled = sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, compile_decode=True)
+    sampler = FastSampler()
+    static = sampler.sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, static_cache=True)
+    compiled = sampler.sample_groups(model, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, compile_decode=True)
     assert torch.equal(static.completion_ids, eager.completion_ids)
     assert torch.equal(compiled.completion_ids, eager.completion_ids)
     switched = copy.deepcopy(model)  # a new model: a new compiled decoder
-    assert use_packed_decode_attention(switched)  # as load_model does: grouped heads packed in the compiled step too
-    packed = sample_groups(switched, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, compile_decode=True)
+    assert use_packed_decode_attention(switched)  # as the sampler does on CUDA: grouped heads packed when compiled
+    packed = sampler.sample_groups(switched, _prompts(tokenizer), 2, params, tokenizer.pad_token_id, compile_decode=True)
     assert torch.equal(packed.completion_ids, eager.completion_ids)
 
 
@@ -48,14 +51,15 @@ def test_bf16_training_step_on_cuda(tmp_path):
                         reward=["tags"], device="cuda", precision="auto", save_steps=0)
     trainer = Trainer(config)
     assert trainer.precision == "bf16" and next(trainer.policy.parameters()).dtype == torch.float32
-    assert trainer.compile_decode  # auto: the compiled decode step on CUDA
+    assert trainer.kernels.compile_decode  # auto: the compiled decode step on CUDA
     assert trainer.train()["status"] == "finished"
 
 
 def test_log_probs_on_cuda_match_float64():
     # On CUDA the log-probs shift by each row's max and store (c, V) rows (CPU: the target's logit, (V, c) columns):
     # values and gradients of both Functions against float64, on logits of ~100 nats with far targets.
-    from grpo.logprobs import _ChunkedTokenLogProbs, _FusedTokenLoss, _shift_by_target
+    from grpo.kernels.fused_loss import _FusedTokenLoss
+    from grpo.kernels.logprobs import _ChunkedTokenLogProbs, _shift_by_target
     from tests.test_logprobs import _close_to, _far_targets, _float64_reference
 
     assert not _shift_by_target(torch.device("cuda"))
@@ -71,9 +75,10 @@ def test_log_probs_on_cuda_match_float64():
         cuda_targets, cuda_scale = targets.cuda(), scale.cuda()
         if fused:
             loss, logps, _ = _FusedTokenLoss.apply(hidden, w, cuda_targets, 0.9, 5, False,
-                                                   lambda chunk, index: (chunk * cuda_scale[index]).sum(), None)
+                                                   lambda chunk, index: (chunk * cuda_scale[index]).sum(), None,
+                                                   Buffers())
         else:
-            logps, _ = _ChunkedTokenLogProbs.apply(hidden, w, cuda_targets, 0.9, 5, False)
+            logps, _ = _ChunkedTokenLogProbs.apply(hidden, w, cuda_targets, 0.9, 5, False, Buffers())
             loss = (logps * cuda_scale).sum()
         loss.backward()
         for name, got in (("logps", logps), ("d hidden", hidden.grad), ("d weight", w.grad)):

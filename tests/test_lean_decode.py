@@ -1,13 +1,18 @@
-"""grpo.lean_decode: the lean decode step gives transformers' hidden states, and the sampler's tokens stay the same."""
+"""grpo.kernels.lean_decode: the lean decode step gives transformers' hidden states, and the sampler's tokens stay the same."""
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.lean_decode import LeanDecodeStep, unsupported_reason
+from grpo.kernels.compiled_decode import use_packed_decode_attention
+from grpo.kernels.lean_decode import LeanDecodeStep, unsupported_reason
+from grpo.kernels.sampling import FastSampler, _reserve
 from grpo.logprobs import position_ids_from_mask
-from grpo.models import use_packed_decode_attention
-from grpo.sampler import SamplingParams, _reserve, left_pad, sample_groups
+from grpo.sampler import SamplingParams, left_pad
+
+
+def sample_groups(*args, **kwargs):
+    return FastSampler().sample_groups(*args, **kwargs)
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=512)
 
@@ -93,7 +98,7 @@ def test_sampler_draws_the_same_tokens_with_the_lean_step():
 
 
 def test_sampler_uses_the_lean_step_only_where_it_applies(monkeypatch):
-    import grpo.sampler
+    import grpo.kernels.sampling
 
     calls = []
 
@@ -102,7 +107,7 @@ def test_sampler_uses_the_lean_step_only_where_it_applies(monkeypatch):
             calls.append(1)
             return super().__call__(input_ids, position_ids)
 
-    monkeypatch.setattr(grpo.sampler, "LeanDecodeStep", Counting)
+    monkeypatch.setattr(grpo.kernels.sampling, "LeanDecodeStep", Counting)
     model = _model("qwen2")
     params = SamplingParams(max_completion_length=4, temperature=1.0, eos_token_ids=(SMALL["vocab_size"] - 1,))
     sample_groups(model, PROMPTS, 2, params, 0, generator=torch.Generator().manual_seed(0))

@@ -1,9 +1,21 @@
 import pytest
 import torch
 
+import grpo.kernels.sampling
+import grpo.sampler
+from grpo.kernels.sampling import FastSampler
 from grpo.logprobs import position_ids_from_mask
-from grpo.sampler import SamplingParams, filter_logits, left_pad, sample_groups, sample_next_token
+from grpo.sampler import SamplingParams, cache_kwarg, filter_logits, left_pad, sample_groups
 from grpo.tiny_model import build_tiny_model
+
+
+def fast_sample_groups(*args, **kwargs):
+    return FastSampler().sample_groups(*args, **kwargs)
+
+
+# The plain sampler and the kernel that replaces it (--kernels auto) pass the same tests.
+SAMPLERS = {"plain": sample_groups, "kernel": fast_sample_groups}
+NEXT_TOKEN = {"plain": grpo.sampler.sample_next_token, "kernel": grpo.kernels.sampling.sample_next_token}
 
 QUESTIONS = ["What is 2 + 3?", "Ava has 4 apples and buys 9 more. How many now?", "Hi"]
 
@@ -35,15 +47,16 @@ def _generate(model, prompts, pad, eos, max_new):
     return out[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize("static_cache", [False, True])
-def test_greedy_matches_generate_with_and_without_early_eos(peaked, prompts, tokenizer, static_cache):
+@pytest.mark.parametrize("sampler,static_cache", [("plain", False), ("kernel", False), ("kernel", True)])
+def test_greedy_matches_generate_with_and_without_early_eos(peaked, prompts, tokenizer, sampler, static_cache):
     pad = tokenizer.pad_token_id
+    options = {"static_cache": True} if static_cache else {}
     free = _generate(peaked, prompts, pad, [pad], 10)  # pad as EOS: never produced here
     assert len(set(free[0].tolist())) > 2, "the greedy text should not be one repeated token"
     for eos in ([pad], [free[0, 3].item()]):  # the second stops row 0 early, after 4 tokens
         expected = _generate(peaked, prompts, pad, eos, 10)
         params = SamplingParams(max_completion_length=10, temperature=0.0, eos_token_ids=tuple(eos))
-        sample = sample_groups(peaked, prompts, 1, params, pad, static_cache=static_cache)
+        sample = SAMPLERS[sampler](peaked, prompts, 1, params, pad, **options)
         got = sample.completion_ids
         assert torch.equal(got, expected[:, : got.shape[1]])
         assert (expected[:, got.shape[1]:] == pad).all()
@@ -51,20 +64,19 @@ def test_greedy_matches_generate_with_and_without_early_eos(peaked, prompts, tok
     assert not sample.truncated[0]
 
 
-def test_prefix_sharing_changes_no_logit(peaked, prompts, tokenizer):
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_prefix_sharing_changes_no_logit(peaked, prompts, tokenizer, sampler):
     from transformers import DynamicCache
-
-    from grpo.sampler import _cache_kwarg
 
     group_size, pad = 3, tokenizer.pad_token_id
     seen = []
     params = SamplingParams(max_completion_length=6, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,))
-    sample = sample_groups(peaked, prompts, group_size, params, pad, generator=torch.Generator().manual_seed(0),
+    sample = SAMPLERS[sampler](peaked, prompts, group_size, params, pad, generator=torch.Generator().manual_seed(0),
                            step_callback=lambda step, logits: seen.append(logits.clone()))
     # Without sharing: each prompt repeated G times is prefilled as its own row, then the same tokens decoded.
     mask = sample.prompt_mask.repeat_interleave(group_size, 0)  # (N, P)
     ids = sample.prompt_ids.repeat_interleave(group_size, 0)
-    cache, kwarg = DynamicCache(config=peaked.config), _cache_kwarg(peaked)
+    cache, kwarg = DynamicCache(config=peaked.config), cache_kwarg(peaked)
     positions = position_ids_from_mask(mask)
     with torch.no_grad():
         for step, step_logits in enumerate(seen):
@@ -77,10 +89,11 @@ def test_prefix_sharing_changes_no_logit(peaked, prompts, tokenizer):
     assert len(seen) == sample.completion_ids.shape[1] > 1
 
 
-def test_same_seed_same_completions_and_rows_differ(tiny_model_and_tokenizer, prompts):
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_same_seed_same_completions_and_rows_differ(tiny_model_and_tokenizer, prompts, sampler):
     model, tokenizer = tiny_model_and_tokenizer
     params = SamplingParams(max_completion_length=8, eos_token_ids=(tokenizer.eos_token_id,))
-    run = lambda seed: sample_groups(model, prompts, 4, params, tokenizer.pad_token_id,
+    run = lambda seed: SAMPLERS[sampler](model, prompts, 4, params, tokenizer.pad_token_id,
                                      generator=torch.Generator().manual_seed(seed))
     a, b, c = run(1), run(1), run(2)
     assert torch.equal(a.completion_ids, b.completion_ids)
@@ -104,8 +117,10 @@ def _chi_square(tokens, probs):
     return (((counts - expected) ** 2)[keep] / expected[keep]).sum().item(), int(keep.sum()) - 1
 
 
+@pytest.mark.parametrize("sampler", NEXT_TOKEN)
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
-def test_empirical_distribution_matches_softmax(temperature):
+def test_empirical_distribution_matches_softmax(temperature, sampler):
+    sample_next_token = NEXT_TOKEN[sampler]
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     rows = 40_000
     tokens = sample_next_token(logits.expand(rows, -1), temperature, generator=torch.Generator().manual_seed(7))
@@ -113,7 +128,9 @@ def test_empirical_distribution_matches_softmax(temperature):
     assert statistic < CHI2_9999[dof], statistic
 
 
-def test_filtered_sampling_matches_the_renormalised_distribution():
+@pytest.mark.parametrize("sampler", NEXT_TOKEN)
+def test_filtered_sampling_matches_the_renormalised_distribution(sampler):
+    sample_next_token = NEXT_TOKEN[sampler]
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     tokens = sample_next_token(logits.expand(40_000, -1), 1.0, top_k=4, generator=torch.Generator().manual_seed(8))
     kept = torch.full_like(logits, float("-inf"))
@@ -140,9 +157,10 @@ def test_filters_keep_exactly_the_right_tokens():
     assert sorted(order[kept(filter_logits(logits[:, order], top_p=0.8))].tolist()) == [0, 1, 2]
 
 
-def test_greedy_is_argmax_and_params_are_validated():
+@pytest.mark.parametrize("sampler", NEXT_TOKEN)
+def test_greedy_is_argmax_and_params_are_validated(sampler):
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
-    assert sample_next_token(logits, 0.0).tolist() == [1, 0]
+    assert NEXT_TOKEN[sampler](logits, 0.0).tolist() == [1, 0]
     for bad in (dict(top_p=0.0), dict(top_k=-1), dict(min_p=1.0), dict(temperature=-1.0), dict(max_completion_length=0)):
         with pytest.raises(ValueError):
             SamplingParams(eos_token_ids=(1,), **bad)
@@ -155,11 +173,14 @@ def test_compiled_decode_matches_eager_and_compiles_once(peaked, prompts, tokeni
     torch._dynamo.reset()
     params = SamplingParams(max_completion_length=8, temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,))
     pad = tokenizer.pad_token_id
+    sampler = FastSampler()
     for batch in (prompts, prompts[::-1][:2]):  # the second call has other prompt lengths and fewer rows
         eager = sample_groups(peaked, batch, 2, params, pad)
-        compiled = sample_groups(peaked, batch, 2, params, pad, compile_decode=True, max_prompt_length=128)
+        compiled = sampler.sample_groups(peaked, batch, 2, params, pad, compile_decode=True, max_prompt_length=128)
         assert torch.equal(compiled.completion_ids, eager.completion_ids)
-    again = sample_groups(peaked, prompts[1:], 2, params, pad, compile_decode=True, max_prompt_length=128)
+    decoder = sampler.decoder
+    again = sampler.sample_groups(peaked, prompts[1:], 2, params, pad, compile_decode=True, max_prompt_length=128)
+    assert sampler.decoder is decoder  # the same captured step serves the next call
     assert torch.equal(again.completion_ids, sample_groups(peaked, prompts[1:], 2, params, pad).completion_ids)
 
 
@@ -168,7 +189,7 @@ def test_compiled_decode_on_cpu_compiles_the_trunk_and_keeps_the_buffered_projec
                                                                                       monkeypatch):
     """On CPU the compiled step is the trunk only when the head writes into its buffer (fp32, no autocast); a head
     that cannot (here: under bf16 autocast) gets the whole step compiled. Both give the eager greedy tokens."""
-    import grpo.sampler as sampler_module
+    import grpo.kernels.sampling as sampler_module
 
     torch._dynamo.reset()
     params = SamplingParams(max_completion_length=8, temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,))
@@ -176,16 +197,16 @@ def test_compiled_decode_on_cpu_compiles_the_trunk_and_keeps_the_buffered_projec
     heads = []
     real_head = sampler_module._DecodeHead
     monkeypatch.setattr(sampler_module, "_DecodeHead", lambda *a, **k: heads.append(real_head(*a, **k)) or heads[-1])
-    eager = sample_groups(peaked, prompts, 2, params, pad)
-    compiled = sample_groups(peaked, prompts, 2, params, pad, compile_decode=True, max_prompt_length=128)
+    sampler = FastSampler()
+    eager = sampler.sample_groups(peaked, prompts, 2, params, pad)
+    compiled = sampler.sample_groups(peaked, prompts, 2, params, pad, compile_decode=True, max_prompt_length=128)
     assert torch.equal(compiled.completion_ids, eager.completion_ids)
     assert heads[-1].buffered and heads[-1].out is not None  # the projection went through the reused buffer
-    decoder = sampler_module._StaticDecoder._current
-    assert decoder.run_trunk is not None
+    assert sampler.decoder.run_trunk is not None
     seen = {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for name, kwargs in (("eager", {}), ("compiled", {"compile_decode": True, "max_prompt_length": 128})):
-            sample_groups(peaked, prompts, 2, params, pad, **kwargs,
+            sampler.sample_groups(peaked, prompts, 2, params, pad, **kwargs,
                           step_callback=lambda step, logits, name=name: seen.setdefault((name, step), logits.clone()))
     assert not heads[-1].buffered and heads[-1].out is None  # the model's own forward, compiled whole
     # In bf16 the fused kernels round differently from eager ones, so a near-tie can pick another greedy token
@@ -199,7 +220,7 @@ def test_two_level_inverse_cdf_is_exact(block):
     # Blocks of 3 over 10 tokens: full blocks, a partial last block, a block of zeros (tokens 3-5) and
     # zero-weight tokens at block edges. The distribution must be w / sum(w), and zero weights never drawn,
     # even for uniforms at 0 and just below 1.
-    from grpo.sampler import _inverse_cdf
+    from grpo.kernels.sampling import _inverse_cdf
 
     weights = torch.tensor([0.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.5, 3.0, 0.0, 1.5])
     rows = 60_000
@@ -214,13 +235,14 @@ def test_two_level_inverse_cdf_is_exact(block):
 def test_decode_head_falls_back_to_the_model_for_transformed_logits(tiny_model_and_tokenizer):
     # The reused-buffer decode head computes W h itself; a model whose logits are soft-capped (or scaled,
     # or biased) must go through its own forward instead.
-    from grpo.sampler import _DecodeHead, _cache_kwarg
+    from grpo.kernels.buffers import Buffers
+    from grpo.kernels.sampling import _DecodeHead
 
     model, _ = tiny_model_and_tokenizer
-    assert _DecodeHead(model, _cache_kwarg(model)).buffered
+    assert _DecodeHead(model, cache_kwarg(model), Buffers()).buffered
     model.config.final_logit_softcapping = 30.0
     try:
-        assert not _DecodeHead(model, _cache_kwarg(model)).buffered
+        assert not _DecodeHead(model, cache_kwarg(model), Buffers()).buffered
     finally:
         model.config.final_logit_softcapping = None
 
@@ -229,7 +251,7 @@ def test_reserved_cache_layer_matches_concatenation():
     """The sampler's in-place KV cache layer returns what DynamicLayer's concatenation returns, past its room too."""
     from transformers.cache_utils import DynamicLayer
 
-    from grpo.sampler import _ReservedLayer
+    from grpo.kernels.sampling import _ReservedLayer
 
     torch.manual_seed(0)
     plain, filled = DynamicLayer(), DynamicLayer()
@@ -255,7 +277,9 @@ def test_static_decoder_does_not_keep_its_model_alive(prompts, tokenizer):
 
     model, _ = build_tiny_model("tiny", seed=1, tokenizer=tokenizer)
     params = SamplingParams(max_completion_length=4, eos_token_ids=(tokenizer.eos_token_id,))
-    sample_groups(model, prompts, 2, params, tokenizer.pad_token_id, static_cache=True)
+    sampler = FastSampler()  # keeps its static decoder between calls
+    sampler.sample_groups(model, prompts, 2, params, tokenizer.pad_token_id, static_cache=True)
+    assert sampler.decoder is not None
     alive = weakref.ref(model)
     del model
     gc.collect()
@@ -267,7 +291,7 @@ def test_logits_stored_transposed_sample_exactly_as_contiguous_ones(vocab):
     """The CPU decode head returns (N, V) logits as a view of (V, N) storage; row maxima, weights, block sums
     and so the drawn tokens must not depend on the layout (vocabularies below, at and off the 64-row slots
     and the 1024-token blocks)."""
-    from grpo.sampler import _row_max
+    from grpo.kernels.sampling import _row_max, sample_next_token
 
     logits = torch.randn(16, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
     transposed = logits.T.contiguous().T
@@ -281,6 +305,8 @@ def test_logits_stored_transposed_sample_exactly_as_contiguous_ones(vocab):
 
 
 def test_transposed_storage_matches_the_softmax_distribution():
+    from grpo.kernels.sampling import sample_next_token
+
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     rows = 40_000
     transposed = logits.expand(rows, -1).T.contiguous().T  # (rows, 8) view of (8, rows)
@@ -292,14 +318,15 @@ def test_transposed_storage_matches_the_softmax_distribution():
 def test_transposed_decode_head_gives_the_same_logits(tiny_model_and_tokenizer, prompts):
     from transformers import DynamicCache
 
-    from grpo.sampler import _DecodeHead, _cache_kwarg
+    from grpo.kernels.buffers import Buffers
+    from grpo.kernels.sampling import _DecodeHead
 
     model, _ = tiny_model_and_tokenizer
     ids, mask = left_pad(prompts, 0, "cpu")
     shift = torch.tensor([3.0, -2.0, 0.5])
     logits = {}
     for transposed in (False, True):
-        head = _DecodeHead(model, _cache_kwarg(model), transposed=transposed)
+        head = _DecodeHead(model, cache_kwarg(model), Buffers(), transposed=transposed)
         for name, kwargs in (("plain", {}), ("scaled", {"scale": 1.7}), ("shifted", {"scale": 1.7, "shift": shift})):
             with torch.no_grad():
                 logits[transposed, name] = head(DynamicCache(config=model.config), input_ids=ids, attention_mask=mask,
@@ -312,15 +339,16 @@ def test_transposed_decode_head_gives_the_same_logits(tiny_model_and_tokenizer, 
         torch.testing.assert_close(logits[transposed, "shifted"], 1.7 * plain - shift[:, None], rtol=1e-5, atol=1e-5)
 
 
-def test_return_logprobs_changes_no_drawn_token():
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_return_logprobs_changes_no_drawn_token(sampler):
     """Asking for the log-probs must not change which tokens a seed draws (both read the same logits)."""
     model, tokenizer = build_tiny_model("small", seed=0)  # the real 151,936-token vocabulary
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              return_dict=False) for q in QUESTIONS]
     params = SamplingParams(max_completion_length=16, temperature=0.7, eos_token_ids=(tokenizer.eos_token_id,))
     plain, with_logprobs = (
-        sample_groups(model, prompts, 8, params, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0),
-                      return_logprobs=flag) for flag in (False, True))
+        SAMPLERS[sampler](model, prompts, 8, params, tokenizer.pad_token_id,
+                          generator=torch.Generator().manual_seed(0), return_logprobs=flag) for flag in (False, True))
     assert torch.equal(with_logprobs.completion_ids, plain.completion_ids)
     assert with_logprobs.logprobs.shape == plain.completion_ids.shape and (with_logprobs.logprobs <= 0).all()
 
@@ -331,7 +359,7 @@ def test_shifted_base2_sampling_matches_the_softmax_for_any_offset(offset):
     token. Whatever the offset (inside the accepted range, or far enough out that the sums overflow or the
     weights underflow, which redoes the row with its max), tokens follow softmax(z / T) and the returned
     log-normaliser is log2 sum 2^y. One row in four has no offset, so a redo must leave the other rows alone."""
-    from grpo.sampler import _sample_base2
+    from grpo.kernels.sampling import _sample_base2
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     rows, temperature = 40_000, 0.8
@@ -353,7 +381,7 @@ def test_shifted_steps_redone_with_the_max_draw_the_same_tokens(margin, monkeypa
     """A shift far from every row's maximum (the margin moves it: sums overflow, or weights underflow) makes each
     decode step redo its rows with their max. The tokens drawn and their log-probs must not change, and the
     log-probs must be those of softmax(z / T) of the step's logits."""
-    import grpo.sampler as sampler_module
+    import grpo.kernels.sampling as sampler_module
 
     model, tokenizer = build_tiny_model("small", seed=0)  # the real 151,936-token vocabulary: the shifted steps' path
     temperature = 0.05  # base-2 logits of tens: the shift matters
@@ -363,8 +391,8 @@ def test_shifted_steps_redone_with_the_max_draw_the_same_tokens(margin, monkeypa
 
     def sample(seen=None):
         callback = None if seen is None else (lambda step, logits: seen.append(logits.clone()))
-        return sample_groups(model, prompts, 4, params, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(3),
-                             return_logprobs=True, step_callback=callback)
+        return fast_sample_groups(model, prompts, 4, params, tokenizer.pad_token_id,
+                                  generator=torch.Generator().manual_seed(3), return_logprobs=True, step_callback=callback)
 
     seen = []
     usual = sample(seen)
@@ -384,13 +412,14 @@ def test_shifted_steps_redone_with_the_max_draw_the_same_tokens(margin, monkeypa
     torch.testing.assert_close(redone.logprobs, usual.logprobs, rtol=0, atol=1e-4)
 
 
-def test_sample_returns_tensors_usable_with_autograd(tiny_model_and_tokenizer, prompts):
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_sample_returns_tensors_usable_with_autograd(tiny_model_and_tokenizer, prompts, sampler):
     """On CPU the sampler runs in inference mode; what it returns must still work as autograd inputs and be
     writable (the trainer builds its training inputs from it)."""
     model, tokenizer = tiny_model_and_tokenizer
     params = SamplingParams(max_completion_length=4, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,))
-    sample = sample_groups(model, prompts, 2, params, tokenizer.pad_token_id, return_logprobs=True,
-                           generator=torch.Generator().manual_seed(0))
+    sample = SAMPLERS[sampler](model, prompts, 2, params, tokenizer.pad_token_id, return_logprobs=True,
+                               generator=torch.Generator().manual_seed(0))
     tensors = [value for value in vars(sample).values() if isinstance(value, torch.Tensor)]
     assert len(tensors) == 6 and not any(t.is_inference() for t in tensors)
     sample.completion_mask[:, 0] = 1  # writable

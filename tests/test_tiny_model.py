@@ -62,7 +62,7 @@ def _naive_attention(query, key, value, mask, scaling):
 
 @pytest.mark.parametrize("heads, kv_heads", [(14, 2), (4, 2), (6, 3), (8, 1)])
 def test_packed_decode_attention_matches_a_naive_reference(heads, kv_heads):
-    from grpo.models import packed_decode_sdpa
+    from grpo.kernels.compiled_decode import packed_decode_sdpa
 
     generator = torch.Generator().manual_seed(heads * 10 + kv_heads)
     rows, length, dim = 5, 11, 16
@@ -79,7 +79,7 @@ def test_packed_decode_attention_matches_a_naive_reference(heads, kv_heads):
 def test_packed_decode_attention_leaves_other_calls_to_transformers():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from grpo.models import packed_decode_sdpa
+    from grpo.kernels.compiled_decode import packed_decode_sdpa
 
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(3, 4, 6, 8, generator=generator)  # six query tokens: a prefill, not a decode step
@@ -96,8 +96,9 @@ def test_models_switched_to_packed_attention_decode_the_same_logits(tokenizer):
     (the compiled decode step is where transformers' own SDPA copies K and V for every head)."""
     import copy
 
-    from grpo.models import PACKED_DECODE_SDPA, use_packed_decode_attention
-    from grpo.sampler import SamplingParams, sample_groups
+    from grpo.kernels.compiled_decode import PACKED_DECODE_SDPA, use_packed_decode_attention
+    from grpo.kernels.sampling import FastSampler
+    from grpo.sampler import SamplingParams
 
     model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny shape groups its heads
@@ -114,7 +115,7 @@ def test_models_switched_to_packed_attention_decode_the_same_logits(tokenizer):
 
     def logits_of(m, **kwargs):
         seen = []
-        sample = sample_groups(m, prompts, 2, params, tokenizer.pad_token_id, max_prompt_length=64,
+        sample = FastSampler().sample_groups(m, prompts, 2, params, tokenizer.pad_token_id, max_prompt_length=64,
                                step_callback=lambda step, logits: seen.append(logits.clone()), **kwargs)
         return sample.completion_ids, torch.stack(seen)
 
@@ -126,7 +127,7 @@ def test_models_switched_to_packed_attention_decode_the_same_logits(tokenizer):
 
 
 def test_models_outside_the_attention_interface_keep_their_attention(tokenizer):
-    from grpo.models import use_packed_decode_attention
+    from grpo.kernels.compiled_decode import use_packed_decode_attention
 
     model, _ = build_tiny_model("tiny", seed=0, tokenizer=tokenizer)
     model._supports_attention_backend = False  # as remote-code models that pick their attention class by name

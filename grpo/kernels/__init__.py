@@ -1,0 +1,78 @@
+"""Fast paths beside the plain code, and the one place that decides which of them run.
+
+    module                         replaces (same numbers)                          applies
+    grpo.kernels.sampling          grpo.sampler.sample_groups                      every device (FastSampler)
+    grpo.kernels.lean_decode       the trunk's forward in a CPU decode step          Qwen2/Llama, SDPA, eager CPU
+    grpo.kernels.compiled_decode   the decode step (static cache, CUDA graphs)       CUDA
+    grpo.kernels.logprobs          grpo.logprobs.completion_logprobs                 every device
+    grpo.kernels.fused_loss        completion_logprobs -> per_token_loss -> aggregate_loss   token-level ratios
+    grpo.kernels.buffers           reused CPU storage, owned by the objects that run the kernels
+
+`--kernels plain` runs the plain path everywhere (the definition a reader checks against the paper);
+`--kernels auto` (the default) takes each kernel where it applies. `select_kernels` is the only place
+that decides; the trainer asks the fields of the `KernelChoice` it returns at its call sites, and logs
+once why a kernel does not apply. tests/test_kernels.py pins every kernel to the plain path.
+Importing this package changes nothing outside it; `use_cpu_huge_pages` is an explicit call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo.config import KERNEL_CHOICES
+
+logger = logging.getLogger("grpo")
+
+
+@dataclass
+class KernelChoice:
+    """Which kernels a run uses, and why each one that does not apply does not."""
+
+    fast_sampler: bool = False  # grpo.kernels.sampling.FastSampler instead of grpo.sampler.sample_groups
+    compile_decode: bool = False  # inside FastSampler: static cache + compiled decode step (CUDA)
+    fast_logprobs: bool = False  # grpo.kernels.logprobs instead of grpo.logprobs
+    fused_loss: bool = False  # grpo.kernels.fused_loss instead of log-probs -> per_token_loss -> aggregate_loss
+    reasons: dict[str, str] = field(default_factory=dict)  # kernel -> why it is off
+
+    def log_reasons(self) -> None:
+        for name, reason in self.reasons.items():
+            logger.info("kernel %s is off: %s", name, reason)
+
+
+def select_kernels(kernels: str, device: torch.device, importance_sampling_level: str = "token",
+                   model=None) -> KernelChoice:
+    """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table)."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "plain":
+        return KernelChoice(reasons={"all": "--kernels plain"})
+    choice = KernelChoice(fast_sampler=True, fast_logprobs=True, fused_loss=True)
+    if importance_sampling_level != "token":
+        choice.fused_loss = False
+        choice.reasons["fused_loss"] = ("sequence-level ratios couple a completion's tokens; the plain "
+                                        "log-probs -> per_token_loss -> aggregate_loss path runs")
+    if device.type == "cuda":
+        choice.compile_decode = True
+    else:
+        choice.reasons["compile_decode"] = "CUDA graphs pay on CUDA only; CPU decoding stays eager"
+        if model is not None:
+            from grpo.kernels.lean_decode import unsupported_reason
+
+            reason = unsupported_reason(getattr(model, model.base_model_prefix, model))
+            if reason is not None:
+                choice.reasons["lean_decode"] = reason
+    return choice
+
+
+def use_cpu_huge_pages() -> None:
+    """Ask PyTorch's CPU allocator to back tensors of 2 MiB and more with transparent huge pages.
+
+    A training step allocates vocabulary-sized tensors; with 4 KiB pages their page faults cost more than
+    the arithmetic. PyTorch reads THP_MEM_ALLOC_ENABLE once, at its first such allocation, so this must be
+    called before any large tensor exists (train.py and Trainer call it first). A value the user set wins.
+    """
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

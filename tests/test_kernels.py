@@ -1,0 +1,163 @@
+"""Each kernel of grpo/kernels/ pinned to the plain code it replaces, and the one place that chooses them.
+
+    grpo.kernels.sampling      same tokens and log-probs as grpo.sampler.sample_groups for the same seed
+                               (both draw one uniform per row per step); greedy and filtered decoding too
+    grpo.kernels.lean_decode   (inside the sampler) tests/test_lean_decode.py: hidden states vs transformers
+    grpo.kernels.compiled_decode  tests/test_sampler.py (CPU) and tests/test_gpu.py (CUDA): the eager tokens
+    grpo.kernels.logprobs      log-probs, entropies and gradients of grpo.logprobs.completion_logprobs, rtol 1e-5
+    grpo.kernels.fused_loss    loss, log-probs, entropies and gradients of log-probs -> per_token_loss -> aggregate_loss
+
+Tolerances: fp32 on CPU, rtol 1e-5; gradients atol 1e-6 of the tensor's largest entry (fp32 sums in another order).
+"""
+
+import pytest
+import torch
+
+from grpo.kernels import select_kernels
+from grpo.kernels.buffers import Buffers
+from grpo.kernels.fused_loss import fused_completion_loss
+from grpo.kernels.logprobs import completion_logprobs as kernel_logprobs
+from grpo.kernels.sampling import FastSampler
+from grpo.logprobs import completion_logprobs
+from grpo.loss import LossOptions, aggregate_loss, aggregation_weights, per_token_loss
+from grpo.sampler import SamplingParams, sample_groups
+from grpo.tiny_model import build_tiny_model
+
+QUESTIONS = ("What is 2 + 3?", "Ava has 4 apples and buys 7 more.", "Hi")
+
+
+def _prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          return_dict=False) for q in QUESTIONS]
+
+
+@pytest.mark.parametrize("shape", ["tiny", "small"])  # small: the real vocabulary, the shifted base-2 steps
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9),
+                                      dict(temperature=0.0), dict(temperature=1.3, min_p=0.05)],
+                         ids=["plain", "filtered", "greedy", "min_p"])
+def test_fast_sampler_draws_the_plain_samplers_tokens(shape, sampling):
+    model, tokenizer = build_tiny_model(shape, seed=0)
+    params = SamplingParams(max_completion_length=10, eos_token_ids=(tokenizer.eos_token_id,), **sampling)
+    prompts = _prompts(tokenizer)
+    runs = {}
+    for name, sample in (("plain", sample_groups), ("kernel", FastSampler().sample_groups)):
+        runs[name] = sample(model, prompts, 4, params, tokenizer.pad_token_id,
+                            generator=torch.Generator().manual_seed(5), return_logprobs=True)
+    plain, kernel = runs["plain"], runs["kernel"]
+    assert torch.equal(kernel.completion_ids, plain.completion_ids)
+    assert torch.equal(kernel.completion_mask, plain.completion_mask) and torch.equal(kernel.truncated, plain.truncated)
+    torch.testing.assert_close(kernel.logprobs, plain.logprobs, rtol=1e-5, atol=1e-5)
+    if sampling["temperature"] > 0:
+        assert len(set(plain.completion_ids.flatten().tolist())) > 5  # varied tokens: the test can tell samplers apart
+
+
+def _batch(vocab, generator, rows=4, prompt=6, completion=5):
+    input_ids = torch.randint(3, vocab, (rows, prompt + completion), generator=generator)
+    lengths = torch.tensor([5, 1, 3, 4])[:rows]
+    completion_mask = (torch.arange(completion)[None, :] < lengths[:, None]).long()  # (n, T)
+    attention_mask = torch.cat([torch.ones(rows, prompt, dtype=torch.long), completion_mask], 1)
+    attention_mask[1, :2] = 0  # left padding
+    return input_ids, attention_mask, completion_mask
+
+
+def _grads(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _assert_same_grads(got, expected):
+    for name, grad in expected.items():
+        atol = 1e-6 * max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("chunk_size", [2, None])
+def test_logprob_kernel_matches_the_plain_logprobs(tokenizer, chunk_size):
+    model, _ = build_tiny_model("tiny", seed=1, tokenizer=tokenizer)
+    model.train()
+    generator = torch.Generator().manual_seed(2)
+    ids, attention_mask, completion_mask = _batch(model.config.vocab_size, generator)
+    weights = torch.randn(completion_mask.shape, generator=generator)
+    results = {}
+    for name, logprobs in (("plain", completion_logprobs), ("kernel", kernel_logprobs)):
+        model.zero_grad()
+        logps, entropy = logprobs(model, ids, attention_mask, completion_mask, 0.8, True, chunk_size)
+        (logps * weights).sum().backward()
+        results[name] = (logps.detach(), entropy, _grads(model))
+    torch.testing.assert_close(results["kernel"][0], results["plain"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results["kernel"][1], results["plain"][1], rtol=1e-5, atol=1e-5)
+    _assert_same_grads(results["kernel"][2], results["plain"][2])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_fused_loss_matches_logprobs_then_loss_then_aggregation(tokenizer, loss_type, off_policy):
+    model, _ = build_tiny_model("tiny", seed=4, tokenizer=tokenizer)
+    model.train()
+    generator = torch.Generator().manual_seed(6)
+    ids, attention_mask, completion_mask = _batch(model.config.vocab_size, generator)
+    with torch.no_grad():
+        current, _ = completion_logprobs(model, ids, attention_mask, completion_mask, 0.9)
+    old = (current + 0.02 * torch.randn(current.shape, generator=generator)) if off_policy else None
+    ref = current + 0.3 * torch.randn(current.shape, generator=generator)
+    advantages = torch.randn(4, generator=generator)
+    options = LossOptions(beta=0.04, epsilon=0.01, epsilon_high=0.02, delta=1.015, use_bias_correction_kl=True,
+                          loss_type=loss_type, max_completion_length=5)
+    aggregation = dict(num_micro_batches=2, max_completion_length=5, num_items_in_batch=30)
+
+    model.zero_grad()
+    logps, _ = completion_logprobs(model, ids, attention_mask, completion_mask, 0.9, True)
+    token_losses = per_token_loss(logps, logps.detach() if old is None else old, advantages, completion_mask, ref, options)
+    expected = aggregate_loss(token_losses, completion_mask, loss_type, **aggregation)
+    expected.backward()
+    plain_grads = _grads(model)
+
+    model.zero_grad()
+    weights = aggregation_weights(completion_mask, loss_type, **aggregation)
+    loss, fused_logps, entropy = fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, old,
+                                                       ref, weights, options, 0.9, buffers=Buffers())
+    loss.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(fused_logps, logps.detach(), rtol=1e-5, atol=1e-6)
+    assert entropy is not None and entropy.shape == completion_mask.shape
+    _assert_same_grads(_grads(model), plain_grads)
+    if off_policy:  # the clip and the delta cap bite on some tokens, so a wrong branch would show
+        ratio = (logps.detach() - old).exp()[completion_mask.bool()]
+        assert ((ratio < 0.99) | (ratio > 1.02)).any() and ((ratio > 0.99) & (ratio < 1.02)).any()
+
+
+def test_fused_loss_refuses_sequence_level_ratios(tokenizer):
+    model, _ = build_tiny_model("tiny", seed=4, tokenizer=tokenizer)
+    ids, attention_mask, completion_mask = _batch(model.config.vocab_size, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="token-level ratios"):
+        fused_completion_loss(model, ids, attention_mask, completion_mask, torch.zeros(4), None, None,
+                              torch.ones(completion_mask.shape), LossOptions(importance_sampling_level="sequence"))
+
+
+def test_select_kernels_decides_in_one_place():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    plain = select_kernels("plain", cpu)
+    assert not (plain.fast_sampler or plain.fast_logprobs or plain.fused_loss or plain.compile_decode)
+    auto = select_kernels("auto", cpu)
+    assert auto.fast_sampler and auto.fast_logprobs and auto.fused_loss and not auto.compile_decode
+    assert select_kernels("auto", cuda).compile_decode  # the decision only: nothing runs on CUDA here
+    sequence = select_kernels("auto", cpu, importance_sampling_level="sequence")
+    assert not sequence.fused_loss and "sequence-level" in sequence.reasons["fused_loss"]
+    model, _ = build_tiny_model("tiny", seed=0)
+    model.config._attn_implementation = "eager"
+    assert "attention implementation" in select_kernels("auto", cpu, model=model).reasons["lean_decode"]
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        select_kernels("fast", cpu)
+
+
+def test_importing_the_package_changes_nothing_outside_it():
+    """No environment variable, attention registration or model change happens at import (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import os, transformers; before = dict(os.environ); "
+            "import grpo, grpo.trainer, grpo.kernels.sampling, grpo.kernels.fused_loss, grpo.kernels.compiled_decode; "
+            "from transformers import AttentionInterface; "
+            "assert dict(os.environ) == before, set(os.environ) ^ set(before); "
+            "assert 'grpo_sdpa' not in AttentionInterface._global_mapping; print('clean')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
