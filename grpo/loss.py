@@ -9,7 +9,8 @@ Per token (DeepSeekMath arXiv 2402.03300 eq. 3; PPO's clipped surrogate, arXiv 1
               (* rho when kl_bias_correction, trl 1.16's default `use_bias_correction_kl`)
 
 eps_high > eps is DAPO's clip-higher (arXiv 2503.14476); `delta` caps rho from above after the
-clipped copy is taken (two-sided clipping, as trl).
+clipped copy is taken (two-sided clipping, as trl), and after the KL's correction factor took rho.
+`LossOptions` carries these settings; `loss_statistics` computes what is logged, once per micro-batch.
 
 Aggregation (`loss_type`) of one micro-batch, so that summing the micro-batches of one optimizer
 step gives the step's loss (see `aggregate_loss`):
@@ -23,12 +24,42 @@ Notation: n rows in the micro-batch, T completion tokens; m the completion mask.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The settings of the per-token loss and its aggregation, as GRPOConfig names them (trl's names)."""
+
+    beta: float = 0.0  # KL coefficient; 0: no KL term
+    epsilon: float = 0.2  # lower clip: rho >= 1 - epsilon
+    epsilon_high: float | None = None  # upper clip: rho <= 1 + epsilon_high; None: epsilon
+    delta: float | None = None  # cap on the unclipped rho (two-sided clipping); None: off
+    use_bias_correction_kl: bool = False  # kl * rho (trl 1.16's default)
+    importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO)
+    loss_type: str = "grpo"  # aggregation, see aggregate_loss
+    max_completion_length: int | None = None  # dr_grpo's constant divisor
+
+    def __post_init__(self):
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                             f"got {self.importance_sampling_level!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def from_config(cls, config) -> "LossOptions":
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass
@@ -67,82 +98,74 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
 
 
-def _loss_terms(logps, log_ratio, advantages, ref_logps, beta, epsilon, epsilon_high, delta, kl_bias_correction):
-    """l = -min(rho A, clip(rho) A) + beta kl from log rho; returns (l, rho, kl or None), all differentiable."""
+def _loss_terms(logps, log_ratio, advantages, ref_logps, options: LossOptions):
+    """l = -min(rho A, clip(rho) A) + beta kl from log rho; returns (l, capped rho, kl or None), differentiable.
+
+    The order is trl 1.16's: the KL is multiplied by the ratio before `delta` caps it, and the clipped copy
+    is taken before the cap too; the cap applies to the unclipped branch of the surrogate only.
+    """
     ratio = torch.exp(log_ratio)  # (n, T) or (n, 1)
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    if delta is not None:
-        ratio = torch.clamp(ratio, max=delta)  # two-sided clipping: cap the unclipped branch too
-    loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
     kl = None
-    if beta != 0.0:
+    if options.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs reference log-probs")
         kl = k3_kl(logps, ref_logps)  # (n, T)
-        if kl_bias_correction:
-            kl = kl * ratio  # trl 1.16: importance-sampling correction of the KL term (not detached)
-        loss = loss + beta * kl  # added after clipping
+        if options.use_bias_correction_kl:
+            kl = kl * ratio  # trl 1.16: importance-sampling correction of the KL term (not detached, not capped)
+    clipped_ratio = torch.clamp(ratio, 1 - options.epsilon, 1 + options.clip_high)
+    if options.delta is not None:
+        ratio = torch.clamp(ratio, max=options.delta)  # two-sided clipping: cap the unclipped branch too
+    loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    if kl is not None:
+        loss = loss + options.beta * kl  # added after clipping
     return loss, ratio, kl
 
 
-def token_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    ref_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    kl_bias_correction: bool = False,
-) -> torch.Tensor:
+def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+               ref_logps: torch.Tensor | None = None, options: LossOptions = LossOptions()) -> torch.Tensor:
     """l_t of token-level ratios, elementwise: every argument has the same shape (any shape), no mask.
 
-    The same terms as `per_token_loss(importance_sampling_level="token")`, without the statistics;
-    the fused log-prob + loss path (grpo.logprobs.completion_token_loss) evaluates it chunk by chunk.
+    The same terms as `per_token_loss` with importance_sampling_level="token"; the fused log-prob + loss
+    kernel (grpo.kernels.fused_loss) evaluates it chunk by chunk on the real tokens.
     """
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    loss, _, _ = _loss_terms(logps, logps - old_logps, advantages, ref_logps, beta, epsilon, epsilon_high, delta,
-                             kl_bias_correction)
+    loss, _, _ = _loss_terms(logps, logps - old_logps, advantages, ref_logps, options)
     return loss
 
 
-def per_token_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    kl_bias_correction: bool = False,
-    importance_sampling_level: str = "token",
-    entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, LossStats]:
-    """Per-token loss l (n, T) (l has shape (n, 1) for sequence-level ratios with beta = 0) and its stats.
+def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   ref_logps: torch.Tensor | None = None, options: LossOptions = LossOptions()) -> torch.Tensor:
+    """Per-token loss l (n, T); (n, 1) for sequence-level ratios with beta = 0.
 
     logps (n, T) with grad; old_logps (n, T) detached (logps.detach() when on-policy, which gives
     rho = 1 and the REINFORCE gradient); advantages (n,); mask (n, T); ref_logps (n, T) if beta != 0.
     """
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = log_importance_weights(logps, old_logps, mask.to(logps.dtype), options.importance_sampling_level)
+    loss, _, _ = _loss_terms(logps, log_ratio, advantages[:, None], ref_logps, options)  # advantages (n, 1)
+    return loss
+
+
+@torch.no_grad()
+def loss_statistics(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    ref_logps: torch.Tensor | None = None, options: LossOptions = LossOptions(),
+                    entropy: torch.Tensor | None = None) -> LossStats:
+    """What trl logs of one micro-batch: mean KL, the clipped fractions (low, high, either) and the entropy.
+
+    A token counts as clipped low when rho < 1 - epsilon with A < 0 (the clip removes its gradient), high
+    when rho > 1 + epsilon_high with A > 0; rho after the `delta` cap, as trl.
+    """
     mask = mask.to(logps.dtype)
     advantages = advantages[:, None]  # (n, 1)
-    log_ratio = log_importance_weights(logps, old_logps, mask, importance_sampling_level)  # (n, T) or (n, 1)
-    loss, ratio, kl = _loss_terms(logps, log_ratio, advantages, ref_logps, beta, epsilon, epsilon_high, delta,
-                                  kl_bias_correction)
-    with torch.no_grad():
-        is_low = (ratio < 1 - epsilon) & (advantages < 0)
-        is_high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        stats = LossStats(
-            kl=None if kl is None else _masked_mean(kl.detach(), mask),
-            clip_low=_masked_mean(is_low.float(), mask),
-            clip_high=_masked_mean(is_high.float(), mask),
-            clip_region=_masked_mean((is_low | is_high).float(), mask),
-            entropy=None if entropy is None else _masked_mean(entropy, mask),
-        )
-    return loss, stats
+    log_ratio = log_importance_weights(logps, old_logps, mask, options.importance_sampling_level)
+    _, ratio, kl = _loss_terms(logps, log_ratio, advantages, ref_logps, options)
+    is_low = (ratio < 1 - options.epsilon) & (advantages < 0)
+    is_high = (ratio > 1 + options.clip_high) & (advantages > 0)
+    return LossStats(
+        kl=None if kl is None else _masked_mean(kl, mask),
+        clip_low=_masked_mean(is_low.float(), mask),
+        clip_high=_masked_mean(is_high.float(), mask),
+        clip_region=_masked_mean((is_low | is_high).float(), mask),
+        entropy=None if entropy is None else _masked_mean(entropy, mask),
+    )
 
 
 def aggregate_loss(

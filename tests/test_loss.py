@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import LOSS_TYPES, aggregate_loss, k3_kl, per_token_loss
+from grpo.loss import LOSS_TYPES, LossOptions, aggregate_loss, k3_kl, loss_statistics, per_token_loss, token_loss
 
 T_MAX = 6
 
@@ -31,14 +31,13 @@ def _naive_loss(logps, old, ref, adv, mask, *, beta, eps, eps_high, delta, bias_
             log_ratio = logps[i, t] - old[i, t] if level == "token" else seq_log_ratio
             rho = torch.exp(log_ratio)
             clipped = torch.clamp(rho, 1 - eps, 1 + eps_high)
-            if delta is not None:
-                rho = torch.clamp(rho, max=delta)
-            l = -torch.min(rho * adv[i], clipped * adv[i])
+            capped = rho if delta is None else torch.clamp(rho, max=delta)
+            l = -torch.min(capped * adv[i], clipped * adv[i])
             if beta:
                 d = ref[i, t] - logps[i, t]
                 kl = torch.exp(d) - d - 1
                 if bias_kl:
-                    kl = kl * rho
+                    kl = kl * rho  # trl 1.16: the ratio before the delta cap
                 l = l + beta * kl
             row_sum = row_sum + l
         row_losses.append(row_sum / max(length, 1))
@@ -57,6 +56,8 @@ CONFIGS = [
     dict(beta=0.0, eps=0.2, eps_high=0.2, delta=None, bias_kl=False, level="token"),
     dict(beta=0.04, eps=0.2, eps_high=0.28, delta=None, bias_kl=True, level="token"),
     dict(beta=0.04, eps=0.2, eps_high=0.2, delta=1.5, bias_kl=False, level="token"),
+    dict(beta=0.04, eps=0.2, eps_high=0.2, delta=1.05, bias_kl=True, level="token"),
+    dict(beta=0.04, eps=3e-4, eps_high=4e-4, delta=1.0002, bias_kl=True, level="sequence"),
     dict(beta=0.0, eps=3e-4, eps_high=4e-4, delta=None, bias_kl=False, level="sequence"),
     dict(beta=0.1, eps=0.2, eps_high=0.2, delta=None, bias_kl=True, level="sequence"),
 ]
@@ -67,11 +68,10 @@ CONFIGS = [
 def test_against_naive_loop(loss_type, config):
     logps, old, ref, adv, mask = _inputs(seed=0)
     total_tokens = mask.sum().item() * 2  # pretend this micro-batch is half of the step's tokens
-    loss, _ = per_token_loss(
-        logps, old, adv, mask, ref_logps=ref, beta=config["beta"], epsilon=config["eps"],
-        epsilon_high=config["eps_high"], delta=config["delta"], kl_bias_correction=config["bias_kl"],
-        importance_sampling_level=config["level"],
-    )
+    options = LossOptions(beta=config["beta"], epsilon=config["eps"], epsilon_high=config["eps_high"],
+                          delta=config["delta"], use_bias_correction_kl=config["bias_kl"],
+                          importance_sampling_level=config["level"])
+    loss = per_token_loss(logps, old, adv, mask, ref, options)
     fast = aggregate_loss(loss, mask, loss_type, num_micro_batches=2, max_completion_length=T_MAX,
                           num_items_in_batch=total_tokens)
     (fast_grad,) = torch.autograd.grad(fast, logps)
@@ -94,7 +94,8 @@ def test_k3_kl_is_nonnegative_and_zero_at_equality():
 def test_on_policy_gradient_is_reinforce(loss_type):
     # With old = logps.detach(), rho = 1 and d(-min(rho A, clip(rho) A))/dlogp = -A: the REINFORCE gradient.
     logps, _, _, adv, mask = _inputs(seed=3)
-    loss, stats = per_token_loss(logps, logps.detach(), adv, mask)
+    loss = per_token_loss(logps, logps.detach(), adv, mask)
+    stats = loss_statistics(logps, logps.detach(), adv, mask)
     value = aggregate_loss(loss, mask, loss_type, max_completion_length=T_MAX, num_items_in_batch=mask.sum())
     (grad,) = torch.autograd.grad(value, logps)
     reinforce = aggregate_loss(-adv[:, None] * logps, mask, loss_type, max_completion_length=T_MAX,
@@ -107,8 +108,8 @@ def test_on_policy_gradient_is_reinforce(loss_type):
 def _accumulated_grad(logps, old, ref, adv, mask, loss_type, splits):
     total = torch.zeros_like(logps)
     for rows in splits:
-        loss, _ = per_token_loss(logps[rows], old[rows], adv[rows], mask[rows], ref_logps=ref[rows], beta=0.04,
-                                 epsilon_high=0.28, kl_bias_correction=True)
+        options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
+        loss = per_token_loss(logps[rows], old[rows], adv[rows], mask[rows], ref[rows], options)
         value = aggregate_loss(loss, mask[rows], loss_type, num_micro_batches=len(splits),
                                max_completion_length=T_MAX, num_items_in_batch=mask.sum())
         total += torch.autograd.grad(value, logps)[0]
@@ -142,19 +143,37 @@ def test_clip_statistics_hand_derived():
     # Row 1: rho = e^-0.5 = 0.61 < 0.8 with A < 0 -> low-clipped.
     logps = torch.tensor([[0.0], [0.0]])
     old = torch.tensor([[-0.5], [0.5]])
-    _, stats = per_token_loss(logps, old, torch.tensor([1.0, -1.0]), torch.ones(2, 1))
+    stats = loss_statistics(logps, old, torch.tensor([1.0, -1.0]), torch.ones(2, 1))
     assert (stats.clip_high, stats.clip_low, stats.clip_region) == (0.5, 0.5, 1.0)
     # Same ratios with the advantages' signs flipped: the min() picks the unclipped branch, nothing counts.
-    _, stats = per_token_loss(logps, old, torch.tensor([-1.0, 1.0]), torch.ones(2, 1))
+    stats = loss_statistics(logps, old, torch.tensor([-1.0, 1.0]), torch.ones(2, 1))
     assert stats.clip_region == 0.0
+    # delta = 1.1 caps row 0's rho at 1.1 < 1.2 before it is counted (trl's order): no longer high-clipped.
+    stats = loss_statistics(logps, old, torch.tensor([1.0, -1.0]), torch.ones(2, 1), options=LossOptions(delta=1.1))
+    assert (stats.clip_high, stats.clip_low) == (0.0, 0.5)
+
+
+def test_delta_caps_the_surrogate_but_not_the_kl_correction():
+    # One token, on trl 1.16's order: rho = e^0.5 = 1.6487, capped at delta = 1.2 in the unclipped branch only.
+    # A = 1: -min(1.2 * 1, clip(1.6487, 0.8, 1.2) * 1) = -1.2. KL: ref - logp = -0.5 -> e^-0.5 + 0.5 - 1 = 0.10653,
+    # times the uncapped rho 1.6487 = 0.17564 (times the capped 1.2 it would be 0.12784). beta = 1.
+    logps, old, ref = torch.tensor([[0.0]]), torch.tensor([[-0.5]]), torch.tensor([[-0.5]])
+    options = LossOptions(beta=1.0, delta=1.2, use_bias_correction_kl=True)
+    kl = (math.exp(-0.5) + 0.5 - 1) * math.exp(0.5)
+    loss = per_token_loss(logps, old, torch.tensor([1.0]), torch.ones(1, 1), ref, options)
+    assert loss.item() == pytest.approx(-1.2 + kl, rel=1e-6)
+    assert loss_statistics(logps, old, torch.tensor([1.0]), torch.ones(1, 1), ref, options).kl == pytest.approx(kl, rel=1e-6)
+    assert token_loss(logps, old, torch.tensor([[1.0]]), ref, options).item() == pytest.approx(-1.2 + kl, rel=1e-6)
 
 
 def test_errors_name_the_problem():
     logps, old, ref, adv, mask = _inputs(seed=0)
     with pytest.raises(ValueError, match="beta != 0 needs reference"):
-        per_token_loss(logps, old, adv, mask, beta=0.1)
+        per_token_loss(logps, old, adv, mask, options=LossOptions(beta=0.1))
     with pytest.raises(ValueError, match="importance_sampling_level"):
-        per_token_loss(logps, old, adv, mask, importance_sampling_level="seq")
-    loss, _ = per_token_loss(logps, old, adv, mask)
+        LossOptions(importance_sampling_level="seq")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        LossOptions(loss_type="ppo")
+    loss = per_token_loss(logps, old, adv, mask)
     with pytest.raises(ValueError, match="loss_type must be one of"):
         aggregate_loss(loss, mask, "ppo")
