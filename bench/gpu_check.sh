@@ -2,9 +2,9 @@
 # The prepared GPU check (about 6 minutes on one H200), run from the repository root on a CUDA machine.
 # In order of priority, each part under its own time limit so one failure leaves the others' figures:
 #   1. ours vs trl on the trainer benchmark: the qwen2.5-0.5b shape, bf16, 16 prompts x G=8, 256 new tokens,
-#      micro-batch 32, beta 0.04; ours as configured by default (the compiled, CUDA-graph decode step) and eager;
+#      micro-batch 32, beta 0.04; ours with --kernels auto (the compiled, CUDA-graph decode step) and plain;
 #   2. the CUDA-only tests (tests/test_gpu.py: compiled decode == eager greedy tokens, a bf16 training step);
-#   3. sampler throughput (16 prompts x G=8, 256 tokens): model.generate, ours eager, ours compiled.
+#   3. sampler throughput (16 prompts x G=8, 256 tokens): model.generate, ours plain, the kernel eager and compiled.
 # trl, datasets and their missing dependencies travel as wheels in .whl/ when the machine lacks them (see the
 # device README; transformers travels too, so both sides run the version the CPU tests use).
 set -uo pipefail
@@ -24,8 +24,8 @@ fi
   python3 -c "import sys, torch, transformers, trl; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/machine.txt"
 timeout "$(left 380)" python3 bench/trainer.py --device cuda --shape qwen2.5-0.5b --steps 3 --repeats 1 \
-  --sides ours,trl,ours-eager --side-timeout 150 2>&1 | tee "$OUT/trainer.txt"
+  --sides ours,trl,ours-plain --side-timeout 150 2>&1 | tee "$OUT/trainer.txt"
 timeout "$(left 110)" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
 timeout "$(left 120)" python3 bench/sampler.py --device cuda --prompts 16 --repeats 2 2>&1 | tee "$OUT/sampler.txt"; echo "sampler exit ${PIPESTATUS[0]}" | tee -a "$OUT/sampler.txt"
-echo "=== summary ==="; cat "$OUT/machine.txt"; grep -v "^ours run\|^trl run\|^ours-eager run" "$OUT/trainer.txt" | tail -25
+echo "=== summary ==="; cat "$OUT/machine.txt"; grep -v "^ours run\|^trl run\|^ours-plain run" "$OUT/trainer.txt" | tail -25
 tail -3 "$OUT/gpu_tests.txt"; tail -6 "$OUT/sampler.txt"

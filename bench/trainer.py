@@ -3,7 +3,7 @@
     python bench/trainer.py --shape small                  # CPU, fp32: 4 prompts x G=4, 64 new tokens
     python bench/trainer.py --shape qwen2.5-0.5b --steps 2 # CPU, the real Qwen2.5-0.5B shape (random init)
     python bench/trainer.py --device cuda --shape qwen2.5-0.5b   # GPU, bf16: 16 prompts x G=8, 256 tokens
-        --sides ours,trl,ours-eager      # ours: our defaults (compiled decode on CUDA, eager on CPU); ours-eager, ours-compiled force one
+        --sides ours,trl,ours-plain      # ours: --kernels auto (the default); ours-plain: --kernels plain
 
 Same work on both sides: one random-init model saved to a folder (so completions run to the token
 budget: EOS is a 1-in-150k token for it), the same prompts, num_generations, completions per
@@ -60,7 +60,7 @@ def _peak_memory_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, compile_decode: str = "auto") -> dict:
+def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, kernels: str = "auto") -> dict:
     from data import add_prompts, make_synthetic_gsm8k
     from grpo.config import GRPOConfig
     from grpo.metrics import read_jsonl
@@ -71,7 +71,7 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         prompts_per_step=work["prompts"], num_generations=work["group"], micro_batch_size=work["micro_batch"],
         max_completion_length=work["new_tokens"], max_prompt_length=256, beta=work["beta"], reward=["tags"],
         device=device, precision=work["precision"], learning_rate=1e-6, save_steps=0, log_completions_steps=0,
-        logging_steps=10**6, warmup_ratio=0.0, compile_decode=compile_decode,
+        logging_steps=10**6, warmup_ratio=0.0, kernels=kernels,
     )
     trainer = Trainer(config, train_rows=add_prompts(make_synthetic_gsm8k(256, seed=0)))
     trainer.save = lambda: None  # checkpoint writing is not part of a step on either side
@@ -221,8 +221,8 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
     return {**parts(0), **{f"{part}_median": seconds for part, seconds in parts(1).items()}}
 
 
-# ours: our defaults (the compiled decode step on CUDA, eager decoding on CPU); ours-eager / ours-compiled force either.
-SIDES = {"ours": "auto", "ours-eager": "off", "ours-compiled": "on", "trl": None}
+# ours: our defaults (--kernels auto: the compiled decode step on CUDA, the fused loss, ...); ours-plain: --kernels plain.
+SIDES = {"ours": "auto", "ours-plain": "plain", "trl": None}
 
 
 def child(args):
@@ -231,7 +231,7 @@ def child(args):
         if args.child == "trl":
             result = run_trl(args.model_dir, work, args.steps, args.device, out)
         else:
-            result = run_ours(args.model_dir, work, args.steps, args.device, out, compile_decode=SIDES[args.child])
+            result = run_ours(args.model_dir, work, args.steps, args.device, out, kernels=SIDES[args.child])
     print("RESULT " + json.dumps(result))
 
 

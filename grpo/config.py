@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from pathlib import Path
 from data.prompts import SYSTEM_PROMPT
 
 GSM8K_RECIPE_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
+KERNEL_CHOICES = ("auto", "plain")  # grpo.kernels.select_kernels
+GENERATION_BACKENDS = ("sampler", "transformers")  # grpo.generation
 
 
 def _f(default, help: str, **kwargs):
@@ -29,6 +32,14 @@ def _f(default, help: str, **kwargs):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kwargs})
     return field(default=default, metadata={"help": help, **kwargs})
+
+
+# Settings that earlier versions had, and what replaced them: the old name fails with this message.
+REPLACED = {
+    "fused_loss": "--kernels (auto uses the fused log-prob + loss pass for token-level ratios; plain does not)",
+    "compile_decode": "--kernels (auto compiles the decode step on CUDA; plain decodes eagerly)",
+    "static_cache": "--kernels (auto decodes into a static cache on CUDA, with the compiled step)",
+}
 
 
 class ConfigMixin:
@@ -41,6 +52,9 @@ class ConfigMixin:
     @classmethod
     def from_dict(cls, values: dict, where: str = "config"):
         known = {f.name for f in dataclasses.fields(cls)}
+        replaced = sorted(set(values) & set(REPLACED) - known)
+        if replaced:
+            raise ValueError(f"{where}: " + "; ".join(f"{key} was replaced by {REPLACED[key]}" for key in replaced))
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are the flag names with underscores")
@@ -58,12 +72,12 @@ class GRPOConfig(ConfigMixin):
 
     # --- model and data ---
     model: str = _f("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder; `tiny` or `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py)")
-    dataset: str = _f("openai/gsm8k", "hub id, local .jsonl/.parquet file or folder, or `synthetic[:N]` (seeded GSM8K-shaped problems)")
+    dataset: str = _f("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, or `synthetic[:N]` (seeded GSM8K-shaped problems). Rows with a `prompt` column (a string or chat messages) train as they are, every other column reaching the rewards; rows with GSM8K's `question` and `answer` are checked and get --system-prompt")
     train_split: str = _f("train", "dataset split to train on")
     eval_split: str = _f("test", "dataset split to evaluate on (--eval-steps)")
-    system_prompt: str = _f(SYSTEM_PROMPT, "system prompt asking for <reasoning>/<answer> tags")
+    system_prompt: str = _f(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (question/answer), asking for <reasoning>/<answer> tags")
     chat_template: str | None = _f(None, "a Jinja chat template file, for tokenizers that have none")
-    skip_bad_rows: bool = _f(False, "drop dataset rows without a question or a parseable gold answer (counted warning) instead of stopping")
+    skip_bad_rows: bool = _f(False, "drop dataset rows without a prompt (or a question and a parseable gold answer) with a counted warning instead of stopping")
     long_prompts: str = _f("truncate", "prompts longer than max_prompt_length: `truncate` (keep the last tokens, as trl) or `skip`", choices=("truncate", "skip"))
     trust_remote_code: bool = _f(False, "run model/tokenizer code from the hub (off: safe default)")
     output_dir: str = _f("runs/grpo", "run folder: metrics.jsonl, samples.jsonl, checkpoints/, eval/")
@@ -84,11 +98,10 @@ class GRPOConfig(ConfigMixin):
     top_p: float = _f(1.0, "nucleus sampling mass (1.0 = off)")
     top_k: int = _f(0, "top-k sampling (0 = off)")
     min_p: float = _f(0.0, "min-p sampling (0.0 = off)")
-    static_cache: bool = _f(False, "CUDA: decode into a preallocated StaticCache")
-    compile_decode: str = _f("auto", "torch.compile the decode step (implies a static cache): on, off, or auto = on with CUDA (CUDA graphs, ~2.8x faster steps on an H200), off on CPU (there it compiles the trunk only: ~2% faster steps in the trainer benchmark, after a ~20 s compile)", choices=("auto", "on", "off"))
+    generation_backend: str = _f("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
 
     # --- the objective ---
-    reward: list[str] = _f(GSM8K_RECIPE_REWARDS, "reward functions by name, each with an optional weight: correctness:2")
+    reward: list[str] = _f(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)")
     scale_rewards: str = _f("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=("group", "batch", "none"))
     loss_type: str = _f("grpo", "token aggregation: grpo, bnpo, dr_grpo, dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
     beta: float = _f(0.04, "KL coefficient; 0 loads no reference model")
@@ -115,7 +128,7 @@ class GRPOConfig(ConfigMixin):
     precision: str = _f("auto", "fp32; bf16 (autocast, fp32 master weights and optimizer state); bf16-pure (bf16 weights); auto = bf16 on CUDA, fp32 on CPU", choices=("auto", "fp32", "bf16", "bf16-pure"))
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     logprob_chunk_size: int | None = _f(None, "rows of logits per chunk in the log-prob projection (default: up to 128 MiB worth, a multiple of 64 rows: 192 at a 151,936-token vocabulary)")
-    fused_loss: bool = _f(True, "token-level ratios: form the loss gradient during the log-prob pass (3 vocabulary-sized products per chunk instead of 4); off: plain autograd through grpo.loss")
+    kernels: str = _f("auto", "fast paths (grpo/kernels/, docs/design.md): auto = each kernel where it applies (the tuned sampler, compiled decoding on CUDA, the fused log-prob + loss pass for token-level ratios, CPU log-prob layouts); plain = the readable path everywhere (the same numbers)", choices=KERNEL_CHOICES)
     seed: int = _f(42, "seeds sampling, data order and micro-batch shuffling")
 
     # --- logging, checkpoints, evaluation ---
@@ -128,6 +141,7 @@ class GRPOConfig(ConfigMixin):
     eval_limit: int = _f(100, "problems in the held-out evaluation slice")
     eval_batch_size: int = _f(32, "prompts decoded together during evaluation")
     eval_max_completion_length: int | None = _f(None, "token budget for evaluation (default: max_completion_length)")
+    eval_scorer: str = _f("auto", "how evaluation scores greedy completions: gsm8k (strict/lenient accuracy, format), rewards (the mean of each training reward), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
 
     # ----- derived sizes, computed once and checked -----
     @property
@@ -143,8 +157,6 @@ class GRPOConfig(ConfigMixin):
         from rewards.registry import parse_reward_specs
 
         problems = []
-        if isinstance(self.compile_decode, bool):  # YAML reads `on` / `off` as booleans; earlier versions had a bool flag
-            self.compile_decode = "on" if self.compile_decode else "off"
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -268,6 +280,10 @@ def load_config_file(path: str) -> dict:
 
 def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None = None) -> GRPOConfig:
     """Parse flags into a validated config: defaults < --preset < --config FILE < explicit flags."""
+    for arg in sys.argv[1:] if argv is None else argv:
+        name = arg.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_")
+        if arg.startswith("--") and name in REPLACED:
+            raise ValueError(f"{arg.split('=', 1)[0]} was replaced by {REPLACED[name]}")
     args = vars(build_parser(config_cls, description).parse_args(argv))
     values = dict(PRESETS[args.pop("preset")]) if "preset" in args else {}
     if "config" in args:
@@ -277,3 +293,46 @@ def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None =
     if getattr(config, "resume", None) == "":  # `--resume` without a folder: this run's own output folder
         config.resume = config.output_dir
     return config.validate()
+
+
+def cli_reference() -> str:
+    """docs/cli.md: every flag of train.py with its default and help, in the config's order (`python -m grpo.config`)."""
+    import eval as eval_program  # the evaluation program's settings, generated the same way
+
+    def table(config_cls) -> list[str]:
+        lines = ["| flag | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(config_cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            shown = "(R1 format prompt, data/prompts.py)" if f.name == "system_prompt" else repr(default)
+            help_text = f.metadata.get("help", "").replace("|", "\\|")
+            lines.append(f"| `--{f.name.replace('_', '-')}` | `{shown}` | {help_text} |")
+        return lines
+
+    smoke = " ".join(f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+                     for k, v in PRESETS["smoke"].items())
+    return "\n".join([
+        "# Command-line reference",
+        "",
+        "Generated from `grpo/config.py` by `python -m grpo.config > docs/cli.md` (tests/test_docs.py keeps it",
+        "current). `python train.py --help` prints the same list. Flags can also come from `--config FILE` (YAML or",
+        "JSON, keys are the field names); precedence: defaults < `--preset` < `--config` < flags. A boolean flag `--x`",
+        "has its `--no-x`. Batch sizes count prompts and completions, not trl's per-device completions (README).",
+        "",
+        f"`--preset smoke` sets: `{smoke}`.",
+        "",
+        "## train.py",
+        "",
+        *table(GRPOConfig),
+        "",
+        "Replaced options (they fail with a message that names their replacement): "
+        + "; ".join(f"`--{k.replace('_', '-')}` by {v}" for k, v in REPLACED.items()) + ".",
+        "",
+        "## eval.py",
+        "",
+        *table(eval_program.EvalConfig),
+        "",
+    ])
+
+
+if __name__ == "__main__":
+    print(cli_reference())

@@ -1,23 +1,29 @@
-"""GSM8K evaluation with our sampler: greedy decoding, then strict / lenient accuracy and format compliance.
+"""Evaluation: greedy completions from the generation backend, scored by the task's scorer.
 
-    strict   the number inside the last <answer> equals the gold number
-    lenient  the last number anywhere in the completion equals the gold number
-    format   the completion has exactly the required <reasoning>/<answer> layout (strict_format)
-
-Most early GRPO gains on GSM8K are format learning, so the three are reported separately.
+Scorers (`--eval-scorer`), each giving numbers per completion whose means are the summary:
+    gsm8k      strict_accuracy (the number in the last <answer> equals the gold number), lenient_accuracy (the
+               last number anywhere does), format_compliance (the exact <reasoning>/<answer> layout).
+               Most early GRPO gains on GSM8K are format learning, so the three are reported separately.
+    rewards    the training reward functions: `rewards/<name>` per function and `reward` (their weighted sum)
+    module:function or path/to/file.py:function    fn(completion: str, row: dict) -> dict of numbers
+    auto       gsm8k for GSM8K data, rewards for other tasks
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from tqdm import tqdm
 
 from data.answers import canonical_number, extract_last_number, gold_from_column
 from grpo.rollout import encode_prompts
-from grpo.sampler import SamplingParams, sample_groups
+from grpo.sampler import SamplingParams
+from rewards import load_function, score_completions
 from rewards.gsm8k import extract_xml_answer, strict_format
+
+SCORERS = ("auto", "gsm8k", "rewards")
 
 
 def score_answer(completion: str, gold: str) -> dict:
@@ -31,6 +37,52 @@ def score_answer(completion: str, gold: str) -> dict:
     }
 
 
+def gsm8k_scores(completions: list[str], rows: list[dict]) -> list[dict]:
+    scores = [score_answer(text, row.get("answer")) for text, row in zip(completions, rows, strict=True)]
+    return [{"strict_accuracy": float(s["strict"]), "lenient_accuracy": float(s["lenient"]),
+             "format_compliance": float(s["format"])} for s in scores]
+
+
+def reward_scores(reward_specs):
+    """A scorer from the training rewards: each function's value and the weighted sum `reward` (None rows left out)."""
+    def score(completions: list[str], rows: list[dict]) -> list[dict]:
+        prompts = [row["prompt"] for row in rows]
+        chat = completions if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in completions]
+        columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+        matrix = score_completions(reward_specs, prompts, chat, columns).tolist()  # (n, K)
+        records = []
+        for values in matrix:
+            record = {f"rewards/{spec.name}": value for spec, value in zip(reward_specs, values, strict=True)}
+            scored = [(spec.weight, v) for spec, v in zip(reward_specs, values, strict=True) if not math.isnan(v)]
+            record["reward"] = sum(w * v for w, v in scored) if scored else math.nan
+            records.append(record)
+        return records
+    return score
+
+
+def make_scorer(name: str, task: str, reward_specs=None):
+    """The batch scorer `fn(completions, rows) -> list of dicts` that `--eval-scorer name` means for `task`."""
+    if name == "auto":
+        name = "gsm8k" if task == "gsm8k" else "rewards"
+    if name == "gsm8k":
+        return gsm8k_scores
+    if name == "rewards":
+        if not reward_specs:
+            raise ValueError("--eval-scorer rewards needs the training reward functions")
+        return reward_scores(reward_specs)
+    function = load_function(name, what="eval scorer")
+
+    def score(completions, rows):
+        records = []
+        for text, row in zip(completions, rows, strict=True):
+            value = function(text, row)
+            if not isinstance(value, dict):
+                raise ValueError(f"eval scorer {name!r} returned {type(value).__name__}, expected a dict of numbers")
+            records.append({key: float(v) for key, v in value.items()})
+        return records
+    return score
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -42,8 +94,17 @@ def evaluate(
     batch_size: int = 32,
     autocast=None,
     progress: bool = True,
+    scorer=gsm8k_scores,
+    backend=None,
 ) -> tuple[list[dict], dict]:
-    """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary)."""
+    """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary of means).
+
+    `backend`: a grpo.generation backend (default: our plain sampler); `scorer(completions, rows)` as `make_scorer`.
+    """
+    from grpo.generation import GroupSampler
+    from grpo.kernels import KernelChoice
+
+    backend = backend or GroupSampler(model, tokenizer.pad_token_id, KernelChoice())
     was_training = model.training
     model.eval()
     prompt_ids, rows, _ = encode_prompts(tokenizer, rows, max_prompt_length, "truncate", where="eval", progress=progress)
@@ -51,24 +112,32 @@ def evaluate(
     records = []
     bar = tqdm(total=len(rows), desc="eval", disable=not progress, leave=False)
     for start in range(0, len(rows), batch_size):
+        batch_rows = rows[start : start + batch_size]
         with autocast or contextlib.nullcontext():
-            sample = sample_groups(model, prompt_ids[start : start + batch_size], 1, params, tokenizer.pad_token_id)
-        for offset, (ids, mask) in enumerate(zip(sample.completion_ids, sample.completion_mask, strict=True)):
-            row = rows[start + offset]
-            text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-            records.append({
-                "question": row.get("question"), "gold": gold_from_column(row.get("answer")), "completion": text,
-                "length": int(mask.sum()), **score_answer(text, row.get("answer")),
-            })
-        bar.update(len(sample.completion_ids))
+            sample = backend.generate(prompt_ids[start : start + batch_size], 1, params)
+        texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                 for ids, mask in zip(sample.completion_ids, sample.completion_mask, strict=True)]
+        for row, text, length, scores in zip(batch_rows, texts, sample.completion_mask.sum(-1).tolist(),
+                                             scorer(texts, batch_rows), strict=True):
+            question = row.get("question") or _prompt_text(row["prompt"])
+            gold = gold_from_column(row.get("answer")) if "answer" in row else None
+            records.append({"question": question, "gold": gold, "completion": text, "length": int(length), **scores})
+        bar.update(len(batch_rows))
     bar.close()
     model.train(was_training)
-    count = max(len(records), 1)
-    summary = {
-        "num_samples": len(records),
-        "strict_accuracy": sum(r["strict"] for r in records) / count,
-        "lenient_accuracy": sum(r["lenient"] for r in records) / count,
-        "format_compliance": sum(r["format"] for r in records) / count,
-        "mean_length": sum(r["length"] for r in records) / count,
-    }
-    return records, summary
+    return records, summarize(records)
+
+
+def _prompt_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
+
+
+def summarize(records: list[dict]) -> dict:
+    """num_samples, the mean of every score (NaN values left out) and the mean completion length."""
+    score_keys = [key for key in (records[0] if records else {}) if key not in ("question", "gold", "completion", "length")]
+    summary = {"num_samples": len(records)}
+    for key in score_keys:
+        values = [r[key] for r in records if isinstance(r[key], (int, float)) and not math.isnan(r[key])]
+        summary[key] = sum(values) / len(values) if values else math.nan
+    summary["mean_length"] = sum(r["length"] for r in records) / max(len(records), 1)
+    return summary

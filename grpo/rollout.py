@@ -26,12 +26,14 @@ class Rollout:
     completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool: no EOS within the budget
     rewards_per_func: torch.Tensor  # (N, K) fp32, NaN where a function returned None
+    sampler_logprobs: torch.Tensor | None = None  # (N, T) the generation backend's log-probs, when it gives them
 
     def __post_init__(self):
         num_rows = self.completion_ids.shape[0]
         assert self.prompt_ids.shape == self.prompt_mask.shape and self.prompt_ids.shape[0] == num_rows
         assert self.completion_mask.shape == self.completion_ids.shape
         assert self.truncated.shape == (num_rows,) and self.rewards_per_func.shape[0] == num_rows
+        assert self.sampler_logprobs is None or self.sampler_logprobs.shape == self.completion_ids.shape
 
     @property
     def num_rows(self) -> int:

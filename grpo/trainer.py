@@ -1,14 +1,18 @@
 """The GRPO training loop: one step per rollout, composed from the pure functions of grpo/.
 
-    sample   B prompts x G completions                        grpo.sampler.sample_groups
-    reward   K reward functions -> (N, K)                     rewards.score_completions
+    sample    B prompts x G completions                       grpo.generation -> grpo.sampler.sample_groups
+    reward    K reward functions -> (N, K)                    rewards.score_completions
     advantage group-relative, scaled                          grpo.advantages.group_advantages
-    ref/old  log-probs without grad (ref if beta != 0,        grpo.logprobs.completion_logprobs
-             old if num_iterations > 1)
-    update   num_iterations x (shuffle N rows into micro-batches, loss + backward, clip, AdamW, LR step)
-             token-level ratios: log-probs, loss and its gradient in one pass (completion_token_loss)
-    log      metrics.jsonl, samples.jsonl, console
-    save     atomic checkpoint every save_steps and at the end
+    ref/old   log-probs without grad (ref if beta != 0,       grpo.logprobs.completion_logprobs
+              old if num_iterations > 1)
+    update    num_iterations x (shuffle N rows into micro-batches; per micro-batch
+              log-probs -> per-token loss -> aggregation      grpo.logprobs, grpo.loss
+              -> backward; clip, AdamW, LR step)
+    log       metrics.jsonl, samples.jsonl, console           grpo.metrics
+    save      atomic checkpoint every save_steps and at the end   grpo.checkpoint
+
+With --kernels auto some calls go to a kernel that computes the same numbers faster (grpo.kernels);
+`self.kernels` says which, and each call site has the one `if` that picks it.
 
 Notation: B prompts, G group size, N = B * G completions, P prompt tokens, T completion tokens.
 """
@@ -30,18 +34,23 @@ import torch
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from data import add_prompts, load_gsm8k
+from data import add_prompts, load_task_rows
 from grpo.advantages import group_advantages, reward_function_stats, weighted_rewards
 from grpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from grpo.config import GRPOConfig
-from grpo.evaluation import evaluate
-from grpo.logprobs import check_plain_output_head, completion_logprobs, completion_token_loss
-from grpo.loss import aggregate_loss, aggregation_weights, per_token_loss, token_loss
+from grpo.evaluation import evaluate, make_scorer
+from grpo.generation import make_generation_backend
+from grpo.kernels import select_kernels, use_cpu_huge_pages
+from grpo.kernels.buffers import Buffers
+from grpo.kernels.fused_loss import fused_completion_loss
+from grpo.kernels.logprobs import completion_logprobs as fast_completion_logprobs
+from grpo.logprobs import check_plain_output_head, completion_logprobs
+from grpo.loss import LossOptions, aggregate_loss, aggregation_weights, loss_statistics, per_token_loss
 from grpo.metrics import MetricsLogger
 from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
 from grpo.rollout import Rollout, encode_prompts
-from grpo.sampler import SamplingParams, sample_groups
-from rewards import parse_reward_specs, score_completions
+from grpo.sampler import SamplingParams
+from rewards import describe_rewards, parse_reward_specs, score_completions
 
 logger = logging.getLogger("grpo")
 
@@ -80,6 +89,7 @@ class Trainer:
     """
 
     def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None, eval_rows=None):
+        use_cpu_huge_pages()  # before the first large tensor (it is read once)
         self.config = config.validate()
         cfg = self.config
         self.device = resolve_device(cfg.device)
@@ -94,14 +104,15 @@ class Trainer:
         self.tokenizer = tokenizer or load_tokenizer(
             str(self.resume_from) if self.resume_from else cfg.model, cfg.trust_remote_code, cfg.chat_template
         )
-        self.train_rows = self._prepare_rows(train_rows, cfg.train_split, "train")
+        self.train_rows, self.task = self._prepare_rows(train_rows, cfg.train_split, "train")
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
             self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts, where=f"{cfg.dataset}[{cfg.train_split}]"
         )
         self.eval_rows = None
         if cfg.eval_steps:
-            rows = eval_rows if eval_rows is not None else self._prepare_rows(None, cfg.eval_split, "eval")
+            rows, eval_task = self._prepare_rows(eval_rows, cfg.eval_split, "eval")
             self.eval_rows = rows[: cfg.eval_limit]
+            self.eval_scorer = make_scorer(cfg.eval_scorer, eval_task, self.rewards)
 
         # --- models ---
         weight_dtype = torch.bfloat16 if self.precision == "bf16-pure" else torch.float32
@@ -126,9 +137,13 @@ class Trainer:
         self.eos_token_ids = eos_token_ids(self.policy, self.tokenizer)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16"
                          else contextlib.nullcontext())
-        # The compiled decode step pays off on CUDA (CUDA graphs: 2.8x faster steps on an H200, README); on CPU it
-        # measured ~2% faster a step in the trainer benchmark after a ~20 s compile (README), so auto leaves it off there.
-        self.compile_decode = cfg.compile_decode == "on" or (cfg.compile_decode == "auto" and self.device.type == "cuda")
+        # --- kernels (grpo/kernels/): chosen once, here; the call sites below ask self.kernels ---
+        self.kernels = select_kernels(cfg.kernels, self.device, cfg.importance_sampling_level, self.policy)
+        self.kernels.log_reasons()
+        self.logprob_buffers = Buffers()  # the log-prob kernels' reused storage, kept for the run
+        self.generation = make_generation_backend(cfg.generation_backend, self.policy, self.tokenizer.pad_token_id,
+                                                  self.kernels, cfg.max_prompt_length)
+        self.loss_options = LossOptions.from_config(cfg)
 
         # --- optimizer and schedule: weight decay on matrices only (not on norms and biases, as HF Trainer) ---
         decay = [p for p in self.policy.parameters() if p.requires_grad and p.dim() >= 2]
@@ -174,14 +189,18 @@ class Trainer:
             path = self.run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
-    def _prepare_rows(self, rows, split, purpose):
+    def _prepare_rows(self, rows, split, purpose) -> tuple[list[dict], str]:
+        """(rows with a `prompt`, task): loaded from --dataset, or the rows given, checked for their task (data/tasks.py)."""
         cfg = self.config
-        rows = rows if rows is not None else load_gsm8k(cfg.dataset, split, cfg.skip_bad_rows)
+        if rows is None:
+            rows, task = load_task_rows(cfg.dataset, split, cfg.skip_bad_rows, cfg.system_prompt)
+        elif rows and "prompt" not in rows[0]:  # GSM8K rows given from Python get their chat prompts
+            rows, task = add_prompts(rows, cfg.system_prompt), "gsm8k"
+        else:
+            task = "prompt"
         if not rows:
             raise ValueError(f"{cfg.dataset}[{split}]: the {purpose} dataset is empty")
-        if "prompt" not in rows[0]:
-            rows = add_prompts(rows, cfg.system_prompt)
-        return rows
+        return rows, task
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -213,7 +232,7 @@ class Trainer:
 
     def save(self) -> Path:
         path = save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, self.state_dict(),
-                               self.config.to_dict(), self.config.save_total_limit)
+                               self.run_record(), self.config.save_total_limit)
         return path
 
     # ------------------------------------------------------------------ data order
@@ -230,30 +249,14 @@ class Trainer:
         return indices
 
     # ------------------------------------------------------------------ sample + reward
-    def _sample(self, prompt_ids: list[list[int]]):
-        """The group sampler with this run's settings. With --compile-decode auto, a compiled decode step that
-        fails (no working compiler on this machine, say) is reported once and the run decodes eagerly."""
-        cfg = self.config
-        try:
-            with torch.no_grad(), self.autocast:
-                return sample_groups(self.policy, prompt_ids, cfg.num_generations, self.sampling,
-                                     self.tokenizer.pad_token_id, generator=self.sample_generator,
-                                     static_cache=cfg.static_cache, compile_decode=self.compile_decode,
-                                     max_prompt_length=cfg.max_prompt_length)
-        except Exception as error:
-            if not (self.compile_decode and cfg.compile_decode == "auto"):
-                raise
-            logger.warning("the compiled decode step failed (%s: %s); decoding eagerly from now on "
-                           "(--compile-decode off skips the attempt)", type(error).__name__, error)
-            self.compile_decode = False
-            return self._sample(prompt_ids)
-
     def make_rollout(self, indices: list[int]) -> tuple[Rollout, list, list]:
         """Sample G completions for each prompt, decode and score them. Returns (rollout, prompts, texts)."""
         group = self.config.num_generations
         rows = [self.train_rows[i] for i in indices]
         self.policy.eval()
-        sample = self._sample([self.train_prompt_ids[i] for i in indices])
+        with self.autocast:
+            sample = self.generation.generate([self.train_prompt_ids[i] for i in indices], group, self.sampling,
+                                              self.sample_generator)
         self.policy.train()
         completion_ids = [ids[mask].tolist() for ids, mask in
                           zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]
@@ -268,15 +271,19 @@ class Trainer:
             prompt_ids=sample.prompt_ids.repeat_interleave(group, 0),
             prompt_mask=sample.prompt_mask.repeat_interleave(group, 0),
             completion_ids=sample.completion_ids, completion_mask=sample.completion_mask,
-            truncated=sample.truncated, rewards_per_func=rewards_per_func,
+            truncated=sample.truncated, rewards_per_func=rewards_per_func, sampler_logprobs=sample.logprobs,
         )
         return rollout, prompts, texts
 
     # ------------------------------------------------------------------ the update
     def _logprobs(self, model, ids, attention_mask, completion_mask, with_entropy=False):
+        """(n, t) log-probs (and entropies) of the completion tokens, grpo.logprobs.completion_logprobs."""
+        args = (model, ids, attention_mask, completion_mask, self.config.temperature, with_entropy,
+                self.config.logprob_chunk_size)
         with self.autocast:
-            return completion_logprobs(model, ids, attention_mask, completion_mask, self.config.temperature,
-                                       with_entropy=with_entropy, chunk_size=self.config.logprob_chunk_size)
+            if self.kernels.fast_logprobs:  # the same numbers, faster (grpo.kernels.logprobs)
+                return fast_completion_logprobs(*args, buffers=self.logprob_buffers)
+            return completion_logprobs(*args)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model, rollout_tensors, completion_mask) -> torch.Tensor:
@@ -289,43 +296,29 @@ class Trainer:
         return out
 
     def _micro_batch_loss(self, ids, attention_mask, cm, advantages, old_logps, ref_logps, num_micro, num_items_in_batch):
-        """One micro-batch's aggregated loss (grad attached) and stats; old_logps None when on-policy.
+        """One micro-batch's aggregated loss (grad attached) and its statistics; old_logps None when on-policy.
 
-        With token-level ratios (and `fused_loss`), the log-probs, the loss and its gradient come out
-        of one pass over the output projection (grpo.logprobs.completion_token_loss); otherwise the
-        log-probs go through autograd into grpo.loss. Both give the same loss and gradient (tested).
+        log-probs -> per-token loss -> aggregation (grpo.logprobs, grpo.loss). With the fused kernel the three
+        run as one pass over the output projection that also forms the gradient: the same loss and gradient.
         """
-        cfg = self.config
-        loss_options = dict(beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
-                            kl_bias_correction=cfg.use_bias_correction_kl)
+        cfg, options = self.config, self.loss_options
         aggregation = dict(num_micro_batches=num_micro, max_completion_length=cfg.max_completion_length,
                            num_items_in_batch=num_items_in_batch)
-        if cfg.fused_loss and cfg.importance_sampling_level == "token":
-            keep = cm.bool()  # (n, t): the fused pass sees the real tokens only, in this order
-            weights = aggregation_weights(cm, cfg.loss_type, **aggregation)[keep]  # (M,) sum(w l) = aggregate_loss
-            token_advantages = advantages[:, None].expand(cm.shape)[keep]  # (M,)
-            old = None if old_logps is None else old_logps[keep]
-            ref = None if ref_logps is None else ref_logps[keep]
-
-            def loss_fn(logps, index):  # (c,) log-probs of the tokens `index` -> their share of the loss
-                return (token_loss(logps, logps.detach() if old is None else old[index], token_advantages[index],
-                                   None if ref is None else ref[index], **loss_options) * weights[index]).sum()
-
+        if self.kernels.fused_loss:  # grpo.kernels.fused_loss: sum(w * l), w = the aggregation's weights
+            weights = aggregation_weights(cm, cfg.loss_type, **aggregation)  # (n, t)
             with self.autocast:
-                loss, logps, entropy = completion_token_loss(
-                    self.policy, ids, attention_mask, cm, loss_fn, cfg.temperature, with_entropy=True,
-                    chunk_size=cfg.logprob_chunk_size)
-            with torch.no_grad():  # the statistics only
-                _, stats = per_token_loss(logps, logps if old_logps is None else old_logps, advantages, cm,
-                                          ref_logps=ref_logps, importance_sampling_level="token", entropy=entropy,
-                                          **loss_options)
-            return loss, stats
-        logps, entropy = self._logprobs(self.policy, ids, attention_mask, cm, with_entropy=True)  # (n, t)
-        old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
-        token_losses, stats = per_token_loss(logps, old, advantages, cm, ref_logps=ref_logps,
-                                             importance_sampling_level=cfg.importance_sampling_level, entropy=entropy,
-                                             **loss_options)
-        return aggregate_loss(token_losses, cm, cfg.loss_type, **aggregation), stats
+                loss, logps, entropy = fused_completion_loss(
+                    self.policy, ids, attention_mask, cm, advantages, old_logps, ref_logps, weights, options,
+                    cfg.temperature, cfg.logprob_chunk_size, self.logprob_buffers)
+        else:
+            logps, entropy = self._logprobs(self.policy, ids, attention_mask, cm, with_entropy=True)  # (n, t)
+            old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
+            token_losses = per_token_loss(logps, old, advantages, cm, ref_logps, options)  # (n, t) or (n, 1)
+            loss = aggregate_loss(token_losses, cm, cfg.loss_type, **aggregation)
+        logps = logps.detach()
+        stats = loss_statistics(logps, logps if old_logps is None else old_logps, advantages, cm, ref_logps, options,
+                                entropy)
+        return loss, stats
 
     def train_on_rollout(self, rollout: Rollout, shuffle: bool = True) -> dict:
         """Advantages, reference/old log-probs, then `num_iterations` optimizer updates on one rollout.
@@ -388,6 +381,7 @@ class Trainer:
             else:
                 self.optimizer.step()
                 self.scheduler.step()
+                self.generation.after_update()  # a backend with its own copy of the weights refreshes it
                 self.consecutive_bad_steps = 0
             # Kept allocated: the vocabulary-sized gradients are then added into .grad in place each
             # micro-batch (grpo.logprobs reuses its own buffers) instead of being copied into new tensors.
@@ -447,7 +441,7 @@ class Trainer:
         cfg = self.config
         records, summary = evaluate(self.policy, self.tokenizer, self.eval_rows, self.eos_token_ids, cfg.max_prompt_length,
                                     cfg.eval_max_completion_length or cfg.max_completion_length, cfg.eval_batch_size,
-                                    autocast=self.autocast)
+                                    autocast=self.autocast, scorer=self.eval_scorer, backend=self.generation)
         folder = self.run_dir / "eval"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"step-{self.step:06d}.json").write_text(json.dumps(summary, indent=2))
@@ -456,6 +450,14 @@ class Trainer:
         return {f"eval/{key}": value for key, value in summary.items()}
 
     # ------------------------------------------------------------------ the loop
+    def run_record(self) -> dict:
+        """The settings and what actually ran: the reward functions (also those passed from Python), the task,
+        the kernels and the generation backend."""
+        kernels = {name: value for name, value in vars(self.kernels).items() if name != "reasons"}
+        return {**self.config.to_dict(), "reward_functions": describe_rewards(self.rewards), "task": self.task,
+                "kernels_used": kernels, "kernels_off": self.kernels.reasons,
+                "generation": type(self.generation).__name__}
+
     def _request_stop(self, signum, frame):
         if self._stop_signal is not None:  # a second signal: abandon the step now
             raise KeyboardInterrupt
@@ -471,7 +473,7 @@ class Trainer:
         cfg = self.config
         stop_at = min(until_step or self.total_steps, self.total_steps)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        (self.run_dir / "run_config.json").write_text(json.dumps(self.run_record(), indent=2))
         metrics_logger = MetricsLogger(self.run_dir, cfg.report_to, resume_step=self.step if self.resume_from else None)
         handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         first_reward = last_reward = None

@@ -210,63 +210,74 @@ def test_tensorboard_backend_when_installed(tmp_path):
     dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, delta=1.5, micro_batch_size=2),
     dict(loss_type="grpo", beta=0.04, num_iterations=2, epsilon=1e-3, micro_batch_size=4),  # off-policy 2nd pass, clips
     dict(loss_type="grpo", beta=0.04, mask_truncated_completions=True, temperature=0.7),
+    dict(loss_type="dapo", beta=0.04, num_iterations=2, epsilon=1e-3, importance_sampling_level="sequence",
+         delta=1.0005, use_bias_correction_kl=True),  # GSPO: the fused pass steps aside, the log-prob kernel runs
 ])
-def test_fused_loss_gives_the_same_gradients(tmp_path, options):
-    # fused_loss forms the token-level loss gradient during the log-prob pass; plain autograd through
-    # grpo.loss must give the same loss, statistics and gradient at every optimizer step.
+def test_kernels_give_the_plain_gradients(tmp_path, options):
+    # --kernels auto (the fused log-prob + loss pass, the CPU log-prob layouts) against --kernels plain (log-probs
+    # -> per_token_loss -> aggregate_loss through autograd): the same loss, statistics and gradient at every update.
     grads, metrics = {}, {}
-    for fused in (True, False):
-        trainer = Trainer(make_config(tmp_path / str(fused), fused_loss=fused, **options))
-        step, grads[fused] = trainer.optimizer.step, []
+    for kernels in ("auto", "plain"):
+        trainer = Trainer(make_config(tmp_path / kernels, kernels=kernels, **options))
+        expected_fused = kernels == "auto" and options.get("importance_sampling_level", "token") == "token"
+        assert trainer.kernels.fused_loss == expected_fused and trainer.kernels.fast_logprobs == (kernels == "auto")
+        step, grads[kernels] = trainer.optimizer.step, []
 
-        def capture(step=step, trainer=trainer, out=grads[fused]):
+        def capture(step=step, trainer=trainer, out=grads[kernels]):
             out.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
             return step()
 
         trainer.optimizer.step = capture
-        metrics[fused] = trainer.train_on_rollout(fixed_rollout(trainer))
-    assert len(grads[True]) == len(grads[False]) == options.get("num_iterations", 1)
-    for fused_step, plain_step in zip(grads[True], grads[False], strict=True):
+        metrics[kernels] = trainer.train_on_rollout(fixed_rollout(trainer))
+    assert len(grads["auto"]) == len(grads["plain"]) == options.get("num_iterations", 1)
+    for kernel_step, plain_step in zip(grads["auto"], grads["plain"], strict=True):
         for name, plain in plain_step.items():
-            torch.testing.assert_close(fused_step[name], plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item(), msg=name)
+            torch.testing.assert_close(kernel_step[name], plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item(), msg=name)
     for key in ("loss", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"):
-        if metrics[False].get(key) is not None:
+        if metrics["plain"].get(key) is not None:
             # abs 1e-6: the on-policy loss is a sum of +-A terms of size ~1 that cancel to ~1e-7.
-            assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5, abs=1e-6), key
+            assert metrics["auto"][key] == pytest.approx(metrics["plain"][key], rel=1e-5, abs=1e-6), key
     if options.get("num_iterations"):
-        assert metrics[True]["clip_ratio/region_mean"] > 0  # the second pass is off-policy and clips
+        assert metrics["auto"]["clip_ratio/region_mean"] > 0  # the second pass is off-policy and clips
 
 
-def test_compile_decode_setting(tmp_path):
-    assert make_config(tmp_path).compile_decode == "auto"
-    assert not Trainer(make_config(tmp_path)).compile_decode  # auto: off on CPU, where eager decoding is faster
-    assert Trainer(make_config(tmp_path, compile_decode="on", overwrite=True)).compile_decode
-    assert make_config(tmp_path, compile_decode=True).validate().compile_decode == "on"  # YAML's `on`, old bool flag
-    assert make_config(tmp_path, compile_decode=False).validate().compile_decode == "off"
-    with pytest.raises(ValueError, match="compile_decode must be one of"):
-        make_config(tmp_path, compile_decode="yes").validate()
+def test_kernels_setting_and_the_options_it_replaced(tmp_path):
+    from grpo.config import config_from_args
+    from grpo.generation import GroupSampler
+
+    assert make_config(tmp_path).kernels == "auto"
+    trainer = Trainer(make_config(tmp_path))
+    assert isinstance(trainer.generation, GroupSampler) and trainer.generation.fast is not None
+    assert trainer.kernels.fused_loss and trainer.kernels.fast_logprobs
+    assert not trainer.kernels.compile_decode and "CUDA" in trainer.kernels.reasons["compile_decode"]  # CPU: eager
+    plain = Trainer(make_config(tmp_path, kernels="plain", overwrite=True))
+    assert plain.generation.fast is None and not (plain.kernels.fused_loss or plain.kernels.fast_logprobs)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        make_config(tmp_path, kernels="fast").validate()
+    for old in ("fused_loss", "compile_decode", "static_cache"):  # a config file with an old key
+        with pytest.raises(ValueError, match=f"{old} was replaced by --kernels"):
+            GRPOConfig.from_dict({old: True})
+    for flag in ("--no-fused-loss", "--compile-decode=off", "--static-cache"):
+        with pytest.raises(ValueError, match="was replaced by --kernels"):
+            config_from_args(["--preset", "smoke", flag])
 
 
-def test_failing_compiled_decode_falls_back_to_eager_in_auto_mode(tmp_path, monkeypatch, caplog):
-    import grpo.trainer as trainer_module
+def test_failing_compiled_decode_falls_back_to_eager(tmp_path, monkeypatch, caplog):
+    from grpo.kernels.sampling import FastSampler
 
-    real = trainer_module.sample_groups
+    real = FastSampler.sample_groups
     calls = []
 
-    def compile_fails(*args, compile_decode=False, **kwargs):
+    def compile_fails(self, *args, compile_decode=False, **kwargs):
         calls.append(compile_decode)
         if compile_decode:
             raise RuntimeError("no C compiler")
-        return real(*args, compile_decode=compile_decode, **kwargs)
+        return real(self, *args, compile_decode=compile_decode, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "sample_groups", compile_fails)
+    monkeypatch.setattr(FastSampler, "sample_groups", compile_fails)
     trainer = Trainer(make_config(tmp_path, max_steps=2))
-    trainer.compile_decode = True  # as auto resolves it on a CUDA machine
+    trainer.generation.compile_decode = True  # as --kernels auto chooses on a CUDA machine
     with caplog.at_level("WARNING", logger="grpo"):
         assert trainer.train()["status"] == "finished"
     assert calls == [True, False, False]  # one failed attempt, then eager for the rest of the run
     assert "compiled decode step failed (RuntimeError: no C compiler)" in caplog.text
-
-    trainer = Trainer(make_config(tmp_path, max_steps=1, compile_decode="on", overwrite=True))
-    with pytest.raises(RuntimeError, match="no C compiler"):  # asked for explicitly: the error is the user's to see
-        trainer.train()

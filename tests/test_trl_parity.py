@@ -97,7 +97,8 @@ def make_trl(model_dir, rows, settings):
         beta=settings["beta"], use_bias_correction_kl=settings["bias_kl"], epsilon=settings["epsilon"],
         epsilon_high=settings["epsilon_high"], loss_type=settings["loss_type"], scale_rewards=settings["scale"],
         num_iterations=settings["iterations"], importance_sampling_level=settings["level"],
-        mask_truncated_completions=settings["mask_truncated"], reward_weights=WEIGHTS, seed=0, logging_steps=1,
+        mask_truncated_completions=settings["mask_truncated"], delta=settings.get("delta"), reward_weights=WEIGHTS,
+        seed=0, logging_steps=1,
         max_steps=NUM_ROLLOUTS * settings["iterations"], shuffle_dataset=False,
     )
     state = {"rollout": 0, "completions": None}
@@ -140,7 +141,7 @@ def trl_step(trainer, state, inputs, rollout_index, ga, iterations):
     return record
 
 
-def make_ours(model_dir, rows, settings, tmp_path):
+def make_ours(model_dir, rows, settings, tmp_path, kernels):
     config = GRPOConfig(
         model=str(model_dir), output_dir=str(tmp_path / "ours"), prompts_per_step=PROMPTS, num_generations=GROUP,
         micro_batch_size=PROMPTS * GROUP // settings["ga"], max_completion_length=MAX_LEN, max_prompt_length=512,
@@ -149,7 +150,8 @@ def make_ours(model_dir, rows, settings, tmp_path):
         use_bias_correction_kl=settings["bias_kl"], epsilon=settings["epsilon"], epsilon_high=settings["epsilon_high"],
         loss_type=settings["loss_type"], scale_rewards=settings["scale"], num_iterations=settings["iterations"],
         importance_sampling_level=settings["level"], mask_truncated_completions=settings["mask_truncated"],
-        device="cpu", precision="fp32", reward=["int"], max_steps=NUM_ROLLOUTS,
+        delta=settings.get("delta"), device="cpu", precision="fp32", reward=["int"], max_steps=NUM_ROLLOUTS,
+        kernels=kernels,
     )
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     specs = [RewardSpec(fn.__name__, fn, w) for fn, w in zip(REWARDS, WEIGHTS)]
@@ -200,6 +202,9 @@ MATRIX = [dict(loss_type=lt, scale=sc, **next(_CYCLE)) for lt in ("grpo", "bnpo"
 AXES = [dict(BASE, **change) for change in (
     dict(beta=0.0), dict(bias_kl=False), dict(iterations=2), dict(epsilon_high=0.28), dict(ga=1),
     dict(level="sequence"), dict(mask_truncated=True), dict(iterations=2, epsilon=1e-3, epsilon_high=2e-3),
+    # delta caps the ratio after trl multiplied the KL by it: with the bias-corrected KL, and with GSPO's ratios.
+    dict(loss_type="dapo", iterations=2, epsilon=1e-3, epsilon_high=2e-3, delta=1.002),
+    dict(level="sequence", iterations=2, epsilon=1e-3, epsilon_high=2e-3, delta=1.0005),
 )]
 
 
@@ -207,11 +212,12 @@ def _id(settings):
     return "-".join(f"{k}={v}" for k, v in settings.items())
 
 
+@pytest.mark.parametrize("kernels", ["auto", "plain"])
 @pytest.mark.parametrize("settings", MATRIX + AXES, ids=_id)
-def test_same_numbers_as_trl(model_dir, rows, settings, tmp_path):
+def test_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels):
     torch.manual_seed(0)
     trl_trainer, trl_state = make_trl(model_dir, rows, settings)
-    ours = make_ours(model_dir, rows, settings, tmp_path)
+    ours = make_ours(model_dir, rows, settings, tmp_path, kernels)
     for name, param in trl_trainer.model.named_parameters():  # same start
         assert torch.equal(param, dict(ours.policy.named_parameters())[name])
 
