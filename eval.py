@@ -1,4 +1,5 @@
-"""Evaluate a model on GSM8K with greedy decoding: strict accuracy, lenient accuracy, format compliance.
+"""Evaluate a model with greedy decoding: on GSM8K strict accuracy, lenient accuracy and format compliance; on
+other tasks the mean of each reward function (--reward) or of your own scorer (--scorer module:function).
 
     python eval.py --model runs/smoke/checkpoints/step-000030 --dataset synthetic --limit 50
     python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --split test
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.prompts import SYSTEM_PROMPT
-from grpo.config import ConfigMixin, _f, config_from_args
+from grpo.config import KERNEL_CHOICES, ConfigMixin, _f, config_from_args
 
 
 @dataclass
@@ -27,17 +28,20 @@ class EvalConfig(ConfigMixin):
 
     model: str = _f("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder or checkpoint, or `tiny`")
     compare: str | None = _f(None, "a second model evaluated on the same problems, printed side by side")
-    dataset: str = _f("openai/gsm8k", "hub id, local .jsonl/.parquet file or folder, or `synthetic[:N]`")
+    dataset: str = _f("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, or `synthetic[:N]`; rows with a `prompt` column, or GSM8K's question/answer")
     split: str = _f("test", "dataset split")
     limit: int = _f(0, "evaluate the first N problems (0 = all)")
-    system_prompt: str = _f(SYSTEM_PROMPT, "system prompt (the same as training)")
+    system_prompt: str = _f(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (the same as training)")
+    scorer: str = _f("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
+    reward: list[str] = _f(["correctness"], "reward functions for --scorer rewards (names, module:function or file.py:function)")
     max_prompt_length: int = _f(512, "prompt tokens kept (truncated from the left)")
     max_completion_length: int = _f(512, "completion token budget")
     batch_size: int = _f(32, "prompts decoded together")
     device: str = _f("auto", "cuda, cpu, or auto")
+    kernels: str = _f("auto", "fast paths (as train.py): auto or plain", choices=KERNEL_CHOICES)
     precision: str = _f("auto", "fp32, bf16 (autocast) or bf16-pure; auto = bf16 on CUDA", choices=("auto", "fp32", "bf16", "bf16-pure"))
     trust_remote_code: bool = _f(False, "run model/tokenizer code from the hub")
-    skip_bad_rows: bool = _f(False, "drop rows without a question or parseable gold answer")
+    skip_bad_rows: bool = _f(False, "drop rows without a prompt (or a question and a parseable gold answer)")
     output_dir: str = _f("runs/eval", "where the per-sample JSONL and summary JSON go")
 
     def validate(self) -> "EvalConfig":
@@ -49,10 +53,12 @@ class EvalConfig(ConfigMixin):
         return self
 
 
-def evaluate_model(config: EvalConfig, name: str, rows: list[dict]) -> dict:
+def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> dict:
     import torch
 
     from grpo.evaluation import evaluate
+    from grpo.generation import GroupSampler
+    from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
 
     device = resolve_device(config.device)
@@ -61,8 +67,10 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict]) -> dict:
     dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
     model = load_model(name, device, dtype, config.trust_remote_code, tokenizer).eval()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    backend = GroupSampler(model, tokenizer.pad_token_id, select_kernels(config.kernels, device, model=model))
     records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
-                                config.max_completion_length, config.batch_size, autocast=autocast)
+                                config.max_completion_length, config.batch_size, autocast=autocast, scorer=scorer,
+                                backend=backend)
     folder = Path(config.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip("/")) or "model"
@@ -80,17 +88,20 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from data import DataError, add_prompts, load_gsm8k
+    from data import DataError, load_task_rows
+    from grpo.evaluation import make_scorer
     from grpo.models import ModelError
+    from rewards import RewardError, parse_reward_specs
 
     try:
-        rows = load_gsm8k(config.dataset, config.split, config.skip_bad_rows)
-        rows = add_prompts(rows[: config.limit] if config.limit else rows, config.system_prompt)
-        summaries = [evaluate_model(config, name, rows) for name in [config.model, config.compare] if name]
-    except (ValueError, DataError, ModelError) as error:
+        rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt)
+        rows = rows[: config.limit] if config.limit else rows
+        scorer = make_scorer(config.scorer, task, parse_reward_specs(config.reward))
+        summaries = [evaluate_model(config, name, rows, scorer) for name in [config.model, config.compare] if name]
+    except (ValueError, DataError, ModelError, RewardError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    keys = ("strict_accuracy", "lenient_accuracy", "format_compliance", "mean_length")
+    keys = [key for key in summaries[0] if key not in ("model", "dataset", "split", "num_samples")]
     width = max(len(s["model"]) for s in summaries)
     print(f"{'model':{width}s}  " + "  ".join(f"{k:>17s}" for k in keys) + f"   ({len(rows)} problems)")
     for summary in summaries:

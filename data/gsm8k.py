@@ -116,22 +116,24 @@ def validate_rows(rows: list[dict], where: str, skip_bad_rows: bool = False) -> 
     return kept
 
 
-def load_gsm8k(source: str = HUB_ID, split: str = "train", skip_bad_rows: bool = False) -> list[dict]:
-    """Rows of GSM8K (or a GSM8K-shaped dataset) from the hub, a local file or folder, or `synthetic[:N]`."""
+def read_rows(source: str, split: str) -> list[tuple[str, list[dict]]]:
+    """The rows of a source as (where, rows) parts (one per file), unchecked; `where` names the file or source."""
     if source == "synthetic" or source.startswith("synthetic:"):
-        size = int(source.split(":", 1)[1]) if ":" in source else 2000
+        size_text = source.split(":", 1)[1] if ":" in source else "2000"
+        if not size_text.isdigit():
+            raise DataError(f"{source}: expected synthetic or synthetic:N with N a number of rows")
         # Different seeds per split so a held-out slice is not the training data.
-        rows = make_synthetic_gsm8k(size, seed=0 if split == "train" else 1)
-        return validate_rows(rows, f"synthetic[{split}]", skip_bad_rows)
+        return [(f"synthetic[{split}]", make_synthetic_gsm8k(int(size_text), seed=0 if split == "train" else 1))]
     path = Path(source).expanduser()
     if path.is_file():
-        rows = _read_file(path)
-        return validate_rows(rows, str(path), skip_bad_rows)
+        return [(str(path), _read_file(path))]
     if path.is_dir():
-        rows = []
-        for file in _split_files(path, split):
-            rows.extend(validate_rows(_read_file(file), str(file), skip_bad_rows))
-        return rows
+        return [(str(file), _read_file(file)) for file in _split_files(path, split)]
     if source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
         raise DataError(f"{source}: no such file or folder")
-    return validate_rows(_load_hub(source, split), f"{source}[{split}]", skip_bad_rows)
+    return [(f"{source}[{split}]", _load_hub(source, split))]
+
+
+def load_gsm8k(source: str = HUB_ID, split: str = "train", skip_bad_rows: bool = False) -> list[dict]:
+    """Rows of GSM8K (or a GSM8K-shaped dataset) from the hub, a local file or folder, or `synthetic[:N]`."""
+    return [row for where, rows in read_rows(source, split) for row in validate_rows(rows, where, skip_bad_rows)]

@@ -21,6 +21,8 @@ from rewards.registry import (
     RewardError,
     RewardSpec,
     completion_text,
+    describe_rewards,
+    load_function,
     parse_reward_specs,
     score_completions,
 )
@@ -32,6 +34,8 @@ __all__ = [
     "RewardSpec",
     "completion_text",
     "correctness",
+    "describe_rewards",
+    "load_function",
     "extract_xml_answer",
     "int_answer",
     "parse_reward_specs",

@@ -7,10 +7,13 @@ raises stops the step with the function's name and the row index, before an opti
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,8 +39,56 @@ class RewardSpec:
     weight: float = 1.0
 
 
+def load_function(reference: str, what: str = "reward") -> Callable:
+    """The function named by `module:function` (an importable module) or `path/to/file.py:function`."""
+    target, _, function_name = reference.rpartition(":")
+    if not target or not function_name.isidentifier():
+        raise ValueError(f"{what} {reference!r}: expected module:function or path/to/file.py:function")
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{what} {reference!r}: no such file {path}")
+        spec = importlib.util.spec_from_file_location(f"user_{what}_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:  # noqa: BLE001 - reported with the file that failed
+            raise ValueError(f"{what} {reference!r}: importing {path} raised {type(error).__name__}: {error}") from error
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as error:
+            raise ValueError(f"{what} {reference!r}: cannot import module {target!r} ({error})") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ValueError(f"{what} {reference!r}: {target} has no function {function_name!r}")
+    return function
+
+
+def _parse_spec(spec: str) -> RewardSpec:
+    """`name`, `name:weight`, `module:function[:weight]` or `file.py:function[:weight]` -> a RewardSpec."""
+    text, weight = spec.strip(), 1.0
+    head, _, last = text.rpartition(":")
+    if head and (head in REWARD_FUNCTIONS or ":" in head or not last.isidentifier()):  # the last part is a weight
+        try:
+            weight = float(last)
+        except ValueError:
+            raise ValueError(f"reward {spec!r}: weight {last!r} is not a number") from None
+        text = head
+    if not math.isfinite(weight):
+        raise ValueError(f"reward {spec!r}: weight must be finite")
+    if text in REWARD_FUNCTIONS:
+        return RewardSpec(text, REWARD_FUNCTIONS[text], weight)
+    if ":" in text:
+        function = load_function(text)
+        return RewardSpec(function.__name__, function, weight)
+    raise ValueError(f"unknown reward {text!r}; known rewards: {', '.join(sorted(REWARD_FUNCTIONS))}, "
+                     "or give module:function or path/to/file.py:function")
+
+
 def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[RewardSpec]:
-    """Turn `["correctness:2", "int", my_fn]` into RewardSpecs; unknown names list the known ones."""
+    """Turn `["correctness:2", "int", "my_rewards.py:score", my_fn]` into RewardSpecs; unknown names list the
+    known ones."""
     parsed = []
     for spec in specs:
         if isinstance(spec, RewardSpec):
@@ -45,17 +96,7 @@ def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[Rew
         elif callable(spec):
             parsed.append(RewardSpec(getattr(spec, "__name__", "reward"), spec))
         elif isinstance(spec, str):
-            name, _, weight_text = spec.partition(":")
-            name = name.strip()
-            if name not in REWARD_FUNCTIONS:
-                raise ValueError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARD_FUNCTIONS))}")
-            try:
-                weight = float(weight_text) if weight_text else 1.0
-            except ValueError:
-                raise ValueError(f"reward {spec!r}: weight {weight_text!r} is not a number") from None
-            if not math.isfinite(weight):
-                raise ValueError(f"reward {spec!r}: weight must be finite")
-            parsed.append(RewardSpec(name, REWARD_FUNCTIONS[name], weight))
+            parsed.append(_parse_spec(spec))
         else:
             raise TypeError(f"a reward must be a name, a function or a RewardSpec, got {type(spec).__name__}")
     if not parsed:
@@ -65,6 +106,13 @@ def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[Rew
     if duplicates:
         raise ValueError(f"reward(s) given twice: {duplicates}; give each once with a weight instead")
     return parsed
+
+
+def describe_rewards(specs: Sequence[RewardSpec]) -> list[dict]:
+    """What ran, for run_config.json: each function's name, weight and where its code lives."""
+    return [{"name": spec.name, "weight": spec.weight,
+             "function": f"{getattr(spec.fn, '__module__', '?')}:{getattr(spec.fn, '__qualname__', spec.name)}"}
+            for spec in specs]
 
 
 def _check_values(name: str, values, num_rows: int) -> list[float]:
@@ -122,4 +170,5 @@ def score_completions(
     return torch.tensor(per_function, dtype=torch.float32).T.reshape(num_rows, len(specs))  # (N, K)
 
 
-__all__ = ["REWARD_FUNCTIONS", "RewardError", "RewardSpec", "completion_text", "parse_reward_specs", "score_completions"]
+__all__ = ["REWARD_FUNCTIONS", "RewardError", "RewardSpec", "completion_text", "describe_rewards", "load_function",
+           "parse_reward_specs", "score_completions"]

@@ -1,0 +1,71 @@
+"""Which task a dataset holds, decided by its columns, and the checks that fit it.
+
+    prompt   rows with a `prompt` column (a string, or chat messages [{"role", "content"}, ...]), as trl's
+             datasets: the prompt is used as it is, and every other column reaches the reward functions
+    gsm8k    rows with GSM8K's `question` and `answer` (a solution ending in `#### N`, or a number): each row
+             is checked (`validate_rows`) and gets the chat prompt [system prompt, question]
+
+A row's problems are reported with the file and row index before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from data.gsm8k import DataError, read_rows, validate_rows
+from data.prompts import SYSTEM_PROMPT, add_prompts
+
+logger = logging.getLogger("grpo.data")
+
+TASKS = ("prompt", "gsm8k")
+
+
+def detect_task(rows: list[dict]) -> str:
+    """`prompt` when the rows have a prompt column, else `gsm8k`."""
+    return "prompt" if rows and "prompt" in rows[0] else "gsm8k"
+
+
+def _prompt_problem(prompt) -> str | None:
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "an empty prompt"
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        return None
+    return f"a prompt that is neither a string nor chat messages ({type(prompt).__name__})"
+
+
+def validate_prompt_rows(rows: list[dict], where: str, skip_bad_rows: bool = False) -> list[dict]:
+    """Check every row has a usable `prompt`; a bad row raises DataError (or is dropped with `skip_bad_rows`)."""
+    kept, problems = [], []
+    for index, row in enumerate(rows):
+        problem = _prompt_problem(row.get("prompt")) if "prompt" in row else "no prompt column"
+        if problem is None:
+            kept.append(row)
+            continue
+        if not skip_bad_rows:
+            raise DataError(f"{where}: row {index} has {problem} (pass --skip-bad-rows to drop such rows with a warning)")
+        problems.append(f"{where}: row {index} has {problem}")
+    if problems:
+        logger.warning("skipped %d bad row(s) of %s; first: %s", len(problems), where, problems[0])
+    return kept
+
+
+def prepare_rows(rows: list[dict], where: str, skip_bad_rows: bool = False,
+                 system_prompt: str = SYSTEM_PROMPT) -> tuple[list[dict], str]:
+    """Rows checked for their task and given a `prompt`; returns (rows, task)."""
+    task = detect_task(rows)
+    if task == "prompt":
+        return validate_prompt_rows(rows, where, skip_bad_rows), task
+    return add_prompts(validate_rows(rows, where, skip_bad_rows), system_prompt), task
+
+
+def load_task_rows(source: str, split: str, skip_bad_rows: bool = False,
+                   system_prompt: str = SYSTEM_PROMPT) -> tuple[list[dict], str]:
+    """Load a split (hub id, local file or folder, `synthetic[:N]`), check it for its task; returns (rows, task)."""
+    parts = read_rows(source, split)
+    tasks = {detect_task(rows) for _, rows in parts if rows}
+    if len(tasks) > 1:
+        raise DataError(f"{source}[{split}]: some files have a prompt column and some do not")
+    kept = []
+    for where, rows in parts:
+        kept.extend(prepare_rows(rows, where, skip_bad_rows, system_prompt)[0])
+    return kept, tasks.pop() if tasks else "gsm8k"
