@@ -43,3 +43,23 @@ def _deterministic():
 
 def gsm8k_dir() -> Path | None:
     return SHARED_GSM8K if (SHARED_GSM8K / "train.jsonl").exists() else None
+
+
+@pytest.fixture(params=["auto", "plain"])
+def both_kernels(request, monkeypatch):
+    """Run a trainer test twice: with the kernels --kernels auto chooses, and with the plain path everywhere.
+
+    Applied to whole modules with `pytestmark = pytest.mark.usefixtures("both_kernels")`; a test that chooses
+    its kernels itself carries `@pytest.mark.own_kernels` and runs once. Subprocess runs keep their own flags.
+    """
+    if request.node.get_closest_marker("own_kernels"):
+        if request.param == "plain":
+            pytest.skip("this test chooses its kernels itself")
+        return request.param
+    if request.param == "plain":
+        import grpo.kernels
+        import grpo.trainer
+
+        real = grpo.kernels.select_kernels
+        monkeypatch.setattr(grpo.trainer, "select_kernels", lambda kernels, *args, **kwargs: real("plain", *args, **kwargs))
+    return request.param

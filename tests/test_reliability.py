@@ -22,6 +22,8 @@ from grpo.trainer import Trainer, TrainingError
 from rewards import RewardError
 from tests.test_trainer import fixed_rollout, make_config
 
+pytestmark = pytest.mark.usefixtures("both_kernels")  # in-process tests under --kernels auto and plain (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,6 +9,8 @@ from grpo.metrics import read_jsonl
 from grpo.rollout import Rollout
 from grpo.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("both_kernels")  # every test under --kernels auto and plain (conftest.py)
+
 BASE = dict(
     model="tiny", dataset="synthetic:64", prompts_per_step=2, num_generations=4, micro_batch_size=8,
     max_prompt_length=128, max_completion_length=8, learning_rate=1e-3, reward=["tags"], device="cpu",
@@ -213,6 +215,7 @@ def test_tensorboard_backend_when_installed(tmp_path):
     dict(loss_type="dapo", beta=0.04, num_iterations=2, epsilon=1e-3, importance_sampling_level="sequence",
          delta=1.0005, use_bias_correction_kl=True),  # GSPO: the fused pass steps aside, the log-prob kernel runs
 ])
+@pytest.mark.own_kernels
 def test_kernels_give_the_plain_gradients(tmp_path, options):
     # --kernels auto (the fused log-prob + loss pass, the CPU log-prob layouts) against --kernels plain (log-probs
     # -> per_token_loss -> aggregate_loss through autograd): the same loss, statistics and gradient at every update.
@@ -241,6 +244,7 @@ def test_kernels_give_the_plain_gradients(tmp_path, options):
         assert metrics["auto"]["clip_ratio/region_mean"] > 0  # the second pass is off-policy and clips
 
 
+@pytest.mark.own_kernels
 def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     from grpo.config import config_from_args
     from grpo.generation import GroupSampler
@@ -262,6 +266,7 @@ def test_kernels_setting_and_the_options_it_replaced(tmp_path):
             config_from_args(["--preset", "smoke", flag])
 
 
+@pytest.mark.own_kernels
 def test_failing_compiled_decode_falls_back_to_eager(tmp_path, monkeypatch, caplog):
     from grpo.kernels.sampling import FastSampler
 

@@ -41,13 +41,13 @@ def _column_storage(x: torch.Tensor) -> torch.Tensor | None:
 
 def _columns_layout(h: torch.Tensor) -> bool:
     """Whether a chunk's logits are stored as (V, c) columns, W h^T, rather than (c, V) rows, h W^T: on CPU in fp32.
-    There BLAS computes W h^T faster (0.35 against 0.43 ms a row of 151,936 x 128 at 192 and 220 rows on the
-    benchmark machine) and the products that follow read either layout as fast. Code sees the (c, V) view."""
+    There BLAS computes W h^T faster at a few hundred rows (docs/benchmarks.md) and the products that follow
+    read either layout as fast. Code sees the (c, V) view."""
     return h.device.type == "cpu" and h.dtype == torch.float32
 
 
 # Softmax statistics run in base 2: exp(x) = exp2(x log2(e)), and torch's vectorised exp2 costs ~60% of its
-# exp on the benchmark CPU (as accurate: both within 1 ulp). The factor log2(e) goes on the (c, H) input of
+# exp on CPU (as accurate: both within 1 ulp). The factor log2(e) goes on the (c, H) input of
 # the projection, so the (c, V) logits come out in base 2 and no extra pass over them is needed.
 _LOG2_E = 1.4426950408889634  # log2(e)
 _LN_2 = 0.6931471805599453  # ln(2)

@@ -43,7 +43,7 @@ class _DecodeHead:
     Qwen's vocabulary), which costs about as much as the product itself; writing into one buffer
     (the sampler's `Buffers`, kept between calls) avoids it. `transposed`: the buffer is (V, N), W h^T,
     and the logits are its (N, V) transposed view: for a few rows the BLAS product in that orientation
-    takes ~2/3 of the time of h W^T (measured on the benchmark CPU at N = 16, H = 128, V = 151,936).
+    is faster than h W^T (docs/benchmarks.md).
     Models whose logits are not plain W h (soft-capping, scaling, a bias), other devices and mixed
     dtypes use the model's own forward.
     """
@@ -114,7 +114,7 @@ class _ReservedLayer(DynamicLayer):
     """A filled DynamicLayer whose keys and values are views into buffers with room for `extra` more positions.
 
     DynamicLayer.update concatenates: every decode step copies the whole (N, heads, length, D) cache of
-    every layer (on CPU ~2 ms per token for the `small` benchmark shape). Here a step writes its one
+    every layer. Here a step writes its one
     position in place. Past the reserved room it falls back to concatenation.
     """
 
@@ -181,8 +181,8 @@ def sample_next_token(
 
 def _row_max(logits: torch.Tensor, slots: int = 64) -> torch.Tensor:
     """(N, V) -> (N, 1) row maxima. For the transposed view of a contiguous (V, N) tensor, torch's reduction over
-    the outer dimension with N inner columns is slow (~8 ms at 151,936 x 16 on the benchmark CPU); reducing
-    (V / slots, slots * N) rows first, then the `slots` partial maxima per column, takes ~0.4 ms."""
+    the outer dimension with N inner columns is slow; reducing (V / slots, slots * N) rows first, then the
+    `slots` partial maxima per column, is much faster."""
     columns = _column_storage(logits)  # (V, N)
     if columns is None:
         return logits.amax(dim=-1, keepdim=True)
@@ -275,7 +275,7 @@ def _inference_mode_on_cpu(sample):
     """Run the sampler in inference mode on CPU, no_grad elsewhere, and copy inference tensors out of its result.
 
     In inference mode the decode loop's ~400 small operations a token skip autograd's bookkeeping (version
-    counters, view tracking): ~0.7 of ~6.5 ms a token of the `small` trunk on the benchmark CPU. The tensors
+    counters, view tracking), a visible share of a small trunk's decode step on CPU. The tensors
     returned are copied out of it, so callers may use them with autograd. Accelerators keep no_grad: their
     decode step is compiled into CUDA graphs, where this overhead is gone.
     """
