@@ -12,12 +12,11 @@ from data.answers import canonical_number, extract_gold_answer, extract_last_num
 from data.gsm8k import DataError, load_gsm8k, validate_rows
 from data.prompts import SYSTEM_PROMPT, add_prompts, build_prompt
 from data.synthetic import make_synthetic_gsm8k
-from data.tasks import TASKS, detect_task, load_task_rows, prepare_rows
+from data.tasks import detect_task, load_task_rows, prepare_rows
 
 __all__ = [
     "DataError",
     "SYSTEM_PROMPT",
-    "TASKS",
     "add_prompts",
     "build_prompt",
     "canonical_number",

@@ -17,9 +17,6 @@ from data.prompts import SYSTEM_PROMPT, add_prompts
 
 logger = logging.getLogger("grpo.data")
 
-TASKS = ("prompt", "gsm8k")
-
-
 def detect_task(rows: list[dict]) -> str:
     """`prompt` when the rows have a prompt column, else `gsm8k`."""
     return "prompt" if rows and "prompt" in rows[0] else "gsm8k"

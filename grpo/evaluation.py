@@ -20,11 +20,11 @@ from tqdm import tqdm
 from data.answers import canonical_number, extract_last_number, gold_from_column
 from grpo.rollout import encode_prompts
 from grpo.sampler import SamplingParams
-from rewards import load_function, score_completions
+from grpo.advantages import weighted_rewards
+from grpo.generation import GroupSampler
+from grpo.kernels import KernelChoice
+from rewards import load_function, score_rows
 from rewards.gsm8k import extract_xml_answer, strict_format
-
-SCORERS = ("auto", "gsm8k", "rewards")
-
 
 def score_answer(completion: str, gold: str) -> dict:
     """Strict, lenient and format scores (booleans) of one completion against a gold answer column."""
@@ -37,7 +37,7 @@ def score_answer(completion: str, gold: str) -> dict:
     }
 
 
-def gsm8k_scores(completions: list[str], rows: list[dict]) -> list[dict]:
+def gsm8k_scores(completions: list[str], rows: list[dict], completion_ids=None) -> list[dict]:
     scores = [score_answer(text, row.get("answer")) for text, row in zip(completions, rows, strict=True)]
     return [{"strict_accuracy": float(s["strict"]), "lenient_accuracy": float(s["lenient"]),
              "format_compliance": float(s["format"])} for s in scores]
@@ -45,23 +45,18 @@ def gsm8k_scores(completions: list[str], rows: list[dict]) -> list[dict]:
 
 def reward_scores(reward_specs):
     """A scorer from the training rewards: each function's value and the weighted sum `reward` (None rows left out)."""
-    def score(completions: list[str], rows: list[dict]) -> list[dict]:
-        prompts = [row["prompt"] for row in rows]
-        chat = completions if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in completions]
-        columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
-        matrix = score_completions(reward_specs, prompts, chat, columns).tolist()  # (n, K)
-        records = []
-        for values in matrix:
-            record = {f"rewards/{spec.name}": value for spec, value in zip(reward_specs, values, strict=True)}
-            scored = [(spec.weight, v) for spec, v in zip(reward_specs, values, strict=True) if not math.isnan(v)]
-            record["reward"] = sum(w * v for w, v in scored) if scored else math.nan
-            records.append(record)
-        return records
+    weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)
+
+    def score(completions: list[str], rows: list[dict], completion_ids: list[list[int]]) -> list[dict]:
+        per_func = score_rows(reward_specs, rows, completions, completion_ids)  # (n, K)
+        totals = weighted_rewards(per_func, weights).tolist()  # (n,), NaN where no function scored the row
+        return [{**{f"rewards/{spec.name}": value for spec, value in zip(reward_specs, values, strict=True)},
+                 "reward": total} for values, total in zip(per_func.tolist(), totals, strict=True)]
     return score
 
 
 def make_scorer(name: str, task: str, reward_specs=None):
-    """The batch scorer `fn(completions, rows) -> list of dicts` that `--eval-scorer name` means for `task`."""
+    """The batch scorer `fn(completions, rows, completion_ids) -> list of dicts` that `--eval-scorer name` means."""
     if name == "auto":
         name = "gsm8k" if task == "gsm8k" else "rewards"
     if name == "gsm8k":
@@ -72,7 +67,7 @@ def make_scorer(name: str, task: str, reward_specs=None):
         return reward_scores(reward_specs)
     function = load_function(name, what="eval scorer")
 
-    def score(completions, rows):
+    def score(completions, rows, completion_ids=None):
         records = []
         for text, row in zip(completions, rows, strict=True):
             value = function(text, row)
@@ -99,11 +94,8 @@ def evaluate(
 ) -> tuple[list[dict], dict]:
     """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary of means).
 
-    `backend`: a grpo.generation backend (default: our plain sampler); `scorer(completions, rows)` as `make_scorer`.
+    `backend`: a grpo.generation backend (default: our plain sampler); `scorer`: as `make_scorer` returns.
     """
-    from grpo.generation import GroupSampler
-    from grpo.kernels import KernelChoice
-
     backend = backend or GroupSampler(model, tokenizer.pad_token_id, KernelChoice())
     was_training = model.training
     model.eval()
@@ -115,13 +107,14 @@ def evaluate(
         batch_rows = rows[start : start + batch_size]
         with autocast or contextlib.nullcontext():
             sample = backend.generate(prompt_ids[start : start + batch_size], 1, params)
-        texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                 for ids, mask in zip(sample.completion_ids, sample.completion_mask, strict=True)]
-        for row, text, length, scores in zip(batch_rows, texts, sample.completion_mask.sum(-1).tolist(),
-                                             scorer(texts, batch_rows), strict=True):
+        completion_ids = [ids[mask.bool()].tolist() for ids, mask in
+                          zip(sample.completion_ids.cpu(), sample.completion_mask.cpu(), strict=True)]
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        for row, text, ids, scores in zip(batch_rows, texts, completion_ids, scorer(texts, batch_rows, completion_ids),
+                                          strict=True):
             question = row.get("question") or _prompt_text(row["prompt"])
             gold = gold_from_column(row.get("answer")) if "answer" in row else None
-            records.append({"question": question, "gold": gold, "completion": text, "length": int(length), **scores})
+            records.append({"question": question, "gold": gold, "completion": text, "length": len(ids), **scores})
         bar.update(len(batch_rows))
     bar.close()
     model.train(was_training)

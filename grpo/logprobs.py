@@ -37,6 +37,12 @@ def check_plain_output_head(config) -> None:
             )
 
 
+def check_temperature(temperature: float) -> None:
+    """Log-probs divide the logits by the sampling temperature; 0 (greedy) has none to give."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: 0 at each row's first real token (as `generate` does)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (N, L)
@@ -106,8 +112,7 @@ def completion_logprobs(
     completion_mask: (N, T), 1 for real completion tokens. Returns (logps, entropy or None), fp32.
     chunk_size: rows of logits computed at once (default: `default_chunk_size`, 192 at Qwen's vocabulary).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    check_temperature(temperature)
     hidden, targets, keep, weight = completion_hidden(model, input_ids, attention_mask, completion_mask)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
     differentiable = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

@@ -138,6 +138,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def prepare_prompts(model, prompts: list[list[int]], group_size: int, params: SamplingParams, pad_token_id: int):
+    """The sampler's checked inputs: (B, P) left-padded prompt ids and mask on the model's device, and N = B * G."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if not params.eos_token_ids:
+        raise ValueError("SamplingParams.eos_token_ids is empty: the sampler needs at least one EOS id")
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, next(model.parameters()).device)  # (B, P)
+    return prompt_ids, prompt_mask, len(prompts) * group_size
+
+
 @torch.no_grad()
 def sample_groups(
     model,
@@ -154,13 +164,8 @@ def sample_groups(
     `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
     (tests use it to check that sharing the prefill changes no logit).
     """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if not params.eos_token_ids:
-        raise ValueError("SamplingParams.eos_token_ids is empty: the sampler needs at least one EOS id")
-    device = next(model.parameters()).device
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)
-    num_rows, max_new = len(prompts) * group_size, params.max_completion_length
+    prompt_ids, prompt_mask, num_rows = prepare_prompts(model, prompts, group_size, params, pad_token_id)  # (B, P)
+    device, max_new = prompt_ids.device, params.max_completion_length
     cache, cache_name = DynamicCache(config=model.config), cache_kwarg(model)
 
     # --- prefill each distinct prompt once, then expand the cache to the group ---

@@ -50,7 +50,7 @@ from grpo.metrics import MetricsLogger
 from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
 from grpo.rollout import Rollout, encode_prompts
 from grpo.sampler import SamplingParams
-from rewards import describe_rewards, parse_reward_specs, score_completions
+from rewards import describe_rewards, parse_reward_specs, score_rows
 
 logger = logging.getLogger("grpo")
 
@@ -261,12 +261,8 @@ class Trainer:
         completion_ids = [ids[mask].tolist() for ids, mask in
                           zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        rewards_per_func = score_rows(self.rewards, rows, texts, completion_ids, group)  # (N, K)
         prompts = [row["prompt"] for row in rows for _ in range(group)]
-        # As trl: chat prompts get chat-message completions, plain-string prompts plain-string ones.
-        completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
-        columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in rows[0] if key != "prompt"}
-        columns["completion_ids"] = completion_ids  # as trl: reward functions may read the token ids too
-        rewards_per_func = score_completions(self.rewards, prompts, completions, columns)  # (N, K)
         rollout = Rollout(
             prompt_ids=sample.prompt_ids.repeat_interleave(group, 0),
             prompt_mask=sample.prompt_mask.repeat_interleave(group, 0),

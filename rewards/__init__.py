@@ -25,6 +25,7 @@ from rewards.registry import (
     load_function,
     parse_reward_specs,
     score_completions,
+    score_rows,
 )
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "int_answer",
     "parse_reward_specs",
     "score_completions",
+    "score_rows",
     "soft_format",
     "strict_format",
     "xmlcount",

@@ -170,5 +170,19 @@ def score_completions(
     return torch.tensor(per_function, dtype=torch.float32).T.reshape(num_rows, len(specs))  # (N, K)
 
 
+def score_rows(specs: Sequence[RewardSpec], rows: list[dict], texts: list[str], completion_ids: list[list[int]],
+               group_size: int = 1) -> torch.Tensor:
+    """(N, K) rewards of completion texts for dataset rows, `group_size` consecutive completions per row.
+
+    trl's convention: chat prompts get chat-message completions, plain-string prompts plain strings, and
+    every column but `prompt` arrives as a keyword list aligned with the completions, `completion_ids` too.
+    """
+    prompts = [row["prompt"] for row in rows for _ in range(group_size)]
+    completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
+    columns = {key: [row.get(key) for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
+    columns["completion_ids"] = completion_ids
+    return score_completions(specs, prompts, completions, columns)
+
+
 __all__ = ["REWARD_FUNCTIONS", "RewardError", "RewardSpec", "completion_text", "describe_rewards", "load_function",
-           "parse_reward_specs", "score_completions"]
+           "parse_reward_specs", "score_completions", "score_rows"]

@@ -20,6 +20,9 @@ def score(prompts, completions, target, **columns):
 def length_bonus(prompts, completions, **columns):
     return [min(len(completion_text(c)), 50) / 50 for c in completions]
 
+def id_count(prompts, completions, completion_ids, **columns):
+    return [float(len(ids)) for ids in completion_ids]
+
 def my_scorer(completion, row):
     return {"mentions_target": float(row["target"] in completion), "chars": len(completion)}
 '''
@@ -44,7 +47,7 @@ def test_train_on_a_jsonl_task_with_a_reward_file(tmp_path, chat, capsys):
     data, rewards = _write_task(tmp_path, chat)
     out = tmp_path / "run"
     code = train.main(["--model", "tiny", "--dataset", str(data), "--eval-split", "train",
-                       "--reward", f"{rewards}:score", f"{rewards}:length_bonus:0.5",
+                       "--reward", f"{rewards}:score", f"{rewards}:length_bonus:0.5", f"{rewards}:id_count:0",
                        "--output-dir", str(out), "--max-steps", "2", "--prompts-per-step", "2", "--num-generations", "4",
                        "--micro-batch-size", "8", "--max-completion-length", "8", "--max-prompt-length", "64",
                        "--device", "cpu", "--learning-rate", "1e-3", "--save-steps", "0", "--eval-steps", "2",
@@ -52,10 +55,13 @@ def test_train_on_a_jsonl_task_with_a_reward_file(tmp_path, chat, capsys):
     assert code == 0, capsys.readouterr().err
     metrics = read_jsonl(out / "metrics.jsonl")
     assert len(metrics) == 2 and "rewards/score/mean" in metrics[0] and "rewards/length_bonus/mean" in metrics[0]
-    assert {"eval/rewards/score", "eval/rewards/length_bonus", "eval/reward"} <= set(metrics[-1])
+    # evaluation scores with the training rewards, completion_ids included (trl's convention, as in training)
+    assert {"eval/rewards/score", "eval/rewards/length_bonus", "eval/rewards/id_count", "eval/reward"} <= set(metrics[-1])
+    assert metrics[-1]["eval/rewards/id_count"] == metrics[-1]["eval/mean_length"]
     record = json.loads((out / "run_config.json").read_text())
     assert record["task"] == "prompt"
-    assert [(r["name"], r["weight"]) for r in record["reward_functions"]] == [("score", 1.0), ("length_bonus", 0.5)]
+    assert [(r["name"], r["weight"]) for r in record["reward_functions"]] == [("score", 1.0), ("length_bonus", 0.5),
+                                                                              ("id_count", 0.0)]
     assert record["reward_functions"][0]["function"].endswith(":score")
 
 

@@ -25,7 +25,7 @@ import torch
 
 from grpo.kernels.buffers import Buffers
 from grpo.kernels.logprobs import _LN_2, _add_chunk_grads, _chunk_forward, _compute_dtype
-from grpo.logprobs import completion_hidden, default_chunk_size, scatter_rows
+from grpo.logprobs import check_temperature, completion_hidden, default_chunk_size, scatter_rows
 from grpo.loss import LossOptions, token_loss
 
 
@@ -159,8 +159,7 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
     into the trunk and the output projection. Returns (loss scalar, logps (N, T) detached, entropy (N, T) or
     None); the other inputs as `grpo.logprobs.completion_logprobs`.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    check_temperature(temperature)
     buffers = buffers or Buffers()
     embedding = _plain_tied_embedding(model) if torch.is_grad_enabled() else None
     tied = None if embedding is None or not embedding.weight.requires_grad else _TiedGradient(embedding.weight, buffers)

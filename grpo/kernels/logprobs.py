@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from grpo.kernels.buffers import Buffers
-from grpo.logprobs import completion_hidden, default_chunk_size, scatter_rows
+from grpo.logprobs import check_temperature, completion_hidden, default_chunk_size, scatter_rows
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -318,8 +318,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 def completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
                         with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None):
     """Same inputs and result as `grpo.logprobs.completion_logprobs`; `buffers` holds the reused chunk storage."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    check_temperature(temperature)
     hidden, targets, keep, weight = completion_hidden(model, input_ids, attention_mask, completion_mask)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
     token_logps, token_entropy = _ChunkedTokenLogProbs.apply(

@@ -33,7 +33,7 @@ from grpo.kernels.compiled_decode import StaticDecoder
 from grpo.kernels.lean_decode import LeanDecodeStep, unsupported_reason
 from grpo.kernels.logprobs import _LN_2, _LOG2_E, _column_storage
 from grpo.logprobs import check_plain_output_head, position_ids_from_mask
-from grpo.sampler import GroupSample, SamplingParams, cache_kwarg, filter_logits, finish_sample, left_pad
+from grpo.sampler import GroupSample, SamplingParams, cache_kwarg, filter_logits, finish_sample, prepare_prompts
 
 
 class _DecodeHead:
@@ -333,13 +333,8 @@ class FastSampler:
         hidden states bit for bit, fewer operations); False keeps transformers' forward (tests compare the two).
         On CPU it runs in inference mode (`_inference_mode_on_cpu`); the tensors it returns are ordinary ones.
         """
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        if not params.eos_token_ids:
-            raise ValueError("SamplingParams.eos_token_ids is empty: the sampler needs at least one EOS id")
-        device = next(model.parameters()).device
-        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)
-        num_rows, max_new = len(prompts) * group_size, params.max_completion_length
+        prompt_ids, prompt_mask, num_rows = prepare_prompts(model, prompts, group_size, params, pad_token_id)  # (B, P)
+        device, max_new = prompt_ids.device, params.max_completion_length
 
         cache, cache_name = DynamicCache(config=model.config), cache_kwarg(model)
         # (V, N) logits storage when the sampler reads it in place: unfiltered sampling (greedy argmax and the
