@@ -4,8 +4,7 @@
 
 Called for one token per row, transformers' decoder forward spends most of a small model's decode step
 outside its arithmetic: each call builds the attention masks anew and passes (N, 1, H) hidden states
-through keyword plumbing, output recording, dtype round trips and the cache's update protocol, ~1,000
-tensor operations a token on the 4-layer `small` benchmark shape.
+through keyword plumbing, output recording, dtype round trips and the cache's update protocol.
 `LeanDecodeStep` calls the same modules in the same order on (N, H) rows:
 
     x = embed(token)                                         (N, H)

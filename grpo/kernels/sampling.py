@@ -173,7 +173,7 @@ def sample_next_token(
     if out is not None and out.stride() != logits.stride():
         out = None
     # Unnormalised probabilities exp((z - max) / T) = 2^(z s - max s) with s = log2(e) / T: one pass, then torch's
-    # exp2 (on CPU ~60% of the cost of its exp, as accurate); the division by their total moves to the uniform number.
+    # exp2 (on CPU cheaper than its exp, as accurate); the division by their total moves to the uniform number.
     weights = torch.add(_row_max(logits) * -scale, logits, alpha=scale, out=out).exp2_()  # (N, V)
     uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
     return _inverse_cdf(weights, uniform)
