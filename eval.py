@@ -49,6 +49,8 @@ class EvalConfig(ConfigMixin):
                     for name in ("max_prompt_length", "max_completion_length", "batch_size") if getattr(self, name) < 1]
         if self.limit < 0:
             problems.append(f"limit must be >= 0, got {self.limit}")
+        for model in [self.model, self.compare]:
+            problems += self.path_problems(model, self.output_dir) if model else []
         self.raise_problems(problems)
         return self
 
@@ -63,9 +65,10 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> d
 
     device = resolve_device(config.device)
     precision = resolve_precision(config.precision, device)
-    tokenizer = load_tokenizer(name, config.trust_remote_code)
+    setting = "--compare" if name == config.compare and name != config.model else "--model"
+    tokenizer = load_tokenizer(name, config.trust_remote_code, setting=setting)
     dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
-    model = load_model(name, device, dtype, config.trust_remote_code, tokenizer).eval()
+    model = load_model(name, device, dtype, config.trust_remote_code, tokenizer, setting).eval()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     backend = GroupSampler(model, tokenizer.pad_token_id, select_kernels(config.kernels, device, model=model))
     records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,

@@ -79,7 +79,15 @@ def _load_hub(source: str, split: str) -> list[dict]:
     import datasets
 
     config = "main" if source == HUB_ID else None
-    dataset = datasets.load_dataset(source, config, split=split)
+    try:
+        dataset = datasets.load_dataset(source, config, split=split)
+    except (OSError, ValueError) as error:  # ConnectionError, FileNotFoundError (no such dataset), an unknown split
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(
+            f"--dataset {source}: neither a local file or folder nor reachable on the hub ({reason}); pass a local "
+            ".jsonl/.json/.parquet file or folder (the hub's layout, e.g. ../shared/data/gsm8k), or `synthetic` for "
+            "the seeded offline task"
+        ) from None
     return [dict(row) for row in dataset]
 
 

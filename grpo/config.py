@@ -61,6 +61,20 @@ class ConfigMixin:
         return cls(**values)
 
     @staticmethod
+    def path_problems(model: str, output_dir: str, chat_template: str | None = None) -> list[str]:
+        """Paths that cannot work, found before anything loads: a model path that does not exist, an output
+        folder that is a file, a chat template file that is missing."""
+        problems = []
+        looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1  # a hub id is `org/name`
+        if looks_local and not Path(model).expanduser().exists():
+            problems.append(f"model {model}: no such folder (a local model folder, a hub id org/name, or `tiny`)")
+        if Path(output_dir).expanduser().exists() and not Path(output_dir).expanduser().is_dir():
+            problems.append(f"output_dir {output_dir} is a file, not a folder: pass a folder for the run's files")
+        if chat_template is not None and not Path(chat_template).expanduser().is_file():
+            problems.append(f"chat_template {chat_template}: no such file")
+        return problems
+
+    @staticmethod
     def raise_problems(problems: list[str]) -> None:
         if problems:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
@@ -195,6 +209,7 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"adam betas must be in [0, 1), got ({self.adam_beta1}, {self.adam_beta2})")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        problems += self.path_problems(self.model, self.output_dir, self.chat_template)
         try:
             parse_reward_specs(self.reward)
         except (ValueError, TypeError) as error:

@@ -45,28 +45,49 @@ def _check_local_folder(path: Path) -> None:
         raise ModelError(f"{path}: no model weights (*.safetensors) in the folder.{hint}")
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_file: str | None = None):
+def _from_pretrained(loader, name: str, setting: str, **kwargs):
+    """`loader.from_pretrained(name)`, its loading errors (a missing or broken folder, an unreachable hub, an
+    unknown id) turned into one ModelError that names the setting and the value."""
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except OSError as error:  # FileNotFoundError, ConnectionError and the hub client's errors are OSErrors
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if Path(name).expanduser().exists():
+            raise ModelError(f"{setting} {name}: the folder could not be loaded ({reason})") from None
+        raise ModelError(
+            f"{setting} {name}: neither a local folder nor reachable on the hub ({reason}); pass a local model "
+            "folder (save_pretrained's), or `tiny` for a random-init offline model"
+        ) from None
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_file: str | None = None,
+                   setting: str = "--model"):
     """The tokenizer, with a chat template and a pad token, or a ModelError that says what is missing."""
     if name == "tiny" or name.startswith("tiny:"):
-        return build_tokenizer()  # the tiny models' tokenizer, without building a model for it
-    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        tokenizer = build_tokenizer()  # the tiny models' tokenizer, without building a model for it
+    else:
+        tokenizer = _from_pretrained(AutoTokenizer, name, setting, trust_remote_code=trust_remote_code)
     if chat_template_file:
-        tokenizer.chat_template = Path(chat_template_file).read_text()
+        path = Path(chat_template_file).expanduser()
+        if not path.is_file():
+            raise ModelError(f"--chat-template {chat_template_file}: no such file")
+        tokenizer.chat_template = path.read_text()
     if not getattr(tokenizer, "chat_template", None):
         raise ModelError(
-            f"the tokenizer of {name} has no chat template, so prompts cannot be built. Use an instruct/chat "
+            f"{setting} {name}: the tokenizer has no chat template, so prompts cannot be built. Use an instruct/chat "
             "model, or pass --chat-template FILE with a Jinja template (e.g. the ChatML template in "
             "grpo/tiny_model.py, QWEN25_CHAT_TEMPLATE)."
         )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ModelError(f"the tokenizer of {name} has neither a pad nor an EOS token")
+            raise ModelError(f"{setting} {name}: the tokenizer has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
         logger.warning("the tokenizer of %s has no pad token: using its EOS token %r for padding", name, tokenizer.eos_token)
     return tokenizer
 
 
-def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, tokenizer=None):
+def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+               tokenizer=None, setting: str = "--model"):
     """A causal LM in `dtype` on `device`. Local folders are checked for safetensors weights first."""
     if name == "tiny" or name.startswith("tiny:"):
         shape = name.split(":", 1)[1] if ":" in name else "tiny"
@@ -76,10 +97,9 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
         if path.exists():
             _check_local_folder(path)
         elif name.startswith((".", "/", "~")):
-            raise ModelError(f"--model {name}: no such folder")
-        model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-        )
+            raise ModelError(f"{setting} {name}: no such folder")
+        model = _from_pretrained(AutoModelForCausalLM, name, setting, dtype=dtype, trust_remote_code=trust_remote_code,
+                                 use_safetensors=True)
     return model.to(device=device, dtype=dtype)
 
 

@@ -101,9 +101,8 @@ class Trainer:
         self._check_run_dir()
 
         # --- data: loaded and checked before any model (a bad row fails in seconds, not after loading 1 GB) ---
-        self.tokenizer = tokenizer or load_tokenizer(
-            str(self.resume_from) if self.resume_from else cfg.model, cfg.trust_remote_code, cfg.chat_template
-        )
+        source, setting = (str(self.resume_from), "--resume") if self.resume_from else (cfg.model, "--model")
+        self.tokenizer = tokenizer or load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template, setting)
         self.train_rows, self.task = self._prepare_rows(train_rows, cfg.train_split, "train")
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
             self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts, where=f"{cfg.dataset}[{cfg.train_split}]"
@@ -119,8 +118,7 @@ class Trainer:
         if policy is not None:
             self.policy = policy.to(self.device, weight_dtype)
         else:
-            source = str(self.resume_from) if self.resume_from else cfg.model
-            self.policy = load_model(source, self.device, weight_dtype, cfg.trust_remote_code, self.tokenizer)
+            self.policy = load_model(source, self.device, weight_dtype, cfg.trust_remote_code, self.tokenizer, setting)
         check_plain_output_head(self.policy.config)  # before any sampling, not at the first update
         self.ref_model = None
         if cfg.beta != 0.0:  # beta = 0: no reference model at all
