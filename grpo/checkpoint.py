@@ -3,7 +3,9 @@
     <output_dir>/checkpoints/step-000010/
         model.safetensors, config.json, generation_config.json   the policy, `from_pretrained`-loadable
         tokenizer files + chat template
-        trainer_state.pt     optimizer, scheduler, RNG states, step, counters (loaded with weights_only=True)
+        trainer_state.pt     optimizer, scheduler, RNG states, step, counters, the entropy controller
+                             (loaded with weights_only=True)
+        reference/           with sync_ref_model: the mixed reference model (safetensors), resumed as it is
         run_config.json      the GRPOConfig of the run
         COMPLETE             written last, before the rename
 
@@ -22,11 +24,14 @@ import torch
 
 CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
+REFERENCE = "reference"
 
 
 def _fsync_tree(folder: Path) -> None:
     for file in folder.iterdir():
-        if file.is_file():
+        if file.is_dir() and file.name == REFERENCE:
+            _fsync_tree(file)
+        elif file.is_file():
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
     descriptor = os.open(folder, os.O_RDONLY)
@@ -36,8 +41,11 @@ def _fsync_tree(folder: Path) -> None:
         os.close(descriptor)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_state: dict, run_config: dict, keep: int = 0) -> Path:
-    """Write checkpoint `step` atomically and keep only the newest `keep` (0 = all). Returns its folder."""
+def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_state: dict, run_config: dict, keep: int = 0,
+                    reference=None) -> Path:
+    """Write checkpoint `step` atomically and keep only the newest `keep` (0 = all). Returns its folder.
+
+    `reference`: a reference model that changes during the run (sync_ref_model), saved in `reference/`."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # left by a save that was killed
@@ -45,6 +53,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_st
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    if reference is not None:
+        reference.save_pretrained(tmp / REFERENCE, safe_serialization=True)
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
     (tmp / MARKER).write_text(str(step))

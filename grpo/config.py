@@ -22,6 +22,9 @@ from pathlib import Path
 
 from data.prompts import SYSTEM_PROMPT
 
+from grpo.advantages import MULTI_OBJECTIVE_AGGREGATIONS
+from grpo.loss import CLIPPED_LOSS_TYPES, LOSS_TYPES
+
 GSM8K_RECIPE_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 KERNEL_CHOICES = ("auto", "plain")  # grpo.kernels.select_kernels
 GENERATION_BACKENDS = ("sampler", "transformers")  # grpo.generation
@@ -106,6 +109,8 @@ class GRPOConfig(ConfigMixin):
     micro_batch_size: int = _f(16, "completions per forward/backward; B*G must be a multiple")
     max_prompt_length: int = _f(256, "prompt tokens kept (see --long-prompts)")
     max_completion_length: int = _f(512, "T: completion token budget")
+    steps_per_generation: int | None = _f(None, "micro-batches each generation feeds, as trl: a multiple k of the accumulation steps makes one rollout of k * prompts_per_step prompts feed k optimizer updates over disjoint slices (old log-probs taken at generation time); default: the accumulation steps (k = 1)")
+    generation_batch_size: int | None = _f(None, "completions per generation, as trl (micro_batch_size * steps_per_generation); set this or --steps-per-generation, not both")
 
     # --- sampling ---
     temperature: float = _f(1.0, "sampling temperature; log-probs use logits / temperature, as trl")
@@ -117,7 +122,8 @@ class GRPOConfig(ConfigMixin):
     # --- the objective ---
     reward: list[str] = _f(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)")
     scale_rewards: str = _f("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=("group", "batch", "none"))
-    loss_type: str = _f("grpo", "token aggregation: grpo, bnpo, dr_grpo, dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    loss_type: str = _f("grpo", "the objective and its token aggregation (grpo/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES)
+    multi_objective_aggregation: str = _f("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)
     beta: float = _f(0.04, "KL coefficient; 0 loads no reference model")
     use_bias_correction_kl: bool = _f(False, "multiply the k3 KL by the importance ratio (trl 1.16's default; ours is the paper's plain k3)")
     epsilon: float = _f(0.2, "lower clip range: ratio >= 1 - epsilon")
@@ -126,11 +132,33 @@ class GRPOConfig(ConfigMixin):
     importance_sampling_level: str = _f("token", "ratio per token, or one per completion (GSPO)", choices=("token", "sequence"))
     num_iterations: int = _f(1, "optimizer updates per rollout (old log-probs are computed when > 1)")
     mask_truncated_completions: bool = _f(False, "exclude completions without EOS from the loss")
+    sapo_temperature_pos: float = _f(1.0, "sapo: gate temperature for tokens with a positive advantage")
+    sapo_temperature_neg: float = _f(1.05, "sapo: gate temperature for tokens with a non-positive advantage")
+    vespo_k_pos: float = _f(2.0, "vespo: power k of the Gamma weight for A >= 0 (down-weights ratios < 1)")
+    vespo_lambda_pos: float = _f(3.0, "vespo: decay lambda of the Gamma weight for A >= 0 (down-weights ratios > 1)")
+    vespo_k_neg: float = _f(3.0, "vespo: power k for A < 0")
+    vespo_lambda_neg: float = _f(2.0, "vespo: decay lambda for A < 0")
+    top_entropy_quantile: float = _f(1.0, "keep the policy loss only on the top quantile of tokens by entropy, per micro-batch (0.2 in 'Beyond the 80/20 rule'); 1.0 = every token")
+    off_policy_mask_threshold: float | None = _f(None, "drop completions with a negative advantage whose mean log-ratio log(pi_old / pi) exceeds this (DeepSeek-V3.2; e.g. 0.5); default: off")
+    entropy_coef: float = _f(0.0, "entropy bonus: loss - coef * mean token entropy (the same meaning for every loss type); the starting value with --use-adaptive-entropy")
+    use_adaptive_entropy: bool = _f(False, "Skywork-OR1 adaptive entropy: after each optimizer update, raise the coefficient by --entropy-coef-delta when the entropy is <= --entropy-target, lower it otherwise; the bonus applies only while the entropy is <= the target")
+    entropy_coef_min: float = _f(0.0, "adaptive entropy: lowest coefficient")
+    entropy_coef_max: float = _f(1.0, "adaptive entropy: highest coefficient")
+    entropy_coef_delta: float = _f(0.005, "adaptive entropy: change of the coefficient per optimizer update")
+    entropy_target: float = _f(0.2, "adaptive entropy: target mean token entropy (nats), over the tokens the policy loss keeps")
+    sync_ref_model: bool = _f(False, "TR-DPO: every --ref-model-sync-steps optimizer updates, ref = alpha * policy + (1 - alpha) * ref (needs beta > 0)")
+    ref_model_mixup_alpha: float = _f(0.6, "TR-DPO's alpha: the policy's share in the mixed reference")
+    ref_model_sync_steps: int = _f(512, "TR-DPO's tau: optimizer updates between reference syncs")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards all tie and sample more prompts until the step has prompts_per_step informative groups")
+    dynamic_sampling_max_rounds: int = _f(4, "dynamic sampling: most sampling rounds per step (the first included); when they do not find enough informative groups, tied ones fill the step (counted in dynamic_sampling/filled)")
+    overlong_buffer_len: int = _f(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
+    overlong_penalty_factor: float = _f(1.0, "overlong reward shaping: the penalty at the full budget")
 
     # --- optimisation ---
     learning_rate: float = _f(5e-6, "AdamW peak learning rate")
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.99, "AdamW beta2")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon (the denominator's floor)")
     weight_decay: float = _f(0.1, "AdamW weight decay")
     max_grad_norm: float = _f(0.1, "gradient norm clip (0 = off)")
     lr_scheduler_type: str = _f("cosine", "learning-rate schedule after warmup", choices=("cosine", "constant", "linear"))
@@ -165,6 +193,42 @@ class GRPOConfig(ConfigMixin):
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.completions_per_step // self.micro_batch_size
+
+    @property
+    def updates_per_generation(self) -> int:
+        """k: optimizer updates one rollout feeds per iteration (steps_per_generation / accumulation steps)."""
+        accumulation = max(self.gradient_accumulation_steps, 1)
+        if self.generation_batch_size is not None:
+            return max(self.generation_batch_size // max(self.micro_batch_size, 1) // accumulation, 1)
+        if self.steps_per_generation is not None:
+            return max(self.steps_per_generation // accumulation, 1)
+        return 1
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Prompts one rollout samples: k * prompts_per_step."""
+        return self.prompts_per_step * self.updates_per_generation
+
+    @property
+    def completions_per_generation(self) -> int:
+        return self.prompts_per_generation * self.num_generations
+
+    def advice(self) -> list[str]:
+        """Valid but unusual combinations, as trl warns about them (logged when training starts)."""
+        notes = []
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            notes.append("loss_type='luspo' is defined with --importance-sampling-level sequence (the LUSPO paper)")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            notes.append("loss_type='vespo' forms its own sequence weights: --importance-sampling-level token is meant")
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            notes.append(f"sequence-level ratios with loss_type={self.loss_type!r} sum per-token terms, weighting each "
+                         "completion by its length; GSPO's setting is loss_type='grpo'")
+        if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high < 1):
+            notes.append(f"cispo caps the ratio itself at epsilon_high = {self.epsilon_high or self.epsilon} (not "
+                         "1 + epsilon_high): a value below 1 caps even on-policy ratios; ScaleRL uses 5.0")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
+            notes.append("normalize_then_sum normalises per reward and over the batch itself: --scale-rewards is unused")
+        return notes
 
     def validate(self) -> "GRPOConfig":
         """Reject impossible settings with a message that names the field; returns self."""
@@ -207,6 +271,9 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
             problems.append(f"adam betas must be in [0, 1), got ({self.adam_beta1}, {self.adam_beta2})")
+        if not self.adam_epsilon > 0:
+            problems.append(f"adam_epsilon must be > 0, got {self.adam_epsilon}")
+        problems += self._objective_problems()
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         problems += self.path_problems(self.model, self.output_dir, self.chat_template)
@@ -216,6 +283,52 @@ class GRPOConfig(ConfigMixin):
             problems.append(str(error))
         self.raise_problems(problems)
         return self
+
+    def _objective_problems(self) -> list[str]:
+        """The checks of the objective's options, generation reuse and DAPO's pieces (trl's where trl has them)."""
+        problems = []
+        if not 0 <= self.top_entropy_quantile <= 1:
+            problems.append(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            problems.append(f"off_policy_mask_threshold must be >= 0, got {self.off_policy_mask_threshold}")
+        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
+            problems.append(f"sapo temperatures must be > 0, got ({self.sapo_temperature_pos}, {self.sapo_temperature_neg})")
+        if self.entropy_coef < 0 or self.entropy_coef_delta < 0 or self.entropy_coef_min < 0:
+            problems.append("entropy_coef, entropy_coef_min and entropy_coef_delta must be >= 0")
+        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
+            problems.append(f"entropy_coef_min ({self.entropy_coef_min}) must be <= entropy_coef_max ({self.entropy_coef_max})")
+        if self.sync_ref_model and self.beta == 0:
+            problems.append("sync_ref_model needs beta > 0: with beta = 0 no reference model is loaded to sync (as trl)")
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            problems.append(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        if self.ref_model_sync_steps < 1:
+            problems.append(f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}")
+        problems += self._generation_problems()
+        if self.dynamic_sampling_max_rounds < 1:
+            problems.append(f"dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}")
+        if not 0 <= self.overlong_buffer_len < max(self.max_completion_length, 1):
+            problems.append(f"overlong_buffer_len must be in [0, max_completion_length = {self.max_completion_length}), "
+                            f"got {self.overlong_buffer_len}")
+        if self.overlong_penalty_factor < 0:
+            problems.append(f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
+        return problems
+
+    def _generation_problems(self) -> list[str]:
+        if self.micro_batch_size < 1 or self.completions_per_step % self.micro_batch_size:
+            return []  # reported above
+        accumulation = self.gradient_accumulation_steps
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            return ["set steps_per_generation or generation_batch_size, not both (as trl)"]
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size < 1 or self.generation_batch_size % self.completions_per_step:
+                return [f"generation_batch_size must be a positive multiple of the completions of one optimizer update "
+                        f"(prompts_per_step * num_generations = {self.completions_per_step}), got {self.generation_batch_size}"]
+        elif self.steps_per_generation is not None:
+            if self.steps_per_generation < 1 or self.steps_per_generation % accumulation:
+                return [f"steps_per_generation must be a positive multiple of the accumulation steps "
+                        f"({self.completions_per_step} / {self.micro_batch_size} = {accumulation}): each optimizer update "
+                        f"takes whole micro-batches of one rollout; got {self.steps_per_generation}"]
+        return []
 
 
 # Presets: named sets of overrides, applied before --config and the flags.

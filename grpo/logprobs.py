@@ -89,11 +89,11 @@ def scatter_rows(keep: torch.Tensor, values: torch.Tensor | None) -> torch.Tenso
 def chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                    with_entropy: bool = False):
     """One chunk: (c, H) hidden states, (V, H) weight, (c,) targets -> (c,) log-probs and (c,) entropies (nats)
-    or None. The entropy is detached: it is logged, never differentiated."""
+    or None. Both carry gradients (the entropy bonus differentiates the entropy; unused, it costs nothing)."""
     logits = (hidden @ weight.T).float() / temperature  # (c, V), fp32 for the log-softmax
     log_probs = torch.log_softmax(logits, dim=-1)  # (c, V)
     logps = log_probs.gather(-1, targets[:, None]).squeeze(-1)  # (c,)
-    entropy = -(log_probs.exp() * log_probs).sum(-1).detach() if with_entropy else None  # (c,)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # (c,)
     return logps, entropy
 
 

@@ -39,6 +39,35 @@ class Rollout:
     def num_rows(self) -> int:
         return self.completion_ids.shape[0]
 
+    def select_groups(self, groups: list[int], group_size: int) -> "Rollout":
+        """The rows of the given groups (group g = rows g*G .. g*G + G - 1), in that order."""
+        rows = torch.tensor([g * group_size + j for g in groups for j in range(group_size)], dtype=torch.long)
+        return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
+                       self.completion_mask[rows], self.truncated[rows], self.rewards_per_func[rows],
+                       None if self.sampler_logprobs is None else self.sampler_logprobs[rows])
+
+    @classmethod
+    def concat(cls, rollouts: list["Rollout"], pad_token_id: int) -> "Rollout":
+        """Rows of several rollouts in order; prompts left-padded and completions right-padded to common widths."""
+        prompt_len = max(r.prompt_ids.shape[1] for r in rollouts)
+        completion_len = max(r.completion_ids.shape[1] for r in rollouts)
+
+        def left(t, value):
+            return torch.nn.functional.pad(t, (prompt_len - t.shape[1], 0), value=value)
+
+        def right(t, value):
+            return torch.nn.functional.pad(t, (0, completion_len - t.shape[1]), value=value)
+
+        logprobs = None
+        if all(r.sampler_logprobs is not None for r in rollouts):
+            logprobs = torch.cat([right(r.sampler_logprobs, 0.0) for r in rollouts])
+        return cls(torch.cat([left(r.prompt_ids, pad_token_id) for r in rollouts]),
+                   torch.cat([left(r.prompt_mask, 0) for r in rollouts]),
+                   torch.cat([right(r.completion_ids, pad_token_id) for r in rollouts]),
+                   torch.cat([right(r.completion_mask, 0) for r in rollouts]),
+                   torch.cat([r.truncated for r in rollouts]), torch.cat([r.rewards_per_func for r in rollouts]),
+                   logprobs)
+
     @classmethod
     def from_token_lists(
         cls,

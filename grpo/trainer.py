@@ -1,13 +1,15 @@
 """The GRPO training loop: one step per rollout, composed from the pure functions of grpo/.
 
     sample    B prompts x G completions                       grpo.generation -> grpo.sampler.sample_groups
+              (k * B with steps_per_generation; more rounds with dynamic sampling, tied groups dropped)
     reward    K reward functions -> (N, K)                    rewards.score_completions
-    advantage group-relative, scaled                          grpo.advantages.group_advantages
+    advantage group-relative, scaled (or GDPO's per reward)   grpo.advantages
     ref/old   log-probs without grad (ref if beta != 0,       grpo.logprobs.completion_logprobs
-              old if num_iterations > 1)
-    update    num_iterations x (shuffle N rows into micro-batches; per micro-batch
-              log-probs -> per-token loss -> aggregation      grpo.logprobs, grpo.loss
-              -> backward; clip, AdamW, LR step)
+              old if the rollout feeds more than one update)
+    update    num_iterations x (shuffle N rows into micro-batches; k updates over disjoint slices, each:
+              per micro-batch log-probs -> per-token loss     grpo.logprobs, grpo.loss
+              -> aggregation (- entropy bonus) -> backward; clip, AdamW, LR step,
+              entropy coefficient, reference sync)
     log       metrics.jsonl, samples.jsonl, console           grpo.metrics
     save      atomic checkpoint every save_steps and at the end   grpo.checkpoint
 
@@ -35,8 +37,9 @@ from tqdm import tqdm
 from transformers import get_scheduler
 
 from data import add_prompts, load_task_rows
-from grpo.advantages import group_advantages, reward_function_stats, weighted_rewards
-from grpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from grpo.advantages import (decoupled_advantages, group_advantages, reward_function_stats, tied_groups,
+                              weighted_rewards)
+from grpo.checkpoint import REFERENCE, latest_checkpoint, load_trainer_state, save_checkpoint
 from grpo.config import GRPOConfig
 from grpo.evaluation import evaluate, make_scorer
 from grpo.generation import make_generation_backend
@@ -45,12 +48,14 @@ from grpo.kernels.buffers import Buffers
 from grpo.kernels.fused_loss import fused_completion_loss
 from grpo.kernels.logprobs import completion_logprobs as fast_completion_logprobs
 from grpo.logprobs import check_plain_output_head, completion_logprobs
-from grpo.loss import LossOptions, aggregate_loss, aggregation_weights, loss_statistics, per_token_loss
+from grpo.loss import (EntropyControl, LossOptions, aggregate_loss, aggregation_weights, entropy_bonus,
+                       high_entropy_mask, loss_statistics, per_token_loss, policy_loss_value)
 from grpo.metrics import MetricsLogger
 from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
 from grpo.rollout import Rollout, encode_prompts
 from grpo.sampler import SamplingParams
-from rewards import describe_rewards, parse_reward_specs, score_rows
+from rewards import RewardSpec, describe_rewards, parse_reward_specs, score_rows
+from rewards.shaping import overlong_penalty
 
 logger = logging.getLogger("grpo")
 
@@ -94,7 +99,12 @@ class Trainer:
         cfg = self.config
         self.device = resolve_device(cfg.device)
         self.precision = resolve_precision(cfg.precision, self.device)
+        for note in cfg.advice():
+            logger.warning(note)
         self.rewards = parse_reward_specs(reward_functions if reward_functions is not None else cfg.reward)
+        if cfg.overlong_buffer_len > 0:  # DAPO's overlong shaping, a reward like the others (rewards/shaping.py)
+            shaping = overlong_penalty(cfg.max_completion_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+            self.rewards = [*self.rewards, RewardSpec("overlong", shaping, 1.0)]
         self.reward_weights = torch.tensor([spec.weight for spec in self.rewards], dtype=torch.float32)
         self.run_dir = Path(cfg.output_dir)
         self.resume_from = self._find_resume_checkpoint()
@@ -122,7 +132,10 @@ class Trainer:
         check_plain_output_head(self.policy.config)  # before any sampling, not at the first update
         self.ref_model = None
         if cfg.beta != 0.0:  # beta = 0: no reference model at all
-            if self.resume_from is not None and policy is None:
+            synced = None if self.resume_from is None else self.resume_from / REFERENCE
+            if synced is not None and cfg.sync_ref_model and synced.is_dir():  # the mixed reference of the run
+                reference = load_model(str(synced), self.device, torch.float32, False, self.tokenizer, "--resume")
+            elif self.resume_from is not None and policy is None:
                 reference = load_model(cfg.model, self.device, torch.float32, cfg.trust_remote_code, self.tokenizer)
             else:
                 reference = copy.deepcopy(self.policy)
@@ -136,23 +149,25 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16"
                          else contextlib.nullcontext())
         # --- kernels (grpo/kernels/): chosen once, here; the call sites below ask self.kernels ---
-        self.kernels = select_kernels(cfg.kernels, self.device, cfg.importance_sampling_level, self.policy)
+        self.loss_options = LossOptions.from_config(cfg)
+        self.entropy_control = EntropyControl.from_config(cfg)
+        self.kernels = select_kernels(cfg.kernels, self.device, self.loss_options, self.policy,
+                                      entropy_bonus=self.entropy_control.enabled)
         self.kernels.log_reasons()
         self.logprob_buffers = Buffers()  # the log-prob kernels' reused storage, kept for the run
         self.generation = make_generation_backend(cfg.generation_backend, self.policy, self.tokenizer.pad_token_id,
                                                   self.kernels, cfg.max_prompt_length)
-        self.loss_options = LossOptions.from_config(cfg)
 
         # --- optimizer and schedule: weight decay on matrices only (not on norms and biases, as HF Trainer) ---
         decay = [p for p in self.policy.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.policy.parameters() if p.requires_grad and p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=1e-8,
+            lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
             fused=self.device.type in ("cpu", "cuda"),  # one kernel, no foreach temporaries the size of the model
         )
-        self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_rows) / cfg.prompts_per_step)
-        total_updates = self.total_steps * cfg.num_iterations
+        self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_rows) / cfg.prompts_per_generation)
+        total_updates = self.total_steps * cfg.num_iterations * cfg.updates_per_generation
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer,
                                        num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
                                        num_training_steps=total_updates)
@@ -160,6 +175,7 @@ class Trainer:
                                        self.eos_token_ids)
         self.sample_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.step = 0
+        self.updates = 0  # optimizer updates applied (the reference syncs count them, as trl's global_step)
         self.consecutive_bad_steps = 0
         self.skipped_updates = 0
         self._stop_signal = None
@@ -212,6 +228,8 @@ class Trainer:
             "sample_generator": self.sample_generator.get_state(),
             "consecutive_bad_steps": self.consecutive_bad_steps,
             "skipped_updates": self.skipped_updates,
+            "updates": self.updates,
+            "entropy_control": self.entropy_control.state_dict(),
         }
 
     def _load_state(self, checkpoint: Path):
@@ -226,17 +244,24 @@ class Trainer:
         self.sample_generator.set_state(state["sample_generator"])
         self.consecutive_bad_steps = state["consecutive_bad_steps"]
         self.skipped_updates = state["skipped_updates"]
+        self.updates = state.get("updates", self.step * self.config.num_iterations * self.config.updates_per_generation)
+        if "entropy_control" in state:
+            self.entropy_control.load_state_dict(state["entropy_control"])
+        if self.config.sync_ref_model and not (checkpoint / REFERENCE).is_dir():
+            logger.warning("%s holds no synced reference model (%s/): the reference restarts from --model",
+                           checkpoint, REFERENCE)
         logger.info("resumed from %s at step %d", checkpoint, self.step)
 
     def save(self) -> Path:
+        reference = self.ref_model if self.config.sync_ref_model else None  # TR-DPO's mixed reference is state
         path = save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, self.state_dict(),
-                               self.run_record(), self.config.save_total_limit)
+                               self.run_record(), self.config.save_total_limit, reference=reference)
         return path
 
     # ------------------------------------------------------------------ data order
     def batch_indices(self, step: int) -> list[int]:
-        """Prompt indices of a step: a fresh seeded permutation per epoch, read B at a time (resumable from `step`)."""
-        size, count = len(self.train_rows), self.config.prompts_per_step
+        """Prompt indices of a step: a fresh seeded permutation per epoch, read k * B at a time (resumable from `step`)."""
+        size, count = len(self.train_rows), self.config.prompts_per_generation
         permutations = {}  # epoch -> its permutation; a step spans at most a few epochs
         indices = []
         for position in range(step * count, (step + 1) * count):
@@ -269,13 +294,59 @@ class Trainer:
         )
         return rollout, prompts, texts
 
+    def collect_rollout(self, step: int) -> tuple[Rollout, list, list, dict]:
+        """The step's rollout: make_rollout on its prompts; with dynamic sampling (DAPO), groups whose rewards all
+        tie are dropped and further rounds sample other prompts until the step has its k * B informative groups.
+
+        Round r > 0 draws its prompts from a permutation seeded by (seed, step, r), so a resumed run samples
+        the same ones. After dynamic_sampling_max_rounds rounds, tied groups fill what is missing (their
+        advantages are 0: only the KL term and the loss's normaliser see them). Returns (rollout, prompts,
+        texts, metrics of the rounds).
+        """
+        cfg = self.config
+        rollout, prompts, texts = self.make_rollout(self.batch_indices(step))
+        if not cfg.dynamic_sampling:
+            return rollout, prompts, texts, {}
+        group, wanted = cfg.num_generations, cfg.prompts_per_generation
+        pool = [(rollout, prompts, texts)]
+        informative, tied = [], []  # (round, group) of each group sampled so far
+        rounds = 0
+        while True:
+            rewards = weighted_rewards(pool[rounds][0].rewards_per_func, self.reward_weights)
+            for index, is_tied in enumerate(tied_groups(rewards, group).tolist()):
+                (tied if is_tied else informative).append((rounds, index))
+            rounds += 1
+            if len(informative) >= wanted or rounds >= cfg.dynamic_sampling_max_rounds:
+                break
+            order = torch.randperm(len(self.train_rows), generator=_seeded(cfg.seed, 7919, step, rounds))
+            pool.append(self.make_rollout(order[:wanted].tolist()))
+        chosen = (informative + tied)[:wanted]  # informative first, in the order they were sampled
+        filled = max(wanted - len(informative), 0)
+        if filled:
+            logger.warning("step %d: %d of %d groups are tied after %d sampling rounds; tied groups fill the step",
+                           step + 1, filled, wanted, rounds)
+        offsets = [0]
+        for part in pool:
+            offsets.append(offsets[-1] + part[0].num_rows // group)
+        merged = Rollout.concat([part[0] for part in pool], self.tokenizer.pad_token_id)
+        all_prompts = [p for part in pool for p in part[1]]
+        all_texts = [t for part in pool for t in part[2]]
+        groups = [offsets[r] + g for r, g in chosen]
+        rows = [g * group + j for g in groups for j in range(group)]
+        metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/dropped_groups": len(tied) - filled,
+                   "dynamic_sampling/filled": filled}
+        return (merged.select_groups(groups, group), [all_prompts[r] for r in rows], [all_texts[r] for r in rows],
+                metrics)
+
     # ------------------------------------------------------------------ the update
-    def _logprobs(self, model, ids, attention_mask, completion_mask, with_entropy=False):
-        """(n, t) log-probs (and entropies) of the completion tokens, grpo.logprobs.completion_logprobs."""
+    def _logprobs(self, model, ids, attention_mask, completion_mask, with_entropy=False, update=False):
+        """(n, t) log-probs (and entropies) of the completion tokens, grpo.logprobs.completion_logprobs.
+
+        update: the pass whose loss is differentiated (its kernel may step aside, see select_kernels)."""
         args = (model, ids, attention_mask, completion_mask, self.config.temperature, with_entropy,
                 self.config.logprob_chunk_size)
         with self.autocast:
-            if self.kernels.fast_logprobs:  # the same numbers, faster (grpo.kernels.logprobs)
+            if self.kernels.update_logprobs if update else self.kernels.fast_logprobs:  # the same numbers, faster
                 return fast_completion_logprobs(*args, buffers=self.logprob_buffers)
             return completion_logprobs(*args)
 
@@ -289,11 +360,13 @@ class Trainer:
             out[rows, : cm.shape[1]] = logps
         return out
 
-    def _micro_batch_loss(self, ids, attention_mask, cm, advantages, old_logps, ref_logps, num_micro, num_items_in_batch):
+    def _micro_batch_loss(self, ids, attention_mask, cm, advantages, old_logps, ref_logps, num_micro, num_items_in_batch,
+                          entropy_coef=0.0):
         """One micro-batch's aggregated loss (grad attached) and its statistics; old_logps None when on-policy.
 
-        log-probs -> per-token loss -> aggregation (grpo.logprobs, grpo.loss). With the fused kernel the three
-        run as one pass over the output projection that also forms the gradient: the same loss and gradient.
+        log-probs -> per-token loss -> aggregation (grpo.logprobs, grpo.loss), minus the entropy bonus when it is
+        on. With the fused kernel the three run as one pass over the output projection that also forms the
+        gradient: the same loss and gradient.
         """
         cfg, options = self.config, self.loss_options
         aggregation = dict(num_micro_batches=num_micro, max_completion_length=cfg.max_completion_length,
@@ -305,83 +378,117 @@ class Trainer:
                     self.policy, ids, attention_mask, cm, advantages, old_logps, ref_logps, weights, options,
                     cfg.temperature, cfg.logprob_chunk_size, self.logprob_buffers)
         else:
-            logps, entropy = self._logprobs(self.policy, ids, attention_mask, cm, with_entropy=True)  # (n, t)
+            logps, entropy = self._logprobs(self.policy, ids, attention_mask, cm, with_entropy=True, update=True)
             old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
-            token_losses = per_token_loss(logps, old, advantages, cm, ref_logps, options)  # (n, t) or (n, 1)
+            token_losses = per_token_loss(logps, old, advantages, cm, ref_logps, options, entropy)  # (n, t) or (n, 1)
             loss = aggregate_loss(token_losses, cm, cfg.loss_type, **aggregation)
-        logps = logps.detach()
-        stats = loss_statistics(logps, logps if old_logps is None else old_logps, advantages, cm, ref_logps, options,
-                                entropy)
+        detached = logps.detach()
+        stats = loss_statistics(detached, detached if old_logps is None else old_logps, advantages, cm, ref_logps,
+                                options, entropy.detach())
+        if self.entropy_control.enabled:  # loss - coef * mean entropy over the tokens the policy loss keeps
+            stats.policy_loss = policy_loss_value(loss.item(), cfg.loss_type, num_micro)
+            acting = cm if options.top_entropy_quantile >= 1.0 else cm * high_entropy_mask(entropy, cm, options.top_entropy_quantile)
+            loss = loss - entropy_coef * entropy_bonus(entropy, acting, num_micro)
         return loss, stats
 
-    def train_on_rollout(self, rollout: Rollout, shuffle: bool = True) -> dict:
-        """Advantages, reference/old log-probs, then `num_iterations` optimizer updates on one rollout.
+    def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict]:
+        """(N,) advantages and the reward statistics, by multi_objective_aggregation (grpo.advantages)."""
+        cfg = self.config
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
+            return decoupled_advantages(rollout.rewards_per_func, self.reward_weights, cfg.num_generations)
+        rewards = weighted_rewards(rollout.rewards_per_func, self.reward_weights)  # (N,)
+        return group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
 
-        Returns the step's metrics. Micro-batch losses are summed into the accumulated gradient, so the
-        update equals the full-batch one (grpo.loss.aggregate_loss says exactly when).
+    def _sync_reference(self) -> None:
+        """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref, every ref_model_sync_steps optimizer updates."""
+        alpha = self.config.ref_model_mixup_alpha
+        with torch.no_grad():
+            for ref_param, param in zip(self.ref_model.parameters(), self.policy.parameters(), strict=True):
+                ref_param.mul_(1.0 - alpha).add_(param.to(ref_param.dtype), alpha=alpha)
+
+    def train_on_rollout(self, rollout: Rollout, shuffle: bool = True) -> dict:
+        """Advantages, reference/old log-probs, then num_iterations x k optimizer updates on one rollout.
+
+        k = updates_per_generation: the rollout's micro-batches are split into k disjoint slices, one per update.
+        Returns the step's metrics. Micro-batch losses are summed into the accumulated gradient, so each
+        update equals the full-slice one (grpo.loss.aggregate_loss says exactly when).
         """
         cfg, device = self.config, self.device
-        num_rows = rollout.num_rows
-        if num_rows != cfg.completions_per_step or num_rows % cfg.num_generations:
-            raise ValueError(f"a rollout needs prompts_per_step * num_generations = {cfg.completions_per_step} "
-                             f"rows grouped by {cfg.num_generations}, got {num_rows}")
+        num_rows, updates_per_rollout = rollout.num_rows, cfg.updates_per_generation
+        if num_rows != cfg.completions_per_generation or num_rows % cfg.num_generations:
+            raise ValueError(f"a rollout needs {cfg.prompts_per_generation} prompts x num_generations = "
+                             f"{cfg.completions_per_generation} rows grouped by {cfg.num_generations}, got {num_rows}")
         prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
         completion_ids = rollout.completion_ids.to(device)
         completion_mask = rollout.completion_mask.to(device)
         truncated = rollout.truncated.to(device)
 
         # --- advantages (DeepSeekMath 4.1.2): group-relative, scaled ---
-        rewards = weighted_rewards(rollout.rewards_per_func, self.reward_weights)  # (N,)
-        advantages, reward_stats = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        advantages, reward_stats = self.compute_advantages(rollout)
         advantages = advantages.to(device)  # (N,)
         if cfg.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated)[:, None]  # drops them from attention and loss, as trl
-        num_items_in_batch = completion_mask.sum().item()  # dapo's divisor: real tokens of the whole step
+        # dapo / cispo / vespo divide by the real tokens of one update: the rollout's, / k (as trl)
+        num_items_in_batch = completion_mask.sum().item() / updates_per_rollout
         tensors = (prompt_ids, prompt_mask, completion_ids)
 
         # --- reference and old log-probs, without grad ---
         started = time.perf_counter()
         ref_logps = self._logprobs_no_grad(self.ref_model, tensors, completion_mask) if cfg.beta != 0.0 else None
-        old_logps = self._logprobs_no_grad(self.policy, tensors, completion_mask) if cfg.num_iterations > 1 else None
+        off_policy = cfg.num_iterations * updates_per_rollout > 1  # some update runs after the policy moved
+        old_logps = self._logprobs_no_grad(self.policy, tensors, completion_mask) if off_policy else None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         reference_time = time.perf_counter() - started
 
-        # --- num_iterations x (micro-batches -> loss -> backward; clip; AdamW; LR) ---
-        micro_stats, step_losses, grad_norms, micro_batch_losses = [], [], [], []
+        # --- num_iterations x k x (micro-batches -> loss -> backward; clip; AdamW; LR; entropy; reference) ---
+        micro_stats, step_losses, grad_norms, micro_batch_losses, entropy_coefs = [], [], [], [], []
         num_micro = cfg.gradient_accumulation_steps
         for iteration in range(cfg.num_iterations):
             order = (torch.randperm(num_rows, generator=_seeded(cfg.seed, self.step, iteration))
                      if shuffle else torch.arange(num_rows))
-            step_loss, finite = 0.0, True
-            for rows in order.split(cfg.micro_batch_size):
-                rows = rows.to(device)
-                ids, attention_mask, cm = _micro_batch(tensors, completion_mask, rows)
-                ref = None if ref_logps is None else ref_logps[rows, : cm.shape[1]]
-                old = None if old_logps is None else old_logps[rows, : cm.shape[1]]
-                loss, stats = self._micro_batch_loss(ids, attention_mask, cm, advantages[rows], old, ref, num_micro,
-                                                     num_items_in_batch)
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                loss.backward()
-                step_loss += loss.item()
-                micro_batch_losses.append(loss.item())
-                micro_stats.append(stats)
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm).item() if finite else float("nan")
-            if not finite or not math.isfinite(grad_norm):
-                self._skip_update(grad_norm)
-            else:
-                self.optimizer.step()
-                self.scheduler.step()
-                self.generation.after_update()  # a backend with its own copy of the weights refreshes it
-                self.consecutive_bad_steps = 0
-            # Kept allocated: the vocabulary-sized gradients are then added into .grad in place each
-            # micro-batch (grpo.logprobs reuses its own buffers) instead of being copied into new tensors.
-            self.optimizer.zero_grad(set_to_none=False)
-            step_losses.append(step_loss)
-            grad_norms.append(grad_norm)
+            micro_batches = order.split(cfg.micro_batch_size)  # k * num_micro of them
+            for update in range(updates_per_rollout):
+                step_loss, finite, update_stats = 0.0, True, []
+                coef = self.entropy_control.applied()  # the same for every micro-batch of this update
+                for rows in micro_batches[update * num_micro : (update + 1) * num_micro]:
+                    rows = rows.to(device)
+                    ids, attention_mask, cm = _micro_batch(tensors, completion_mask, rows)
+                    ref = None if ref_logps is None else ref_logps[rows, : cm.shape[1]]
+                    old = None if old_logps is None else old_logps[rows, : cm.shape[1]]
+                    loss, stats = self._micro_batch_loss(ids, attention_mask, cm, advantages[rows], old, ref, num_micro,
+                                                         num_items_in_batch, coef)
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    loss.backward()
+                    step_loss += loss.item()
+                    micro_batch_losses.append(loss.item())
+                    update_stats.append(stats)
+                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm).item() if finite
+                             else float("nan"))
+                if not finite or not math.isfinite(grad_norm):
+                    self._skip_update(grad_norm)
+                else:
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.updates += 1
+                    self.generation.after_update()  # a backend with its own copy of the weights refreshes it
+                    self.consecutive_bad_steps = 0
+                    if cfg.sync_ref_model and self.updates % cfg.ref_model_sync_steps == 0:
+                        self._sync_reference()
+                    if self.entropy_control.adaptive:
+                        self.entropy_control.update(sum(s.entropy_sum for s in update_stats),
+                                                    sum(s.entropy_count for s in update_stats))
+                if self.entropy_control.enabled:
+                    entropy_coefs.append(self.entropy_control.coef)
+                # Kept allocated: the vocabulary-sized gradients are then added into .grad in place each
+                # micro-batch (grpo.logprobs reuses its own buffers) instead of being copied into new tensors.
+                self.optimizer.zero_grad(set_to_none=False)
+                step_losses.append(step_loss)
+                grad_norms.append(grad_norm)
+                micro_stats += update_stats
 
         # --- metrics, with trl's names ---
         lengths = completion_mask.sum(-1).float()  # after mask_truncated_completions, as the loss sees them
@@ -402,6 +509,10 @@ class Trainer:
             "clip_ratio/low_mean": mean_of("clip_low"),
             "clip_ratio/high_mean": mean_of("clip_high"),
             "clip_ratio/region_mean": mean_of("clip_region"),
+            "cispo_clip_ratio": mean_of("cispo_clip"),
+            "vespo/phi_seq_mean": mean_of("vespo_phi"),
+            "policy_loss": mean_of("policy_loss"),
+            "entropy_coef": entropy_coefs[-1] if entropy_coefs else None,
             "completions/mean_length": raw_lengths.mean().item(),
             "completions/min_length": raw_lengths.min().item(),
             "completions/max_length": raw_lengths.max().item(),
@@ -412,9 +523,11 @@ class Trainer:
         }
         if cfg.beta != 0.0:
             metrics["kl"] = mean_of("kl")
+        metrics = {key: value for key, value in metrics.items() if value is not None}  # what this loss type logs
         # The step's intermediate values, kept for inspection (the trl parity tests read them).
         self.last_step = {"advantages": advantages, "ref_logps": ref_logps, "old_logps": old_logps,
-                          "micro_batch_losses": micro_batch_losses, "micro_batch_stats": micro_stats}
+                          "micro_batch_losses": micro_batch_losses, "micro_batch_stats": micro_stats,
+                          "entropy_coefs": entropy_coefs}
         return metrics
 
     def _skip_update(self, grad_norm: float):
@@ -476,10 +589,10 @@ class Trainer:
             while self.step < stop_at and self._stop_signal is None:
                 started = time.perf_counter()
                 # sample -> reward
-                rollout, prompts, texts = self.make_rollout(self.batch_indices(self.step))
+                rollout, prompts, texts, sampling_metrics = self.collect_rollout(self.step)
                 sampled = time.perf_counter()
                 # advantage -> reference/old log-probs -> loss and update
-                metrics = self.train_on_rollout(rollout)
+                metrics = {**self.train_on_rollout(rollout), **sampling_metrics}
                 self.step += 1
                 elapsed = time.perf_counter() - started
                 metrics.update({"step_time": elapsed, "sample_time": sampled - started,

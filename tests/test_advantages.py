@@ -105,3 +105,34 @@ def test_bad_group_size_is_reported():
         group_advantages(torch.zeros(6), 4)
     with pytest.raises(ValueError, match="scale_rewards must be one of"):
         group_advantages(torch.zeros(4), 2, "grp")
+
+
+def test_normalize_then_sum_hand_derived():
+    # GDPO: two groups of 2, two rewards (weights 1 and 2). Group 0: f1 = [1, 0], f2 = [0, 0]; group 1: f1 = [1, 1],
+    # f2 = [2, 0]. Per reward and group: (r - mean) / (std + 1e-4), std unbiased -> f1 group 0: +-0.5 / (0.70711 + 1e-4),
+    # f2 group 0 and f1 group 1: 0 (tied), f2 group 1: +-1 / (1.41421 + 1e-4). Weighted sum s, then over the batch
+    # (s - mean(s)) / (std(s) + 1e-4).
+    from grpo.advantages import decoupled_advantages
+
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 2.0], [1.0, 0.0]])
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    b = 2 * 1.0 / (math.sqrt(2.0) + 1e-4)
+    s = [a, -a, b, -b]
+    mean = sum(s) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in s) / 3)
+    expected = torch.tensor([(x - mean) / (std + 1e-4) for x in s])
+    advantages, stats = decoupled_advantages(rewards, torch.tensor([1.0, 2.0]), group_size=2)
+    torch.testing.assert_close(advantages, expected, rtol=1e-6, atol=1e-7)
+    assert stats["reward"] == pytest.approx((1 + 0 + 5 + 1) / 4)  # the plain weighted sum is what is logged
+    # A row no function scored stays out and gets 0, as with sum_then_normalize.
+    rewards[1] = float("nan")
+    advantages, _ = decoupled_advantages(rewards, torch.tensor([1.0, 2.0]), group_size=2)
+    assert advantages[1].item() == 0.0 and torch.isfinite(advantages).all()
+
+
+def test_tied_groups():
+    from grpo.advantages import tied_groups
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, float("nan"), 2.0, 3.0, 3.0])
+    # group 0 ties; group 1 differs; group 2 has one scorable row (no spread); group 3 ties.
+    assert tied_groups(rewards, 2).tolist() == [True, False, True, True]

@@ -140,7 +140,7 @@ def test_select_kernels_decides_in_one_place():
     auto = select_kernels("auto", cpu)
     assert auto.fast_sampler and auto.fast_logprobs and auto.fused_loss and not auto.compile_decode
     assert select_kernels("auto", cuda).compile_decode  # the decision only: nothing runs on CUDA here
-    sequence = select_kernels("auto", cpu, importance_sampling_level="sequence")
+    sequence = select_kernels("auto", cpu, LossOptions(importance_sampling_level="sequence"))
     assert not sequence.fused_loss and "sequence-level" in sequence.reasons["fused_loss"]
     model, _ = build_tiny_model("tiny", seed=0)
     model.config._attn_implementation = "eager"

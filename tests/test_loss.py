@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from grpo.loss import LOSS_TYPES, LossOptions, aggregate_loss, k3_kl, loss_statistics, per_token_loss, token_loss
+from grpo.loss import (LOSS_TYPES, EntropyControl, LossOptions, aggregate_loss, entropy_bonus, high_entropy_mask, k3_kl,
+                       loss_statistics, off_policy_mask, per_token_loss, token_loss)
 
 T_MAX = 6
 
@@ -19,20 +20,33 @@ def _inputs(seed, n=4, off_policy=True):
     return logps, old, ref, advantages, mask
 
 
-def _naive_loss(logps, old, ref, adv, mask, *, beta, eps, eps_high, delta, bias_kl, level, loss_type, ga, total_tokens):
+def _naive_loss(logps, old, ref, adv, mask, *, beta, eps, eps_high, delta, bias_kl, level, loss_type, ga, total_tokens,
+                sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0)):
     """Per-token Python loop written from the equations in grpo/loss.py's docstring."""
     n, T = logps.shape
-    row_losses, token_sum, token_count = [], 0.0, 0.0
+    row_losses, row_sums, token_sum, token_count = [], [], 0.0, 0.0
     for i in range(n):
         length = int(mask[i].sum())
         seq_log_ratio = sum(logps[i, t] - old[i, t] for t in range(length)) / max(length, 1)
+        # vespo: w = exp(sum_t log rho_t), phi(w) = e^lam w^k e^(-lam w), k and lam by the sign of A; no gradient
+        k, lam = (vespo[0], vespo[1]) if adv[i] >= 0 else (vespo[2], vespo[3])
+        log_w = float(sum((logps[i, t] - old[i, t]).detach() for t in range(length)))
+        phi = math.exp(lam) * math.exp(log_w) ** k * math.exp(-lam * math.exp(log_w))
         row_sum = 0.0
         for t in range(length):
             log_ratio = logps[i, t] - old[i, t] if level == "token" else seq_log_ratio
             rho = torch.exp(log_ratio)
-            clipped = torch.clamp(rho, 1 - eps, 1 + eps_high)
-            capped = rho if delta is None else torch.clamp(rho, max=delta)
-            l = -torch.min(capped * adv[i], clipped * adv[i])
+            if loss_type == "cispo":
+                l = -min(rho.item(), eps_high) * adv[i] * logps[i, t]
+            elif loss_type == "sapo":
+                tau = sapo[0] if adv[i] > 0 else sapo[1]
+                l = -torch.sigmoid(tau * (rho - 1)) * 4 / tau * adv[i]
+            elif loss_type == "vespo":
+                l = -phi * adv[i] * logps[i, t]
+            else:
+                clipped = torch.clamp(rho, 1 - eps, 1 + eps_high)
+                capped = rho if delta is None else torch.clamp(rho, max=delta)
+                l = -torch.min(capped * adv[i], clipped * adv[i])
             if beta:
                 d = ref[i, t] - logps[i, t]
                 kl = torch.exp(d) - d - 1
@@ -41,10 +55,13 @@ def _naive_loss(logps, old, ref, adv, mask, *, beta, eps, eps_high, delta, bias_
                 l = l + beta * kl
             row_sum = row_sum + l
         row_losses.append(row_sum / max(length, 1))
+        row_sums.append(row_sum)
         token_sum = token_sum + row_sum
         token_count += length
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return sum(row_losses) / n / ga
+    if loss_type == "luspo":
+        return sum(row_sums) / n / ga
     if loss_type == "bnpo":
         return token_sum / max(token_count, 1) / ga
     if loss_type == "dr_grpo":
@@ -70,7 +87,7 @@ def test_against_naive_loop(loss_type, config):
     total_tokens = mask.sum().item() * 2  # pretend this micro-batch is half of the step's tokens
     options = LossOptions(beta=config["beta"], epsilon=config["eps"], epsilon_high=config["eps_high"],
                           delta=config["delta"], use_bias_correction_kl=config["bias_kl"],
-                          importance_sampling_level=config["level"])
+                          importance_sampling_level=config["level"], loss_type=loss_type)
     loss = per_token_loss(logps, old, adv, mask, ref, options)
     fast = aggregate_loss(loss, mask, loss_type, num_micro_batches=2, max_completion_length=T_MAX,
                           num_items_in_batch=total_tokens)
@@ -93,22 +110,24 @@ def test_k3_kl_is_nonnegative_and_zero_at_equality():
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_on_policy_gradient_is_reinforce(loss_type):
     # With old = logps.detach(), rho = 1 and d(-min(rho A, clip(rho) A))/dlogp = -A: the REINFORCE gradient.
+    # cispo (weight min(1, eps_high) = 1), sapo (gate slope 1 at rho = 1) and vespo (phi(1) = 1) too.
     logps, _, _, adv, mask = _inputs(seed=3)
-    loss = per_token_loss(logps, logps.detach(), adv, mask)
-    stats = loss_statistics(logps, logps.detach(), adv, mask)
+    options = LossOptions(loss_type=loss_type, epsilon_high=5.0 if loss_type == "cispo" else None)
+    loss = per_token_loss(logps, logps.detach(), adv, mask, options=options)
+    stats = loss_statistics(logps, logps.detach(), adv, mask, options=options)
     value = aggregate_loss(loss, mask, loss_type, max_completion_length=T_MAX, num_items_in_batch=mask.sum())
     (grad,) = torch.autograd.grad(value, logps)
     reinforce = aggregate_loss(-adv[:, None] * logps, mask, loss_type, max_completion_length=T_MAX,
                                num_items_in_batch=mask.sum())
     (expected,) = torch.autograd.grad(reinforce, logps)
     torch.testing.assert_close(grad, expected, rtol=1e-6, atol=0)
-    assert stats.clip_region == 0.0 and stats.kl is None
+    assert stats.clip_region in (0.0, None) and stats.kl is None
 
 
 def _accumulated_grad(logps, old, ref, adv, mask, loss_type, splits):
     total = torch.zeros_like(logps)
     for rows in splits:
-        options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
+        options = LossOptions(beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True, loss_type=loss_type)
         loss = per_token_loss(logps[rows], old[rows], adv[rows], mask[rows], ref[rows], options)
         value = aggregate_loss(loss, mask[rows], loss_type, num_micro_batches=len(splits),
                                max_completion_length=T_MAX, num_items_in_batch=mask.sum())
@@ -177,3 +196,129 @@ def test_errors_name_the_problem():
     loss = per_token_loss(logps, old, adv, mask)
     with pytest.raises(ValueError, match="loss_type must be one of"):
         aggregate_loss(loss, mask, "ppo")
+
+
+# ---- the objectives beyond the clipped surrogate, the masks and the entropy bonus, each on hand-derived values ----
+
+def _one_token(logp, old, adv, options, ref=None):
+    logps = torch.tensor([[logp]], requires_grad=True)
+    loss = per_token_loss(logps, torch.tensor([[old]]), torch.tensor([adv]), torch.ones(1, 1),
+                          None if ref is None else torch.tensor([[ref]]), options)
+    (grad,) = torch.autograd.grad(loss.sum(), logps)
+    stats = loss_statistics(logps.detach(), torch.tensor([[old]]), torch.tensor([adv]), torch.ones(1, 1),
+                            None if ref is None else torch.tensor([[ref]]), options)
+    return loss.item(), grad.item(), stats
+
+
+def test_cispo_clips_the_detached_weight():
+    # logp = -1, old = -1.5: rho = e^0.5 = 1.6487 > eps_high = 1.2, so the weight is 1.2 (detached):
+    # l = -1.2 * A * logp = -1.2 * 1 * -1 = 1.2, dl/dlogp = -1.2 * A (the token keeps its gradient).
+    options = LossOptions(loss_type="cispo", epsilon_high=1.2)
+    loss, grad, stats = _one_token(-1.0, -1.5, 1.0, options)
+    assert (loss, grad) == (pytest.approx(1.2), pytest.approx(-1.2))
+    assert stats.cispo_clip == 1.0 and stats.clip_region is None
+    # A < 0: the same cap applies to the weight, but trl counts a clip only for A > 0.
+    loss, grad, stats = _one_token(-1.0, -1.5, -1.0, options)
+    assert (loss, grad, stats.cispo_clip) == (pytest.approx(-1.2), pytest.approx(1.2), 0.0)
+    # Below the cap the weight is rho itself: logp = -1.5, rho = e^-0.5 -> l = -e^-0.5 * 1 * -1.5.
+    loss, _, stats = _one_token(-1.5, -1.0, 1.0, options)
+    assert loss == pytest.approx(1.5 * math.exp(-0.5)) and stats.cispo_clip == 0.0
+
+
+def test_sapo_soft_gate():
+    # rho = e^0.5; A = 1 with tau_pos = 1: l = -(4 / 1) sigmoid(rho - 1) * 1,
+    # dl/dlogp = -4 s (1 - s) rho (the gate's slope times d rho / d logp = rho).
+    rho = math.exp(0.5)
+    s = 1 / (1 + math.exp(-(rho - 1)))
+    loss, grad, stats = _one_token(-1.0, -1.5, 1.0, LossOptions(loss_type="sapo"))
+    assert loss == pytest.approx(-4 * s) and grad == pytest.approx(-4 * s * (1 - s) * rho)
+    assert stats.clip_region is None and stats.cispo_clip is None
+    # A = -2 takes tau_neg = 1.05: l = -(4 / 1.05) sigmoid(1.05 (rho - 1)) * -2.
+    s = 1 / (1 + math.exp(-1.05 * (rho - 1)))
+    loss, _, _ = _one_token(-1.0, -1.5, -2.0, LossOptions(loss_type="sapo"))
+    assert loss == pytest.approx(4 / 1.05 * s * 2)
+
+
+def test_vespo_gamma_weight_of_the_sequence_ratio():
+    # Two tokens with log-ratios 0.1 and 0.2: log w = 0.3 (a sum, not a mean). A = 1 -> k = 2, lambda = 3:
+    # phi = e^3 w^2 e^(-3 w) = 0.9265..., detached; l_t = -phi A logp_t, dl/dlogp_t = -phi A.
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -2.2]])
+    w = math.exp(0.3)
+    phi = math.exp(3) * w**2 * math.exp(-3 * w)
+    options = LossOptions(loss_type="vespo")
+    loss = per_token_loss(logps, old, torch.tensor([1.0]), torch.ones(1, 2), options=options)
+    torch.testing.assert_close(loss.detach(), torch.tensor([[phi * 1.0, phi * 2.0]]))
+    (grad,) = torch.autograd.grad(loss.sum(), logps)
+    torch.testing.assert_close(grad, torch.tensor([[-phi, -phi]]))
+    stats = loss_statistics(logps.detach(), old, torch.tensor([1.0]), torch.ones(1, 2), options=options)
+    assert stats.vespo_phi == pytest.approx(phi)
+    # A < 0: k = 3, lambda = 2; phi(1) = 1 for every k, lambda (on-policy: the REINFORCE weight).
+    phi_neg = math.exp(2) * w**3 * math.exp(-2 * w)
+    loss = per_token_loss(logps, old, torch.tensor([-1.0]), torch.ones(1, 2), options=options)
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-phi_neg, -2 * phi_neg]]))
+
+
+def test_luspo_sums_each_row_then_averages():
+    # Rows of 2 and 3 real tokens with sequence-level terms 1 and 2: (1 * 2 + 2 * 3) / 2 rows = 4, / 2 micro-batches.
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert aggregate_loss(torch.tensor([[1.0], [2.0]]), mask, "luspo", num_micro_batches=2).item() == 2.0
+
+
+def test_off_policy_mask_drops_negative_far_off_policy_completions():
+    # Row 0: A < 0, mean(old - logp) = 0.6 > 0.5 -> dropped. Row 1: A < 0, 0.4 -> kept. Row 2: A > 0, 0.9 -> kept.
+    logps = torch.zeros(3, 2)
+    old = torch.tensor([[0.5, 0.7], [0.4, 0.4], [0.9, 0.9]])
+    adv = torch.tensor([[-1.0], [-1.0], [1.0]])
+    assert off_policy_mask(adv, logps, old, torch.ones(3, 2), 0.5).flatten().tolist() == [0.0, 1.0, 1.0]
+    # In the loss it removes the policy term only: the KL term stays (beta = 1, ref = logp + 1 -> e - 2 per token).
+    options = LossOptions(off_policy_mask_threshold=0.5, beta=1.0, epsilon=0.9, epsilon_high=9.0)
+    loss = per_token_loss(logps, old, adv.flatten(), torch.ones(3, 2), logps + 1.0, options)
+    kl = math.e - 2
+    torch.testing.assert_close(loss[0], torch.tensor([kl, kl]))
+    torch.testing.assert_close(loss[1], torch.tensor([math.exp(-0.4) + kl] * 2))  # -min(rho A, clip A) = rho
+    # Padding does not count in the mean: row 0 with its second token masked has mean 0.5 <= 0.5 -> kept.
+    assert off_policy_mask(adv[:1], logps[:1], old[:1], torch.tensor([[1.0, 0.0]]), 0.5).item() == 1.0
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_real_tokens():
+    entropy = torch.tensor([[0.1, 0.5, 7.0], [0.9, 0.3, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the 7.0 is padding and must not count
+    # Real values sorted 0.1 0.3 0.5 0.9: the 0.5 quantile (torch.quantile, linear) is 0.4 -> keep 0.5 and 0.9.
+    kept = high_entropy_mask(entropy, mask, 0.5)
+    assert kept.tolist() == [[False, True, False], [True, False, False]]
+    assert high_entropy_mask(entropy, mask, 0.0).sum().item() == 1  # only the highest
+    assert high_entropy_mask(entropy, mask, 1.0).sum().item() == 4  # all real tokens
+    # In the loss: the policy term of the dropped tokens is 0 (on-policy REINFORCE term -A elsewhere).
+    logps = torch.zeros(2, 3, requires_grad=True)
+    options = LossOptions(top_entropy_quantile=0.5)
+    loss = per_token_loss(logps, logps.detach(), torch.tensor([1.0, 2.0]), mask, options=options, entropy=entropy)
+    assert loss.detach().tolist() == [[0.0, -1.0, 0.0], [-2.0, 0.0, 0.0]]
+    stats = loss_statistics(logps.detach(), logps.detach(), torch.tensor([1.0, 2.0]), mask, options=options,
+                            entropy=entropy)
+    assert (stats.entropy_sum, stats.entropy_count) == (pytest.approx(1.4), 2.0)  # what the bonus acts on
+    with pytest.raises(ValueError, match="needs the token entropies"):
+        per_token_loss(logps, logps.detach(), torch.tensor([1.0, 2.0]), mask, options=options)
+
+
+def test_entropy_bonus_and_its_adaptive_coefficient():
+    entropy = torch.tensor([[1.0, 3.0], [2.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    bonus = entropy_bonus(entropy, mask, num_micro_batches=2)
+    assert bonus.item() == pytest.approx((1 + 3 + 2) / 3 / 2)
+    (grad,) = torch.autograd.grad(bonus, entropy)
+    torch.testing.assert_close(grad, torch.tensor([[1 / 6, 1 / 6], [1 / 6, 0.0]]))
+    control = EntropyControl(coef=0.1, adaptive=True, coef_min=0.0, coef_max=0.2, delta=0.05, target=0.5)
+    assert control.enabled and control.applied() == 0.0  # no measurement yet (last entropy +inf)
+    control.update(0.8, 2.0)  # entropy 0.4 <= 0.5: more bonus, and it applies
+    assert (control.coef, control.applied()) == (pytest.approx(0.15), pytest.approx(0.15))
+    control.update(0.4, 1.0)  # 0.4 again: capped at coef_max
+    assert control.coef == pytest.approx(0.2)
+    control.update(3.0, 5.0)  # 0.6 > 0.5: less bonus, and none applies while above the target
+    assert (control.coef, control.applied()) == (pytest.approx(0.15), 0.0)
+    restored = EntropyControl(coef=0.1, adaptive=True)
+    restored.load_state_dict(control.state_dict())
+    assert (restored.coef, restored.last_entropy) == (control.coef, control.last_entropy)
+    static = EntropyControl(coef=0.3)
+    static.update(0.0, 1.0)
+    assert static.applied() == 0.3 and not EntropyControl().enabled

@@ -47,7 +47,7 @@ def test_bad_settings_are_named(flags, message):
 
 
 def test_unknown_loss_type_is_named():
-    with pytest.raises(ValueError, match=r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo'\], got 'ppo'"):
+    with pytest.raises(ValueError, match=r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo', 'vespo'\], got 'ppo'"):
         GRPOConfig(loss_type="ppo").validate()
     with pytest.raises(SystemExit):  # argparse: "invalid choice: 'ppo'"
         config_from_args(["--loss-type", "ppo"])

@@ -34,7 +34,8 @@ class KernelChoice:
 
     fast_sampler: bool = False  # grpo.kernels.sampling.FastSampler instead of grpo.sampler.sample_groups
     compile_decode: bool = False  # inside FastSampler: static cache + compiled decode step (CUDA)
-    fast_logprobs: bool = False  # grpo.kernels.logprobs instead of grpo.logprobs
+    fast_logprobs: bool = False  # grpo.kernels.logprobs instead of grpo.logprobs (reference and old log-probs)
+    update_logprobs: bool = False  # the same in the update pass, where the loss may differentiate the entropy
     fused_loss: bool = False  # grpo.kernels.fused_loss instead of log-probs -> per_token_loss -> aggregate_loss
     reasons: dict[str, str] = field(default_factory=dict)  # kernel -> why it is off
 
@@ -43,18 +44,42 @@ class KernelChoice:
             logger.info("kernel %s is off: %s", name, reason)
 
 
-def select_kernels(kernels: str, device: torch.device, importance_sampling_level: str = "token",
-                   model=None) -> KernelChoice:
-    """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table)."""
+def select_kernels(kernels: str, device: torch.device, loss_options=None, model=None,
+                   entropy_bonus: bool = False) -> KernelChoice:
+    """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table).
+
+    loss_options (grpo.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it needs
+    a token's loss to depend on that token's log-prob only. entropy_bonus: the loss differentiates the entropy,
+    which the log-prob kernels compute for the logs only, so the update pass takes the plain log-probs.
+    """
+    from grpo.loss import LossOptions
+
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if kernels == "plain":
         return KernelChoice(reasons={"all": "--kernels plain"})
-    choice = KernelChoice(fast_sampler=True, fast_logprobs=True, fused_loss=True)
-    if importance_sampling_level != "token":
+    options = loss_options or LossOptions()
+    choice = KernelChoice(fast_sampler=True, fast_logprobs=True, fused_loss=True, update_logprobs=True)
+    coupled = [reason for condition, reason in [
+        (options.importance_sampling_level != "token", "sequence-level ratios couple a completion's tokens"),
+        (options.loss_type == "vespo", "vespo weighs each token by its completion's ratio"),
+        (options.off_policy_mask_threshold is not None, "the off-policy mask reads a completion's mean log-ratio"),
+        (options.top_entropy_quantile < 1.0, "the entropy mask needs every token's entropy before the loss"),
+        (entropy_bonus, "the entropy bonus differentiates the entropy"),
+    ] if condition]
+    if coupled:
         choice.fused_loss = False
-        choice.reasons["fused_loss"] = ("sequence-level ratios couple a completion's tokens; the plain "
-                                        "log-probs -> per_token_loss -> aggregate_loss path runs")
+        choice.reasons["fused_loss"] = "; ".join(coupled) + ": the plain log-probs -> per_token_loss -> aggregate_loss path runs"
+    plain_update = [reason for condition, reason in [
+        (entropy_bonus, "the entropy bonus differentiates the entropy, which the log-prob kernel computes for the "
+                        "logs only"),
+        (options.top_entropy_quantile < 1.0, "the entropy mask thresholds the entropies: the kernel's agree with the "
+                                             "plain path's to rounding, which can move a near-tied token across the "
+                                             "threshold, so the mask is taken from the plain path's"),
+    ] if condition]
+    if plain_update:
+        choice.update_logprobs = False
+        choice.reasons["update_logprobs"] = "; ".join(plain_update) + ": the update pass takes grpo.logprobs"
     if device.type == "cuda":
         choice.compile_decode = True
     else:
