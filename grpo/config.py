@@ -3,7 +3,9 @@
 Batch sizes are counted in prompts and completions, not in trl's per-device completions:
     prompts_per_step (B) x num_generations (G) = N completions per step,
     split into N / micro_batch_size micro-batches (gradient accumulation steps).
-One step = one rollout of N completions, followed by `num_iterations` optimizer updates on it.
+One step = one rollout of N completions, followed by `num_iterations` optimizer updates on it; with
+steps_per_generation = k x the accumulation steps, one rollout of k * B prompts feeds k updates over
+disjoint slices, num_iterations times (trl's generation reuse).
 
 Precedence when the CLI builds a config: field defaults < --preset < --config FILE < explicit flags.
 """

@@ -142,6 +142,19 @@ def test_select_kernels_decides_in_one_place():
     assert select_kernels("auto", cuda).compile_decode  # the decision only: nothing runs on CUDA here
     sequence = select_kernels("auto", cpu, LossOptions(importance_sampling_level="sequence"))
     assert not sequence.fused_loss and "sequence-level" in sequence.reasons["fused_loss"]
+    # Elementwise objectives keep the fused loss; the ones that couple tokens, or read entropies, step aside.
+    for loss_type in ("cispo", "sapo", "luspo", "dapo"):
+        assert select_kernels("auto", cpu, LossOptions(loss_type=loss_type)).fused_loss, loss_type
+    for options, reason in [(LossOptions(loss_type="vespo"), "vespo"),
+                            (LossOptions(off_policy_mask_threshold=0.5), "off-policy mask"),
+                            (LossOptions(top_entropy_quantile=0.2), "entropy mask")]:
+        choice = select_kernels("auto", cpu, options)
+        assert not choice.fused_loss and reason in choice.reasons["fused_loss"], reason
+    bonus = select_kernels("auto", cpu, entropy_bonus=True)
+    assert not bonus.fused_loss and not bonus.update_logprobs and bonus.fast_logprobs
+    assert "differentiates the entropy" in bonus.reasons["update_logprobs"]
+    masked = select_kernels("auto", cpu, LossOptions(top_entropy_quantile=0.2))
+    assert not masked.update_logprobs and "near-tied token" in masked.reasons["update_logprobs"]
     model, _ = build_tiny_model("tiny", seed=0)
     model.config._attn_implementation = "eager"
     assert "attention implementation" in select_kernels("auto", cpu, model=model).reasons["lean_decode"]

@@ -39,6 +39,17 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--beta", "nan"], r"beta must be a finite number"),
         (["--epsilon", "inf"], r"epsilon must be a finite number"),
         (["--max-completion-length", "0"], r"max_completion_length must be >= 1"),
+        (["--top-entropy-quantile", "1.5"], r"top_entropy_quantile must be in \[0, 1\], got 1.5"),
+        (["--sync-ref-model", "--beta", "0"], r"sync_ref_model needs beta > 0"),
+        (["--steps-per-generation", "3", "--prompts-per-step", "4", "--num-generations", "4", "--micro-batch-size", "8"],
+         r"steps_per_generation must be a positive multiple of the accumulation steps \(16 / 8 = 2\)"),
+        (["--generation-batch-size", "24", "--prompts-per-step", "4", "--num-generations", "4", "--micro-batch-size", "8"],
+         r"generation_batch_size must be a positive multiple of the completions of one optimizer update"),
+        (["--overlong-buffer-len", "600"], r"overlong_buffer_len must be in \[0, max_completion_length = 512\)"),
+        (["--adam-epsilon", "0"], r"adam_epsilon must be > 0"),
+        (["--use-adaptive-entropy", "--entropy-coef-min", "0.5", "--entropy-coef-max", "0.1"],
+         r"entropy_coef_min \(0.5\) must be <= entropy_coef_max \(0.1\)"),
+        (["--dynamic-sampling-max-rounds", "0"], r"dynamic_sampling_max_rounds must be >= 1"),
     ],
 )
 def test_bad_settings_are_named(flags, message):
@@ -51,6 +62,19 @@ def test_unknown_loss_type_is_named():
         GRPOConfig(loss_type="ppo").validate()
     with pytest.raises(SystemExit):  # argparse: "invalid choice: 'ppo'"
         config_from_args(["--loss-type", "ppo"])
+
+
+def test_unusual_objective_combinations_are_warned_about(tmp_path, caplog):
+    # trl's warnings (luspo wants sequence-level ratios, vespo token-level, ...) and ours (cispo's cap below 1).
+    assert any("luspo" in note for note in GRPOConfig(loss_type="luspo").advice())
+    assert any("vespo" in note for note in GRPOConfig(loss_type="vespo", importance_sampling_level="sequence").advice())
+    assert any("weighting each completion by its length" in note
+               for note in GRPOConfig(loss_type="dapo", importance_sampling_level="sequence").advice())
+    assert any("caps the ratio itself" in note for note in GRPOConfig(loss_type="cispo").advice())
+    assert GRPOConfig(loss_type="cispo", epsilon_high=5.0).advice() == [] and GRPOConfig().advice() == []
+    with caplog.at_level("WARNING", logger="grpo"):
+        Trainer(make_config(tmp_path, loss_type="luspo"))
+    assert "luspo" in caplog.text
 
 
 def test_resume_folder_without_checkpoint(tmp_path):

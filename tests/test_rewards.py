@@ -192,3 +192,14 @@ def test_rewards_in_the_shapes_trl_accepts():
 
         rewards = score_completions(parse_reward_specs([fn]), [None] * 2, ["a", "b"], {})
         assert rewards.shape == (2, 1) and torch.isfinite(rewards).all(), returned
+
+
+def test_overlong_penalty_hand_derived():
+    from rewards.shaping import overlong_penalty
+
+    # Budget 10, buffer 4: lengths up to 6 free, then -factor * (len - 6) / 4 up to -factor at 10.
+    reward = overlong_penalty(10, 4, factor=2.0)
+    ids = [[1] * n for n in (1, 6, 7, 8, 10)]
+    assert reward(None, None, completion_ids=ids) == [0.0, 0.0, -0.5, -1.0, -2.0]
+    with pytest.raises(ValueError, match="buffer_len must be in"):
+        overlong_penalty(10, 10)

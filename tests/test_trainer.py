@@ -71,8 +71,17 @@ def test_gradient_accumulation_is_exact(tmp_path, loss_type):
         torch.testing.assert_close(params[1][name], full, rtol=0, atol=0.02 * lr, msg=name)
 
 
-def test_resume_is_exact(tmp_path):
-    overrides = dict(max_steps=6, save_steps=3, lr_scheduler_type="cosine", warmup_ratio=0.2, beta=0.04)
+# Every stateful option on at once: the adaptive entropy coefficient (grows: the target is above the tiny
+# model's entropy), the TR-DPO reference (synced every 2 updates, saved in the checkpoint), two updates per
+# generation, dynamic sampling (its extra rounds are seeded by the step) and overlong shaping.
+STATEFUL = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=20.0,
+                sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5, steps_per_generation=2,
+                dynamic_sampling=True, dynamic_sampling_max_rounds=3, overlong_buffer_len=4, num_iterations=2)
+
+
+@pytest.mark.parametrize("options", [{}, STATEFUL], ids=["default", "stateful"])
+def test_resume_is_exact(tmp_path, options):
+    overrides = dict(max_steps=6, save_steps=3, lr_scheduler_type="cosine", warmup_ratio=0.2, beta=0.04, **options)
     straight = Trainer(make_config(tmp_path / "a", **overrides))
     straight.train()
     first = Trainer(make_config(tmp_path / "b", **overrides))
@@ -83,10 +92,21 @@ def test_resume_is_exact(tmp_path):
     a = read_jsonl(tmp_path / "a" / "run" / "metrics.jsonl")
     b = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
-    for key in ("reward", "loss", "kl", "learning_rate", "grad_norm"):
+    keys = ["reward", "loss", "kl", "learning_rate", "grad_norm"]
+    if options:
+        keys += ["entropy_coef", "policy_loss", "rewards/overlong/mean", "dynamic_sampling/rounds"]
+        assert a[-1]["entropy_coef"] > options["entropy_coef"]  # the controller moved
+        assert straight.updates == 6 * 2 * 2 == resumed.updates  # steps x num_iterations x updates per generation
+    for key in keys:
         assert [m[key] for m in a] == [m[key] for m in b], key
     for name, value in params_of(straight.policy).items():
         assert torch.equal(value, dict(resumed.policy.named_parameters())[name]), name
+    if options:  # the mixed reference was saved and resumed, not reloaded from --model
+        start = Trainer(make_config(tmp_path / "c", **overrides)).ref_model
+        for name, value in straight.ref_model.named_parameters():
+            assert torch.equal(value, dict(resumed.ref_model.named_parameters())[name]), name
+        assert any(not torch.equal(value, dict(start.named_parameters())[name])
+                   for name, value in straight.ref_model.named_parameters()), "the reference never synced"
 
 
 # Learning: a random tiny policy writes a format tag in ~1% of its tokens (4 tags in a ~520-token
@@ -95,9 +115,12 @@ def test_resume_is_exact(tmp_path):
 # several times the step-to-step noise of the mean reward (std over 8 completions ~ 0.05) and far
 # below what 40 steps reach in practice (0.4 to 0.9), so the margin fails only if learning is broken.
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("grpo", 0.04), ("dapo", 0.0), ("dapo", 0.04)])
-def test_the_loop_learns_a_toy_reward(tmp_path, loss_type, beta):
-    config = make_config(tmp_path, loss_type=loss_type, beta=beta, max_steps=40, learning_rate=3e-3,
+@pytest.mark.parametrize("loss_type, beta, options", [
+    ("grpo", 0.0, {}), ("grpo", 0.04, {}), ("dapo", 0.0, {}), ("dapo", 0.04, {}),
+    ("cispo", 0.0, dict(epsilon_high=5.0)), ("sapo", 0.04, {}),
+])
+def test_the_loop_learns_a_toy_reward(tmp_path, loss_type, beta, options):
+    config = make_config(tmp_path, loss_type=loss_type, beta=beta, **options, max_steps=40, learning_rate=3e-3,
                          max_grad_norm=1.0, weight_decay=0.0, warmup_ratio=0.0, lr_scheduler_type="constant",
                          max_completion_length=16, num_generations=8, prompts_per_step=2, micro_batch_size=16)
     Trainer(config).train()
@@ -286,3 +309,72 @@ def test_failing_compiled_decode_falls_back_to_eager(tmp_path, monkeypatch, capl
         assert trainer.train()["status"] == "finished"
     assert calls == [True, False, False]  # one failed attempt, then eager for the rest of the run
     assert "compiled decode step failed (RuntimeError: no C compiler)" in caplog.text
+
+
+def test_one_generation_feeds_several_updates(tmp_path):
+    # steps_per_generation = 2 x the accumulation steps: one rollout of 2 * B prompts, two optimizer updates per
+    # iteration over disjoint halves, old log-probs taken before the first; epochs count rollouts of 2 * B prompts.
+    config = make_config(tmp_path, steps_per_generation=2, num_iterations=1, max_steps=0, epochs=1.0)
+    trainer = Trainer(config)
+    assert (config.updates_per_generation, config.prompts_per_generation) == (2, 4)
+    assert trainer.total_steps == 64 // 4 and len(trainer.batch_indices(0)) == 4
+    with pytest.raises(ValueError, match="a rollout needs 4 prompts x num_generations = 16 rows"):
+        trainer.train_on_rollout(fixed_rollout(trainer))
+    metrics = trainer.train()
+    assert trainer.updates == 2 * trainer.total_steps and metrics["status"] == "finished"
+    assert trainer.last_step["old_logps"] is not None  # the second update is off-policy
+    with pytest.raises(ValueError, match="steps_per_generation must be a positive multiple of the accumulation steps"):
+        make_config(tmp_path, steps_per_generation=3, micro_batch_size=4).validate()
+    with pytest.raises(ValueError, match="set steps_per_generation or generation_batch_size, not both"):
+        make_config(tmp_path, steps_per_generation=2, generation_batch_size=16).validate()
+    assert make_config(tmp_path, generation_batch_size=24).updates_per_generation == 3
+
+
+def _rewards_tied_for_some_prompts(prompts, completions, **kwargs):
+    """Ties (0.5 for every completion) for prompts whose characters' code points sum to an even number;
+    a spread of completion lengths otherwise."""
+    return [0.5 if _tied_prompt(p) else float(len(str(c)) % 3) for p, c in zip(prompts, completions)]
+
+
+def _tied_prompt(prompt) -> bool:
+    return sum(map(ord, str(prompt))) % 2 == 0
+
+
+@pytest.mark.own_kernels
+def test_dynamic_sampling_keeps_informative_groups(tmp_path):
+    from rewards import RewardSpec
+
+    spec = [RewardSpec("tied_sometimes", _rewards_tied_for_some_prompts)]
+    config = make_config(tmp_path, dynamic_sampling=True, dynamic_sampling_max_rounds=6, prompts_per_step=4,
+                         micro_batch_size=16, max_steps=1)
+    trainer = Trainer(config, reward_functions=spec)
+    rollout, prompts, texts, metrics = trainer.collect_rollout(0)
+    rewards = rollout.rewards_per_func[:, 0].view(4, 4)
+    first = [trainer.train_rows[i]["prompt"] for i in trainer.batch_indices(0)]
+    tied_first = sum(_tied_prompt(p) for p in first)
+    assert 0 < tied_first < 4  # the first round has tied groups to drop (else this test checks nothing)
+    assert metrics["dynamic_sampling/rounds"] >= 2
+    if metrics["dynamic_sampling/filled"] == 0:  # every kept group has a spread of rewards
+        assert (rewards.std(dim=1) > 0).all(), rewards
+    assert len(prompts) == len(texts) == rollout.num_rows == 16
+    assert metrics["dynamic_sampling/dropped_groups"] >= tied_first
+    # The same step samples the same prompts again (resume), and plain sampling is untouched.
+    again = Trainer(make_config(tmp_path / "again", dynamic_sampling=True, dynamic_sampling_max_rounds=6,
+                                prompts_per_step=4, micro_batch_size=16, max_steps=1), reward_functions=spec)
+    assert again.collect_rollout(0)[1] == prompts
+    # One round only: tied groups fill the step and are counted.
+    capped = Trainer(make_config(tmp_path / "capped", dynamic_sampling=True, dynamic_sampling_max_rounds=1,
+                                 prompts_per_step=4, micro_batch_size=16, max_steps=1), reward_functions=spec)
+    _, _, _, metrics = capped.collect_rollout(0)
+    assert metrics == {"dynamic_sampling/rounds": 1, "dynamic_sampling/dropped_groups": 0,
+                       "dynamic_sampling/filled": tied_first}
+
+
+def test_overlong_shaping_is_a_reward(tmp_path):
+    trainer = Trainer(make_config(tmp_path, overlong_buffer_len=4, overlong_penalty_factor=0.5, max_steps=1))
+    assert [spec.name for spec in trainer.rewards] == ["tags", "overlong"]
+    rollout, _, _, _ = trainer.collect_rollout(0)
+    lengths = rollout.completion_mask.sum(-1).float()  # budget 8, buffer 4: -0.5 * (len - 4) / 4 beyond 4 tokens
+    expected = (-0.5 * (lengths - 4).clamp(min=0) / 4).mean().item()
+    metrics = trainer.train_on_rollout(rollout)
+    assert metrics["rewards/overlong/mean"] == pytest.approx(expected) and expected < 0
