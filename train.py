@@ -3,11 +3,13 @@
     python train.py --preset smoke                              # tiny local model, CPU, about a minute
     python train.py --model Qwen/Qwen2.5-0.5B-Instruct          # the GSM8K recipe on one GPU
     python train.py --resume runs/grpo                          # continue the latest complete checkpoint
+    torchrun --nproc-per-node 4 train.py --model ...            # 4 processes (docs/distributed.md)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from grpo.config import config_from_args
@@ -26,16 +28,22 @@ def main(argv=None) -> int:
     from grpo.trainer import Trainer, TrainingError
     from rewards import RewardError
 
-    print("settings:", ", ".join(f"{k}={v!r}" for k, v in config.to_dict().items() if k != "system_prompt"))
+    main_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 prints
+    if main_process:
+        print("settings:", ", ".join(f"{k}={v!r}" for k, v in config.to_dict().items() if k != "system_prompt"))
     try:
         trainer = Trainer(config)
-        print(f"device={trainer.device} precision={trainer.precision} steps={trainer.total_steps} "
-              f"completions/step={config.completions_per_step} micro-batches/step={config.gradient_accumulation_steps}"
-              + (f" (resumed at step {trainer.step})" if trainer.resume_from else ""))
+        if main_process:
+            print(f"device={trainer.device} precision={trainer.precision} steps={trainer.total_steps} "
+                  f"completions/step={config.completions_per_step} processes={trainer.world.size} "
+                  f"({trainer.distributed}) micro-batches/update/process={trainer.local_micro_batches}"
+                  + (f" (resumed at step {trainer.step})" if trainer.resume_from else ""))
         result = trainer.train()
     except (ValueError, DataError, ModelError, RewardError, TrainingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if not main_process:
+        return 143 if result["status"] == "interrupted" else 0
     if result["first_reward"] is not None:
         print(f"mean reward: first step {result['first_reward']:.4f} -> last step {result['last_reward']:.4f}")
     print(f"run folder: {config.output_dir}")

@@ -9,6 +9,13 @@
         run_config.json      the GRPOConfig of the run
         COMPLETE             written last, before the rename
 
+Under torchrun (more than one process) the folder also holds
+        sharded/             torch.distributed.checkpoint: the optimizer state as the ranks hold it (FSDP2 shards)
+        rank-00001.pt ...    each rank's RNG states
+and model.safetensors is gathered on rank 0 (`save_distributed_checkpoint`). The weights are always resumed
+from model.safetensors and the optimizer from trainer_state.pt or sharded/, so a checkpoint saved by any
+number of processes resumes on any other number (the optimizer state is resharded by torch.distributed.checkpoint).
+
 A kill at any moment leaves either the previous checkpoints untouched or the new one complete:
 a half-written folder keeps its `.tmp-` name and is ignored (and cleaned up by the next save).
 """
@@ -23,13 +30,14 @@ from pathlib import Path
 import torch
 
 CHECKPOINTS = "checkpoints"
+SHARDED = "sharded"
 MARKER = "COMPLETE"
 REFERENCE = "reference"
 
 
 def _fsync_tree(folder: Path) -> None:
     for file in folder.iterdir():
-        if file.is_dir() and file.name == REFERENCE:
+        if file.is_dir() and file.name in (REFERENCE, SHARDED):
             _fsync_tree(file)
         elif file.is_file():
             with open(file, "rb") as handle:
@@ -57,6 +65,11 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_st
         reference.save_pretrained(tmp / REFERENCE, safe_serialization=True)
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
+    return _finish(root, tmp, step, run_dir, keep)
+
+
+def _finish(root: Path, tmp: Path, step: int, run_dir, keep: int) -> Path:
+    """Mark `tmp` complete, rename it into place (replacing a checkpoint of the same step), prune old ones."""
     (tmp / MARKER).write_text(str(step))
     _fsync_tree(tmp)
     final = root / f"step-{step:06d}"
@@ -72,6 +85,58 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_st
         for stale in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def save_distributed_checkpoint(run_dir: str | Path, step: int, world, call, optimizer, model, tokenizer,
+                                trainer_state: dict, rank_state: dict, run_config: dict, keep: int = 0,
+                                reference_call=None) -> Path:
+    """Every rank: the sharded optimizer state (torch.distributed.checkpoint) and its RNG states; rank 0: the
+    full weights gathered into model.safetensors (what from_pretrained loads), the tokenizer, trainer_state.pt
+    and run_config.json. The folder is renamed into place by rank 0 after every rank wrote its part."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    root = Path(run_dir) / CHECKPOINTS
+    tmp = root / f".tmp-step-{step:06d}-world"
+    if world.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    world.barrier()
+    dcp.save({"optimizer": get_optimizer_state_dict(call, optimizer)}, checkpoint_id=str(tmp / SHARDED))
+    torch.save(rank_state, tmp / f"rank-{world.rank:05d}.pt")
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = _strip_call_prefix(get_model_state_dict(call, options=full))  # a collective: every rank calls it
+    ref_weights = None
+    if reference_call is not None:
+        ref_weights = _strip_call_prefix(get_model_state_dict(reference_call, options=full))
+    final = root / f"step-{step:06d}"
+    if world.is_main:
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        if ref_weights is not None:
+            model.save_pretrained(tmp / REFERENCE, state_dict=ref_weights, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
+        final = _finish(root, tmp, step, run_dir, keep)
+    world.barrier()
+    return final
+
+
+def _strip_call_prefix(state: dict) -> dict:
+    """`model.` (grpo.distributed.ModelCall) removed from the keys: the Hugging Face model's own names."""
+    return {key.removeprefix("model."): value for key, value in state.items()}
+
+
+def load_sharded_optimizer(checkpoint: Path, call, optimizer) -> None:
+    """The optimizer state of a checkpoint saved under torchrun, resharded for this world (any size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(call, optimizer)}
+    dcp.load(state, checkpoint_id=str(Path(checkpoint) / SHARDED))
+    set_optimizer_state_dict(call, optimizer, optim_state_dict=state["optimizer"])
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

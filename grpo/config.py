@@ -173,6 +173,9 @@ class GRPOConfig(ConfigMixin):
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     logprob_chunk_size: int | None = _f(None, "rows of logits per chunk in the log-prob projection (default: up to 128 MiB worth, a multiple of 64 rows: 192 at a 151,936-token vocabulary)")
     kernels: str = _f("auto", "fast paths (grpo/kernels/, docs/design.md): auto = each kernel where it applies (the tuned sampler, compiled decoding on CUDA, the fused log-prob + loss pass for token-level ratios, CPU log-prob layouts); plain = the readable path everywhere (the same numbers)", choices=KERNEL_CHOICES)
+    distributed: str = _f("auto", "under torchrun (docs/distributed.md): fsdp (FSDP2, fully_shard per decoder layer), ddp, or auto = fsdp when there is more than one process; a single process trains unwrapped", choices=("auto", "ddp", "fsdp"))
+    fsdp_cpu_offload: bool = _f(False, "FSDP2: keep the sharded parameters, gradients and optimizer state in CPU memory")
+    distributed_timeout: float = _f(600.0, "seconds any collective may wait for the other ranks before the run stops with an error (a dead or hung rank)")
     seed: int = _f(42, "seeds sampling, data order and micro-batch shuffling")
 
     # --- logging, checkpoints, evaluation ---
@@ -276,6 +279,8 @@ class GRPOConfig(ConfigMixin):
         if not self.adam_epsilon > 0:
             problems.append(f"adam_epsilon must be > 0, got {self.adam_epsilon}")
         problems += self._objective_problems()
+        if not self.distributed_timeout > 0:
+            problems.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         problems += self.path_problems(self.model, self.output_dir, self.chat_template)

@@ -25,7 +25,7 @@ import torch
 
 from grpo.config import GENERATION_BACKENDS
 from grpo.kernels import KernelChoice
-from grpo.sampler import GroupSample, SamplingParams, left_pad, sample_groups, token_logprobs
+from grpo.sampler import GroupSample, RowUniforms, SamplingParams, left_pad, sample_groups, token_logprobs
 
 logger = logging.getLogger("grpo")
 
@@ -89,7 +89,10 @@ class TransformersGenerate:
             options.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
                            min_p=params.min_p or None)
         # generate draws from the global RNG: seed it from `generator`, and leave the caller's state as it was.
-        seed = int(torch.randint(2**62, (1,), generator=generator)) if generator is not None else None
+        if isinstance(generator, RowUniforms):  # model.generate takes no per-row noise: one seed from it
+            seed = generator.seed
+        else:
+            seed = int(torch.randint(2**62, (1,), generator=generator)) if generator is not None else None
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if seed is not None:
                 torch.manual_seed(seed)

@@ -106,6 +106,16 @@ class LossStats:
     policy_loss: float | None = None  # the aggregated loss before the entropy bonus, not divided by micro-batches
     entropy_sum: float | None = None  # sum and count of the entropies the bonus acts on (adaptive control)
     entropy_count: float | None = None
+    tokens: float = 0.0  # what the means are over: real tokens, and rows (for one-per-completion values)
+    rows: float = 0.0
+    per_row: bool = False  # the ratio statistics are one per completion (sequence-level ratios)
+
+    def weights(self) -> dict[str, float]:
+        """Each logged statistic's weight, so that sum(value * weight) / sum(weight) over micro-batches (and
+        ranks) is the mean over the step's tokens or rows, whatever the micro-batches hold."""
+        ratio_weight = self.rows if self.per_row else self.tokens
+        return {"kl": self.tokens, "entropy": self.tokens, "clip_low": ratio_weight, "clip_high": ratio_weight,
+                "clip_region": ratio_weight, "cispo_clip": ratio_weight, "vespo_phi": self.rows, "policy_loss": 1.0}
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -266,7 +276,8 @@ def loss_statistics(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     advantages = advantages[:, None]  # (n, 1)
     _, ratio, kl, phi, entropy_mask = _loss_terms(logps, old_logps, advantages, mask, ref_logps, options, entropy)
     stats = LossStats(kl=None if kl is None else _masked_mean(kl, mask), clip_low=None, clip_high=None,
-                      clip_region=None, entropy=None if entropy is None else _masked_mean(entropy, mask))
+                      clip_region=None, entropy=None if entropy is None else _masked_mean(entropy, mask),
+                      tokens=mask.sum().item(), rows=float(mask.shape[0]), per_row=ratio.shape[-1] == 1)
     if options.loss_type in CLIPPED_LOSS_TYPES:
         is_low = (ratio < 1 - options.epsilon) & (advantages < 0)
         is_high = (ratio > 1 + options.clip_high) & (advantages > 0)

@@ -108,6 +108,36 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     return logits
 
 
+class RowUniforms:
+    """Uniform numbers drawn in advance, (N, T): row n's t-th token is sampled with values[n, t].
+
+    Drawn per prompt from the prompt's own seed (`per_prompt`), a prompt's completions do not depend on which
+    other prompts share the batch, so not on how many processes split the step (grpo.distributed). The
+    samplers accept one of these or a torch.Generator (one stream for the whole batch) as `generator`.
+    """
+
+    def __init__(self, values: torch.Tensor, seed: int = 0):
+        self.values, self.seed = values, seed  # (N, T) fp32; seed: for backends that take one number
+
+    @classmethod
+    def per_prompt(cls, generators: list[torch.Generator], group_size: int, steps: int) -> "RowUniforms":
+        """G rows of `steps` uniforms from each prompt's generator, in prompt order: (B * G, steps)."""
+        values = torch.cat([torch.rand(group_size, steps, generator=g) for g in generators])
+        return cls(values, seed=int(values[0, 0].item() * 2**31) if values.numel() else 0)
+
+    def to(self, device) -> "RowUniforms":
+        return RowUniforms(self.values.to(device), self.seed)
+
+
+def draw_uniform(source, num_rows: int, step: int, device) -> torch.Tensor:
+    """(N, 1) uniforms for decode step `step`: the pre-drawn column of a RowUniforms, or fresh from a generator."""
+    if isinstance(source, RowUniforms):
+        if source.values.shape[0] != num_rows or source.values.shape[1] <= step:
+            raise ValueError(f"RowUniforms of shape {tuple(source.values.shape)} for {num_rows} rows at step {step}")
+        return source.values[:, step, None].to(device)
+    return torch.rand(num_rows, 1, device=device, generator=source)
+
+
 def sample_next_token(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -115,18 +145,21 @@ def sample_next_token(
     top_p: float = 1.0,
     min_p: float = 0.0,
     generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row from softmax(filtered logits / temperature); (N, V) -> (N,). Exact inverse-CDF sampling.
 
-    Draws one uniform u per row (N, 1) and returns the first token whose cumulative probability exceeds
-    u times the total. A token of probability 0 occupies an empty interval and is never drawn.
+    Draws one uniform u per row (N, 1) (or takes `uniform`) and returns the first token whose cumulative
+    probability exceeds u times the total. A token of probability 0 occupies an empty interval and is never drawn.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits.float() / temperature, top_k, top_p, min_p)  # (N, V)
     # float64 sums: in fp32 a cumulative sum over 151,936 probabilities drifts by more than one token's share
     cdf = torch.softmax(logits, dim=-1).double().cumsum(dim=-1)  # (N, V)
-    uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator).double()  # (N, 1)
+    if uniform is None:
+        uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)
+    uniform = uniform.double()  # (N, 1)
     total = cdf[:, -1:]  # (N, 1), 1 up to rounding
     key = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
     return torch.searchsorted(cdf, key, right=True).squeeze(-1)  # (N,)
@@ -155,7 +188,7 @@ def sample_groups(
     group_size: int,
     params: SamplingParams,
     pad_token_id: int,
-    generator: torch.Generator | None = None,
+    generator: "torch.Generator | RowUniforms | None" = None,
     return_logprobs: bool = False,
     step_callback=None,
 ) -> GroupSample:
@@ -185,7 +218,9 @@ def sample_groups(
     for step in range(max_new):
         if step_callback is not None:
             step_callback(step, logits)
-        tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p, generator)
+        uniform = draw_uniform(generator, num_rows, step, device) if params.temperature > 0 else None  # (N, 1)
+        tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p,
+                                   uniform=uniform)
         tokens = tokens.masked_fill(done, pad_token_id)  # (N,) finished rows are padded
         completion_ids[:, step] = tokens
         if return_logprobs:

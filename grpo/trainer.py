@@ -33,15 +33,18 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm import tqdm
 from transformers import get_scheduler
 
 from data import add_prompts, load_task_rows
 from grpo.advantages import (decoupled_advantages, group_advantages, reward_function_stats, tied_groups,
                               weighted_rewards)
-from grpo.checkpoint import REFERENCE, latest_checkpoint, load_trainer_state, save_checkpoint
+from grpo.checkpoint import (REFERENCE, SHARDED, latest_checkpoint, load_sharded_optimizer, load_trainer_state,
+                             save_checkpoint, save_distributed_checkpoint)
 from grpo.config import GRPOConfig
 from grpo.evaluation import evaluate, make_scorer
+from grpo.distributed import gathered, init_world, resolve_mode, wrap_model
 from grpo.generation import make_generation_backend
 from grpo.kernels import select_kernels, use_cpu_huge_pages
 from grpo.kernels.buffers import Buffers
@@ -53,7 +56,7 @@ from grpo.loss import (EntropyControl, LossOptions, aggregate_loss, aggregation_
 from grpo.metrics import MetricsLogger
 from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
 from grpo.rollout import Rollout, encode_prompts
-from grpo.sampler import SamplingParams
+from grpo.sampler import RowUniforms, SamplingParams
 from rewards import RewardSpec, describe_rewards, parse_reward_specs, score_rows
 from rewards.shaping import overlong_penalty
 
@@ -72,6 +75,11 @@ def _seeded(*numbers: int) -> torch.Generator:
     for number in numbers:
         seed = (seed * 1_000_003 + number) % (2**63)
     return torch.Generator().manual_seed(seed)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP2's gradient norm), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _micro_batch(rollout_tensors, completion_mask, rows):
@@ -97,8 +105,13 @@ class Trainer:
         use_cpu_huge_pages()  # before the first large tensor (it is read once)
         self.config = config.validate()
         cfg = self.config
+        # --- processes: world size one unless launched by torchrun (grpo.distributed) ---
+        self.world = init_world(cfg.device, cfg.distributed_timeout)
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda" and self.world.size > 1:
+            self.device = torch.device("cuda", self.world.local_rank)
         self.precision = resolve_precision(cfg.precision, self.device)
+        self._check_world()
         for note in cfg.advice():
             logger.warning(note)
         self.rewards = parse_reward_specs(reward_functions if reward_functions is not None else cfg.reward)
@@ -146,6 +159,13 @@ class Trainer:
             self.policy.config.use_cache = False
         self.policy.train()
         self.eos_token_ids = eos_token_ids(self.policy, self.tokenizer)
+        # --- the models as the loop calls them: ModelCall, in DDP or FSDP2 under torchrun (grpo.distributed) ---
+        self.distributed = resolve_mode(cfg.distributed, self.world)
+        self.policy_call = wrap_model(self.policy, self.distributed, self.world, self.device, self.precision,
+                                      cpu_offload=cfg.fsdp_cpu_offload)
+        self.ref_call = None if self.ref_model is None else wrap_model(
+            self.ref_model, self.distributed, self.world, self.device, self.precision, trainable=False,
+            cpu_offload=cfg.fsdp_cpu_offload)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16"
                          else contextlib.nullcontext())
         # --- kernels (grpo/kernels/): chosen once, here; the call sites below ask self.kernels ---
@@ -183,6 +203,31 @@ class Trainer:
             self._load_state(self.resume_from)
 
     # ------------------------------------------------------------------ set-up helpers
+    def _check_world(self):
+        """Every rank holds whole groups and whole micro-batches: B (of a generation) splits evenly over ranks."""
+        cfg, size = self.config, self.world.size
+        problems = []
+        if cfg.prompts_per_generation % size:
+            problems.append(f"prompts_per_step ({cfg.prompts_per_step}, x {cfg.updates_per_generation} per generation) "
+                            f"must split evenly over the {size} processes: each prompt's group stays on one rank")
+        elif (cfg.completions_per_generation // size) % (cfg.micro_batch_size * cfg.updates_per_generation):
+            problems.append(f"each of the {size} processes holds {cfg.completions_per_generation // size} completions, "
+                            f"not a multiple of micro_batch_size ({cfg.micro_batch_size}) x updates per generation "
+                            f"({cfg.updates_per_generation}): lower --micro-batch-size")
+        if cfg.dynamic_sampling and size > 1:
+            logger.info("dynamic sampling under %d processes: each rank keeps its own informative groups", size)
+        cfg.raise_problems(problems)
+
+    @property
+    def local_prompts(self) -> int:
+        """Prompts this rank samples per generation."""
+        return self.config.prompts_per_generation // self.world.size
+
+    @property
+    def local_micro_batches(self) -> int:
+        """Micro-batches of one optimizer update on this rank."""
+        return self.local_prompts * self.config.num_generations // self.config.updates_per_generation // self.config.micro_batch_size
+
     def _find_resume_checkpoint(self):
         if not self.config.resume:
             return None
@@ -217,30 +262,48 @@ class Trainer:
         return rows, task
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict:
+    def rng_state(self) -> dict:
         return {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "python_rng": random.getstate(),
+        }
+
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        """Everything but the weights. The optimizer state is keyed by parameter names (as
+        torch.distributed.checkpoint.state_dict gives it), so any world size can load it."""
+        state = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            **self.rng_state(),
             "sample_generator": self.sample_generator.get_state(),
             "consecutive_bad_steps": self.consecutive_bad_steps,
             "skipped_updates": self.skipped_updates,
             "updates": self.updates,
             "entropy_control": self.entropy_control.state_dict(),
+            "world_size": self.world.size,
         }
+        if with_optimizer:
+            state["optimizer"] = get_optimizer_state_dict(self.policy_call, self.optimizer)
+        return state
 
     def _load_state(self, checkpoint: Path):
         state = load_trainer_state(checkpoint)
         self.step = state["step"]
-        self.optimizer.load_state_dict(state["optimizer"])
+        if (checkpoint / SHARDED).is_dir():  # saved under torchrun: resharded for this world
+            load_sharded_optimizer(checkpoint, self.policy_call, self.optimizer)
+        elif all(isinstance(key, int) for key in state["optimizer"]["state"]):  # older checkpoints
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            set_optimizer_state_dict(self.policy_call, self.optimizer, optim_state_dict=state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        random.setstate(state["python_rng"])
+        rank_file = checkpoint / f"rank-{self.world.rank:05d}.pt"
+        rng = torch.load(rank_file, weights_only=True) if rank_file.exists() else state
+        torch.set_rng_state(rng["torch_rng"])
+        if rng["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda_rng"])
+        random.setstate(rng["python_rng"])
         self.sample_generator.set_state(state["sample_generator"])
         self.consecutive_bad_steps = state["consecutive_bad_steps"]
         self.skipped_updates = state["skipped_updates"]
@@ -250,13 +313,23 @@ class Trainer:
         if self.config.sync_ref_model and not (checkpoint / REFERENCE).is_dir():
             logger.warning("%s holds no synced reference model (%s/): the reference restarts from --model",
                            checkpoint, REFERENCE)
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.world.size:
+            logger.info("checkpoint saved by %d process(es), resumed by %d: the optimizer state is resharded; "
+                        "sampling is seeded per prompt, so the run continues as it would have", saved_world,
+                        self.world.size)
         logger.info("resumed from %s at step %d", checkpoint, self.step)
 
     def save(self) -> Path:
-        reference = self.ref_model if self.config.sync_ref_model else None  # TR-DPO's mixed reference is state
-        path = save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, self.state_dict(),
-                               self.run_record(), self.config.save_total_limit, reference=reference)
-        return path
+        cfg = self.config
+        sync = cfg.sync_ref_model  # TR-DPO's mixed reference is state
+        if self.world.size > 1:
+            return save_distributed_checkpoint(
+                self.run_dir, self.step, self.world, self.policy_call, self.optimizer, self.policy, self.tokenizer,
+                self.state_dict(with_optimizer=False), self.rng_state(), self.run_record(), cfg.save_total_limit,
+                reference_call=self.ref_call if sync else None)
+        return save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, self.state_dict(),
+                               self.run_record(), cfg.save_total_limit, reference=self.ref_model if sync else None)
 
     # ------------------------------------------------------------------ data order
     def batch_indices(self, step: int) -> list[int]:
@@ -272,14 +345,27 @@ class Trainer:
         return indices
 
     # ------------------------------------------------------------------ sample + reward
-    def make_rollout(self, indices: list[int]) -> tuple[Rollout, list, list]:
-        """Sample G completions for each prompt, decode and score them. Returns (rollout, prompts, texts)."""
-        group = self.config.num_generations
+    def local_slice(self, indices: list[int]) -> tuple[list[int], range]:
+        """This rank's contiguous slice of a step's global prompt list, and the slice's positions in it."""
+        size = len(indices) // self.world.size
+        positions = range(self.world.rank * size, (self.world.rank + 1) * size)
+        return [indices[p] for p in positions], positions
+
+    def make_rollout(self, indices: list[int], noise_keys: list[tuple[int, ...]] | None = None) -> tuple[Rollout, list, list]:
+        """Sample G completions for each prompt, decode and score them. Returns (rollout, prompts, texts).
+
+        noise_keys: one tuple of numbers per prompt that seeds its sampling noise (grpo.sampler.RowUniforms);
+        the loop uses (step, round, position in the step's global prompt list). None: the run's generator.
+        """
+        cfg, group = self.config, self.config.num_generations
         rows = [self.train_rows[i] for i in indices]
+        noise = self.sample_generator
+        if noise_keys is not None:
+            noise = RowUniforms.per_prompt([_seeded(cfg.seed, 104729, *key) for key in noise_keys], group,
+                                           cfg.max_completion_length)
         self.policy.eval()
-        with self.autocast:
-            sample = self.generation.generate([self.train_prompt_ids[i] for i in indices], group, self.sampling,
-                                              self.sample_generator)
+        with self.autocast, gathered(self.policy_call):  # FSDP2: full weights for the whole decode loop
+            sample = self.generation.generate([self.train_prompt_ids[i] for i in indices], group, self.sampling, noise)
         self.policy.train()
         completion_ids = [ids[mask].tolist() for ids, mask in
                           zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]
@@ -294,9 +380,15 @@ class Trainer:
         )
         return rollout, prompts, texts
 
+    def _sample_round(self, step: int, round_: int, indices: list[int]):
+        """make_rollout on this rank's slice of a global prompt list, seeded by (step, round, global position)."""
+        local, positions = self.local_slice(indices)
+        return self.make_rollout(local, [(step, round_, position) for position in positions])
+
     def collect_rollout(self, step: int) -> tuple[Rollout, list, list, dict]:
-        """The step's rollout: make_rollout on its prompts; with dynamic sampling (DAPO), groups whose rewards all
-        tie are dropped and further rounds sample other prompts until the step has its k * B informative groups.
+        """This rank's part of the step's rollout: make_rollout on its slice of the step's prompts; with dynamic
+        sampling (DAPO), groups whose rewards all tie are dropped and further rounds sample other prompts until
+        the rank has its share of the k * B informative groups.
 
         Round r > 0 draws its prompts from a permutation seeded by (seed, step, r), so a resumed run samples
         the same ones. After dynamic_sampling_max_rounds rounds, tied groups fill what is missing (their
@@ -304,10 +396,10 @@ class Trainer:
         texts, metrics of the rounds).
         """
         cfg = self.config
-        rollout, prompts, texts = self.make_rollout(self.batch_indices(step))
+        rollout, prompts, texts = self._sample_round(step, 0, self.batch_indices(step))
         if not cfg.dynamic_sampling:
             return rollout, prompts, texts, {}
-        group, wanted = cfg.num_generations, cfg.prompts_per_generation
+        group, wanted = cfg.num_generations, self.local_prompts
         pool = [(rollout, prompts, texts)]
         informative, tied = [], []  # (round, group) of each group sampled so far
         rounds = 0
@@ -319,7 +411,7 @@ class Trainer:
             if len(informative) >= wanted or rounds >= cfg.dynamic_sampling_max_rounds:
                 break
             order = torch.randperm(len(self.train_rows), generator=_seeded(cfg.seed, 7919, step, rounds))
-            pool.append(self.make_rollout(order[:wanted].tolist()))
+            pool.append(self._sample_round(step, rounds, order[: cfg.prompts_per_generation].tolist()))
         chosen = (informative + tied)[:wanted]  # informative first, in the order they were sampled
         filled = max(wanted - len(informative), 0)
         if filled:
@@ -339,24 +431,25 @@ class Trainer:
                 metrics)
 
     # ------------------------------------------------------------------ the update
-    def _logprobs(self, model, ids, attention_mask, completion_mask, with_entropy=False, update=False):
-        """(n, t) log-probs (and entropies) of the completion tokens, grpo.logprobs.completion_logprobs.
+    def _logprobs(self, call, ids, attention_mask, completion_mask, with_entropy=False, update=False):
+        """(n, t) log-probs (and entropies) of the completion tokens, grpo.logprobs.completion_logprobs, run through
+        `call` (a grpo.distributed.ModelCall, wrapped in DDP / FSDP2 under torchrun).
 
         update: the pass whose loss is differentiated (its kernel may step aside, see select_kernels)."""
-        args = (model, ids, attention_mask, completion_mask, self.config.temperature, with_entropy,
+        args = (ids, attention_mask, completion_mask, self.config.temperature, with_entropy,
                 self.config.logprob_chunk_size)
         with self.autocast:
             if self.kernels.update_logprobs if update else self.kernels.fast_logprobs:  # the same numbers, faster
-                return fast_completion_logprobs(*args, buffers=self.logprob_buffers)
-            return completion_logprobs(*args)
+                return call(fast_completion_logprobs, *args, buffers=self.logprob_buffers)
+            return call(completion_logprobs, *args)
 
     @torch.no_grad()
-    def _logprobs_no_grad(self, model, rollout_tensors, completion_mask) -> torch.Tensor:
+    def _logprobs_no_grad(self, call, rollout_tensors, completion_mask) -> torch.Tensor:
         """(N, T) log-probs computed micro-batch by micro-batch, without grad (reference or old policy)."""
         out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=self.device)
         for rows in torch.arange(completion_mask.shape[0]).split(self.config.micro_batch_size):
             ids, attention_mask, cm = _micro_batch(rollout_tensors, completion_mask, rows)
-            logps, _ = self._logprobs(model, ids, attention_mask, cm)
+            logps, _ = self._logprobs(call, ids, attention_mask, cm)
             out[rows, : cm.shape[1]] = logps
         return out
 
@@ -374,11 +467,11 @@ class Trainer:
         if self.kernels.fused_loss:  # grpo.kernels.fused_loss: sum(w * l), w = the aggregation's weights
             weights = aggregation_weights(cm, cfg.loss_type, **aggregation)  # (n, t)
             with self.autocast:
-                loss, logps, entropy = fused_completion_loss(
-                    self.policy, ids, attention_mask, cm, advantages, old_logps, ref_logps, weights, options,
+                loss, logps, entropy = self.policy_call(
+                    fused_completion_loss, ids, attention_mask, cm, advantages, old_logps, ref_logps, weights, options,
                     cfg.temperature, cfg.logprob_chunk_size, self.logprob_buffers)
         else:
-            logps, entropy = self._logprobs(self.policy, ids, attention_mask, cm, with_entropy=True, update=True)
+            logps, entropy = self._logprobs(self.policy_call, ids, attention_mask, cm, with_entropy=True, update=True)
             old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
             token_losses = per_token_loss(logps, old, advantages, cm, ref_logps, options, entropy)  # (n, t) or (n, 1)
             loss = aggregate_loss(token_losses, cm, cfg.loss_type, **aggregation)
@@ -391,85 +484,97 @@ class Trainer:
             loss = loss - entropy_coef * entropy_bonus(entropy, acting, num_micro)
         return loss, stats
 
-    def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict]:
-        """(N,) advantages and the reward statistics, by multi_objective_aggregation (grpo.advantages)."""
+    def compute_advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(N,) advantages and the reward statistics of (N, K) rewards, by multi_objective_aggregation."""
         cfg = self.config
         if cfg.multi_objective_aggregation == "normalize_then_sum":
-            return decoupled_advantages(rollout.rewards_per_func, self.reward_weights, cfg.num_generations)
-        rewards = weighted_rewards(rollout.rewards_per_func, self.reward_weights)  # (N,)
+            return decoupled_advantages(rewards_per_func, self.reward_weights, cfg.num_generations)
+        rewards = weighted_rewards(rewards_per_func, self.reward_weights)  # (N,)
         return group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
 
     def _sync_reference(self) -> None:
         """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref, every ref_model_sync_steps optimizer updates."""
         alpha = self.config.ref_model_mixup_alpha
-        with torch.no_grad():
+        with torch.no_grad():  # FSDP2: both are sharded alike, each rank mixes its shards
             for ref_param, param in zip(self.ref_model.parameters(), self.policy.parameters(), strict=True):
                 ref_param.mul_(1.0 - alpha).add_(param.to(ref_param.dtype), alpha=alpha)
+
+    def _accumulating(self, last: bool):
+        """DDP: no gradient all-reduce until the update's last micro-batch (the same sum, one all-reduce)."""
+        if self.distributed == "ddp" and not last:
+            return self.policy_call.no_sync()
+        return contextlib.nullcontext()
 
     def train_on_rollout(self, rollout: Rollout, shuffle: bool = True) -> dict:
         """Advantages, reference/old log-probs, then num_iterations x k optimizer updates on one rollout.
 
-        k = updates_per_generation: the rollout's micro-batches are split into k disjoint slices, one per update.
-        Returns the step's metrics. Micro-batch losses are summed into the accumulated gradient, so each
-        update equals the full-slice one (grpo.loss.aggregate_loss says exactly when).
+        `rollout` holds this rank's rows (all of them at world size one). k = updates_per_generation: the
+        rollout's micro-batches are split into k disjoint slices, one per update. Returns the step's metrics
+        (over every rank). Micro-batch losses are summed into the accumulated gradient, so each update equals
+        the full-slice one (grpo.loss.aggregate_loss says exactly when); DDP / FSDP2 average it over ranks.
         """
-        cfg, device = self.config, self.device
+        cfg, device, world = self.config, self.device, self.world
         num_rows, updates_per_rollout = rollout.num_rows, cfg.updates_per_generation
-        if num_rows != cfg.completions_per_generation or num_rows % cfg.num_generations:
-            raise ValueError(f"a rollout needs {cfg.prompts_per_generation} prompts x num_generations = "
-                             f"{cfg.completions_per_generation} rows grouped by {cfg.num_generations}, got {num_rows}")
+        expected = cfg.completions_per_generation // world.size
+        if num_rows != expected or num_rows % cfg.num_generations:
+            where = f" on each of {world.size} processes" if world.size > 1 else ""
+            raise ValueError(f"a rollout needs {cfg.prompts_per_generation // world.size} prompts x num_generations = "
+                             f"{expected} rows{where} grouped by {cfg.num_generations}, got {num_rows}")
         prompt_ids, prompt_mask = rollout.prompt_ids.to(device), rollout.prompt_mask.to(device)
         completion_ids = rollout.completion_ids.to(device)
         completion_mask = rollout.completion_mask.to(device)
         truncated = rollout.truncated.to(device)
 
-        # --- advantages (DeepSeekMath 4.1.2): group-relative, scaled ---
-        advantages, reward_stats = self.compute_advantages(rollout)
-        advantages = advantages.to(device)  # (N,)
+        # --- advantages (DeepSeekMath 4.1.2): group-relative, scaled; over every rank's rows, as one process ---
+        all_rewards = world.gather_rows(rollout.rewards_per_func)  # (N_all, K)
+        all_advantages, reward_stats = self.compute_advantages(all_rewards)
+        advantages = all_advantages[world.rank * num_rows : (world.rank + 1) * num_rows].to(device)  # (N,)
         if cfg.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated)[:, None]  # drops them from attention and loss, as trl
-        # dapo / cispo / vespo divide by the real tokens of one update: the rollout's, / k (as trl)
-        num_items_in_batch = completion_mask.sum().item() / updates_per_rollout
+        # dapo / cispo / vespo divide by the real tokens of one update over all ranks (the rollout's / k, as trl),
+        # / world size because DDP and FSDP2 average the ranks' gradients
+        step_tokens = world.sum(completion_mask.sum().item())
+        num_items_in_batch = step_tokens / updates_per_rollout / world.size
         tensors = (prompt_ids, prompt_mask, completion_ids)
 
         # --- reference and old log-probs, without grad ---
         started = time.perf_counter()
-        ref_logps = self._logprobs_no_grad(self.ref_model, tensors, completion_mask) if cfg.beta != 0.0 else None
+        ref_logps = self._logprobs_no_grad(self.ref_call, tensors, completion_mask) if cfg.beta != 0.0 else None
         off_policy = cfg.num_iterations * updates_per_rollout > 1  # some update runs after the policy moved
-        old_logps = self._logprobs_no_grad(self.policy, tensors, completion_mask) if off_policy else None
+        old_logps = self._logprobs_no_grad(self.policy_call, tensors, completion_mask) if off_policy else None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         reference_time = time.perf_counter() - started
 
         # --- num_iterations x k x (micro-batches -> loss -> backward; clip; AdamW; LR; entropy; reference) ---
         micro_stats, step_losses, grad_norms, micro_batch_losses, entropy_coefs = [], [], [], [], []
-        num_micro = cfg.gradient_accumulation_steps
+        num_micro = self.local_micro_batches
         for iteration in range(cfg.num_iterations):
-            order = (torch.randperm(num_rows, generator=_seeded(cfg.seed, self.step, iteration))
+            order = (torch.randperm(num_rows, generator=_seeded(cfg.seed, self.step, iteration, world.rank))
                      if shuffle else torch.arange(num_rows))
             micro_batches = order.split(cfg.micro_batch_size)  # k * num_micro of them
             for update in range(updates_per_rollout):
                 step_loss, finite, update_stats = 0.0, True, []
                 coef = self.entropy_control.applied()  # the same for every micro-batch of this update
-                for rows in micro_batches[update * num_micro : (update + 1) * num_micro]:
+                batches = micro_batches[update * num_micro : (update + 1) * num_micro]
+                for index, rows in enumerate(batches):
                     rows = rows.to(device)
                     ids, attention_mask, cm = _micro_batch(tensors, completion_mask, rows)
                     ref = None if ref_logps is None else ref_logps[rows, : cm.shape[1]]
                     old = None if old_logps is None else old_logps[rows, : cm.shape[1]]
-                    loss, stats = self._micro_batch_loss(ids, attention_mask, cm, advantages[rows], old, ref, num_micro,
-                                                         num_items_in_batch, coef)
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    loss.backward()
+                    with self._accumulating(last=index == len(batches) - 1):
+                        loss, stats = self._micro_batch_loss(ids, attention_mask, cm, advantages[rows], old, ref,
+                                                             num_micro, num_items_in_batch, coef)
+                        finite = finite and bool(torch.isfinite(loss))
+                        loss.backward()  # also when not finite: every rank takes part in each gradient sync
                     step_loss += loss.item()
                     micro_batch_losses.append(loss.item())
                     update_stats.append(stats)
+                finite = not world.any(not finite)  # a non-finite loss on any rank skips the update everywhere
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm).item() if finite
-                             else float("nan"))
+                grad_norm = _full(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)).item()
                 if not finite or not math.isfinite(grad_norm):
-                    self._skip_update(grad_norm)
+                    self._skip_update(grad_norm if finite else float("nan"))
                 else:
                     self.optimizer.step()
                     self.scheduler.step()
@@ -478,30 +583,34 @@ class Trainer:
                     self.consecutive_bad_steps = 0
                     if cfg.sync_ref_model and self.updates % cfg.ref_model_sync_steps == 0:
                         self._sync_reference()
-                    if self.entropy_control.adaptive:
-                        self.entropy_control.update(sum(s.entropy_sum for s in update_stats),
-                                                    sum(s.entropy_count for s in update_stats))
+                    if self.entropy_control.adaptive:  # the update's entropy over every rank's tokens
+                        self.entropy_control.update(world.sum(sum(s.entropy_sum for s in update_stats)),
+                                                    world.sum(sum(s.entropy_count for s in update_stats)))
                 if self.entropy_control.enabled:
                     entropy_coefs.append(self.entropy_control.coef)
                 # Kept allocated: the vocabulary-sized gradients are then added into .grad in place each
                 # micro-batch (grpo.logprobs reuses its own buffers) instead of being copied into new tensors.
                 self.optimizer.zero_grad(set_to_none=False)
-                step_losses.append(step_loss)
+                step_losses.append(world.sum(step_loss) / world.size)  # the loss whose gradient was applied
                 grad_norms.append(grad_norm)
                 micro_stats += update_stats
 
-        # --- metrics, with trl's names ---
-        lengths = completion_mask.sum(-1).float()  # after mask_truncated_completions, as the loss sees them
-        raw_lengths = rollout.completion_mask.sum(-1).float()
+        # --- metrics, with trl's names, over every rank ---
+        lengths = world.gather_rows(completion_mask.sum(-1).float())  # after mask_truncated_completions
+        raw_lengths = world.gather_rows(rollout.completion_mask.sum(-1).float().to(device))
+        names = [spec.name for spec in self.rewards]
 
         def mean_of(name):
-            values = [getattr(s, name) for s in micro_stats if getattr(s, name) is not None]
-            return sum(values) / len(values) if values else None
+            """Over the step's tokens (or rows) on every rank, whatever the micro-batches held."""
+            pairs = [(getattr(s, name), s.weights()[name]) for s in micro_stats if getattr(s, name) is not None]
+            total = world.sum(sum(value * weight for value, weight in pairs))
+            count = world.sum(sum(weight for _, weight in pairs))
+            return total / count if count > 0 else None
 
         metrics = {
             **reward_stats,
-            **reward_function_stats(rollout.rewards_per_func, [spec.name for spec in self.rewards]),
-            "advantages/abs_mean": advantages.abs().mean().item(),
+            **reward_function_stats(all_rewards, names),
+            "advantages/abs_mean": all_advantages.abs().mean().item(),
             "loss": sum(step_losses) / len(step_losses),
             "grad_norm": grad_norms[-1],
             "learning_rate": self.scheduler.get_last_lr()[0],
@@ -516,7 +625,7 @@ class Trainer:
             "completions/mean_length": raw_lengths.mean().item(),
             "completions/min_length": raw_lengths.min().item(),
             "completions/max_length": raw_lengths.max().item(),
-            "completions/clipped_ratio": rollout.truncated.float().mean().item(),
+            "completions/clipped_ratio": world.gather_rows(rollout.truncated.float().to(device)).mean().item(),
             "num_tokens": int(lengths.sum().item()),
             "skipped_updates": self.skipped_updates,
             "reference_time": reference_time,
@@ -527,7 +636,7 @@ class Trainer:
         # The step's intermediate values, kept for inspection (the trl parity tests read them).
         self.last_step = {"advantages": advantages, "ref_logps": ref_logps, "old_logps": old_logps,
                           "micro_batch_losses": micro_batch_losses, "micro_batch_stats": micro_stats,
-                          "entropy_coefs": entropy_coefs}
+                          "entropy_coefs": entropy_coefs, "num_items_in_batch": num_items_in_batch * world.size}
         return metrics
 
     def _skip_update(self, grad_norm: float):
@@ -545,15 +654,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def run_eval(self) -> dict:
+        """Greedy completions of the held-out slice, scored; every rank evaluates it (FSDP2 gathers the weights
+        for it), rank 0 writes the files."""
         cfg = self.config
-        records, summary = evaluate(self.policy, self.tokenizer, self.eval_rows, self.eos_token_ids, cfg.max_prompt_length,
-                                    cfg.eval_max_completion_length or cfg.max_completion_length, cfg.eval_batch_size,
-                                    autocast=self.autocast, scorer=self.eval_scorer, backend=self.generation)
-        folder = self.run_dir / "eval"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"step-{self.step:06d}.json").write_text(json.dumps(summary, indent=2))
-        with (folder / f"step-{self.step:06d}.samples.jsonl").open("w") as handle:
-            handle.writelines(json.dumps(record) + "\n" for record in records)
+        with gathered(self.policy_call):
+            records, summary = evaluate(self.policy, self.tokenizer, self.eval_rows, self.eos_token_ids,
+                                        cfg.max_prompt_length, cfg.eval_max_completion_length or cfg.max_completion_length,
+                                        cfg.eval_batch_size, autocast=self.autocast, scorer=self.eval_scorer,
+                                        backend=self.generation, progress=self.world.is_main)
+        if self.world.is_main:
+            folder = self.run_dir / "eval"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"step-{self.step:06d}.json").write_text(json.dumps(summary, indent=2))
+            with (folder / f"step-{self.step:06d}.samples.jsonl").open("w") as handle:
+                handle.writelines(json.dumps(record) + "\n" for record in records)
         return {f"eval/{key}": value for key, value in summary.items()}
 
     # ------------------------------------------------------------------ the loop
@@ -563,7 +677,8 @@ class Trainer:
         kernels = {name: value for name, value in vars(self.kernels).items() if name != "reasons"}
         return {**self.config.to_dict(), "reward_functions": describe_rewards(self.rewards), "task": self.task,
                 "kernels_used": kernels, "kernels_off": self.kernels.reasons,
-                "generation": type(self.generation).__name__}
+                "generation": type(self.generation).__name__, "world_size": self.world.size,
+                "distributed_mode": self.distributed}
 
     def _request_stop(self, signum, frame):
         if self._stop_signal is not None:  # a second signal: abandon the step now
@@ -577,16 +692,19 @@ class Trainer:
 
         Returns {"status": "finished" | "paused" | "interrupted", "step", "first_reward", "last_reward", "signal"}.
         """
-        cfg = self.config
+        cfg, main = self.config, self.world.is_main
         stop_at = min(until_step or self.total_steps, self.total_steps)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "run_config.json").write_text(json.dumps(self.run_record(), indent=2))
-        metrics_logger = MetricsLogger(self.run_dir, cfg.report_to, resume_step=self.step if self.resume_from else None)
+        if main:  # rank 0 writes the run's files; every rank trains
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "run_config.json").write_text(json.dumps(self.run_record(), indent=2))
+        metrics_logger = (MetricsLogger(self.run_dir, cfg.report_to, resume_step=self.step if self.resume_from else None)
+                          if main else None)
         handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         first_reward = last_reward = None
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", dynamic_ncols=True)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", dynamic_ncols=True, disable=not main)
+        stopping = False
         try:
-            while self.step < stop_at and self._stop_signal is None:
+            while self.step < stop_at and not stopping:
                 started = time.perf_counter()
                 # sample -> reward
                 rollout, prompts, texts, sampling_metrics = self.collect_rollout(self.step)
@@ -596,28 +714,34 @@ class Trainer:
                 self.step += 1
                 elapsed = time.perf_counter() - started
                 metrics.update({"step_time": elapsed, "sample_time": sampled - started,
-                                "tokens_per_second": rollout.completion_mask.sum().item() / max(sampled - started, 1e-9)})
+                                "tokens_per_second": self.world.sum(rollout.completion_mask.sum().item())
+                                / max(sampled - started, 1e-9)})
                 first_reward = metrics["reward"] if first_reward is None else first_reward
                 last_reward = metrics["reward"]
                 # evaluate -> log -> checkpoint
                 if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == self.total_steps):
                     metrics.update(self.run_eval())
                 console = self.step % cfg.logging_steps == 0 or self.step == self.total_steps
-                metrics_logger.log(self.step, metrics, console=console)
-                if cfg.log_completions_steps and self.step % cfg.log_completions_steps == 0:
-                    metrics_logger.log_samples(self.step, self._samples(prompts, texts, rollout))
+                if main:
+                    metrics_logger.log(self.step, metrics, console=console)
+                    if cfg.log_completions_steps and self.step % cfg.log_completions_steps == 0:
+                        metrics_logger.log_samples(self.step, self._samples(prompts, texts, rollout))
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl') or 0:.4f}",
                                 len=f"{metrics['completions/mean_length']:.0f}")
-                if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == stop_at or self._stop_signal:
+                stopping = self.world.any(self._stop_signal is not None)  # every rank stops after the same step
+                if stopping and self._stop_signal is None:
+                    self._stop_signal = "a signal to another rank"
+                if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == stop_at or stopping:
                     self.save()
         finally:
             bar.close()
-            metrics_logger.close()
+            if metrics_logger is not None:
+                metrics_logger.close()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         status = "finished" if self.step >= self.total_steps else "interrupted" if self._stop_signal else "paused"
-        if status == "interrupted":
+        if status == "interrupted" and main:
             tqdm.write(f"stopped by {self._stop_signal} after step {self.step}; checkpoint saved. "
                        f"Resume with: python train.py --resume {self.run_dir} (and the same settings)")
         return {"status": status, "step": self.step, "first_reward": first_reward, "last_reward": last_reward,

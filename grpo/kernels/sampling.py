@@ -33,7 +33,8 @@ from grpo.kernels.compiled_decode import StaticDecoder
 from grpo.kernels.lean_decode import LeanDecodeStep, unsupported_reason
 from grpo.kernels.logprobs import _LN_2, _LOG2_E, _column_storage
 from grpo.logprobs import check_plain_output_head, position_ids_from_mask
-from grpo.sampler import GroupSample, SamplingParams, cache_kwarg, filter_logits, finish_sample, prepare_prompts
+from grpo.sampler import (GroupSample, SamplingParams, cache_kwarg, draw_uniform, filter_logits, finish_sample,
+                          prepare_prompts)
 
 
 class _DecodeHead:
@@ -156,6 +157,7 @@ def sample_next_token(
     min_p: float = 0.0,
     generator: torch.Generator | None = None,
     out: torch.Tensor | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as `grpo.sampler.sample_next_token` (the same uniform per row), faster on CPU: exp2 instead
     of exp, a two-level search instead of a cumulative sum over the vocabulary, and column-layout reductions.
@@ -175,7 +177,8 @@ def sample_next_token(
     # Unnormalised probabilities exp((z - max) / T) = 2^(z s - max s) with s = log2(e) / T: one pass, then torch's
     # exp2 (on CPU cheaper than its exp, as accurate); the division by their total moves to the uniform number.
     weights = torch.add(_row_max(logits) * -scale, logits, alpha=scale, out=out).exp2_()  # (N, V)
-    uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
+    if uniform is None:
+        uniform = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator)  # (N, 1)
     return _inverse_cdf(weights, uniform)
 
 
@@ -383,13 +386,14 @@ class FastSampler:
             if step_callback is not None:  # the logits z, also in shifted steps
                 step_callback(step, (logits if shift is None else logits + shift[:, None]) / scale)
             if shifted:
-                uniform = torch.rand(num_rows, 1, device=device, generator=generator)  # (N, 1), as sample_next_token draws
+                uniform = draw_uniform(generator, num_rows, step, device)  # (N, 1), as sample_next_token draws
                 tokens, log2_total = _sample_base2(logits, uniform, out=scratch)  # log2_total (N,) in y's frame
             else:
                 if scratch is None or scratch.stride() != logits.stride():
                     scratch = torch.empty_like(logits, dtype=torch.float32)
+                uniform = draw_uniform(generator, num_rows, step, device) if params.temperature > 0 else None
                 tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p,
-                                           generator, out=scratch)
+                                           out=scratch, uniform=uniform)
             tokens = tokens.masked_fill(done, pad_token_id)  # (N,) finished rows are padded
             completion_ids[:, step] = tokens
             if return_logprobs and shifted:  # log p = ln 2 (y_token - log2 sum_j 2^y_j)

@@ -1,0 +1,96 @@
+"""One process of the distributed tests (tests/test_distributed.py): torchrun starts 1 or 2 of these.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/distributed_worker.py OUT SCENARIO [JSON overrides]
+
+Each rank trains the same small run and writes what it saw to OUT/rank-<r>.pt: per step its prompt indices,
+each prompt's completions, the gathered advantages, the metrics, the averaged gradient of the first update
+and the reference log-probs; at the end the full weights and whether the reference changed.
+Scenarios: `train` (the run), `kill` (rank 1 kills itself mid-step 2), `raise` (rank 1 raises in step 2).
+JSON overrides are GRPOConfig fields, plus `until` (train(until_step=...)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from grpo.config import GRPOConfig  # noqa: E402
+from grpo.distributed import unwrap  # noqa: E402
+from grpo.trainer import Trainer, _full  # noqa: E402
+
+BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_generations=4, micro_batch_size=4,
+            max_prompt_length=128, max_completion_length=8, learning_rate=1e-3, reward=["tags"], device="cpu",
+            precision="fp32", save_steps=0, log_completions_steps=0, logging_steps=100, warmup_ratio=0.0,
+            beta=0.04, max_steps=3, distributed_timeout=30.0)
+
+
+def full_params(trainer) -> dict:
+    return {name: _full(p.detach()).clone() for name, p in unwrap(trainer.policy_call).named_parameters()}
+
+
+def main():
+    out, scenario = Path(sys.argv[1]), sys.argv[2]
+    overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    until = overrides.pop("until", None)  # stop (and save) after this step: a run in two pieces
+    config = GRPOConfig(**{**BASE, "output_dir": str(out / "run"), **overrides})
+    trainer = Trainer(config)
+    rank = trainer.world.rank
+    record = {"steps": [], "world_size": trainer.world.size, "mode": trainer.distributed}
+    ref_before = None if trainer.ref_model is None else full_params_of(trainer.ref_call)
+
+    collect, train_on_rollout, step_fn = trainer.collect_rollout, trainer.train_on_rollout, trainer.optimizer.step
+    current = {}
+
+    def collecting(step):
+        rollout, prompts, texts, metrics = collect(step)
+        indices, _ = trainer.local_slice(trainer.batch_indices(step))
+        completions = {}
+        for position, index in enumerate(indices):
+            rows = range(position * config.num_generations, (position + 1) * config.num_generations)
+            completions[index] = [rollout.completion_ids[r][rollout.completion_mask[r].bool()].tolist() for r in rows]
+        current.update(indices=indices, completions=completions, grads=None)
+        if scenario == "kill" and rank == 1 and step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if scenario == "raise" and rank == 1 and step == 1:
+            raise RuntimeError("a deliberate failure on rank 1")
+        return rollout, prompts, texts, metrics
+
+    def training(rollout, shuffle=True):
+        metrics = train_on_rollout(rollout, shuffle)
+        last = trainer.last_step
+        record["steps"].append({**current, "metrics": metrics,
+                                "advantages": trainer.world.gather_rows(last["advantages"].cpu()),
+                                "ref_logps": None if last["ref_logps"] is None else last["ref_logps"].cpu()})
+        return metrics
+
+    def stepping():
+        if current.get("grads") is None:  # the first update of the step: its averaged full gradient
+            current["grads"] = {name: _full(p.grad).clone() for name, p in
+                                unwrap(trainer.policy_call).named_parameters()}
+        return step_fn()
+
+    trainer.collect_rollout, trainer.train_on_rollout, trainer.optimizer.step = collecting, training, stepping
+    result = trainer.train(until_step=until)
+    record.update(result=result, params=full_params(trainer))
+    if ref_before is not None:
+        after = full_params_of(trainer.ref_call)
+        record["ref_unchanged"] = all(torch.equal(ref_before[k], after[k]) for k in ref_before)
+    torch.save(record, out / f"rank-{rank}.pt")
+
+
+def full_params_of(call) -> dict:
+    return {name: _full(p.detach()).clone() for name, p in unwrap(call).named_parameters()}
+
+
+if __name__ == "__main__":
+    main()
