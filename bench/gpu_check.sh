@@ -4,7 +4,8 @@
 #   1. ours vs trl on the trainer benchmark: the qwen2.5-0.5b shape, bf16, 16 prompts x G=8, 256 new tokens,
 #      micro-batch 32, beta 0.04; ours with --kernels auto (the compiled, CUDA-graph decode step) and plain;
 #   2. the CUDA-only tests (tests/test_gpu.py: compiled decode == eager greedy tokens, a bf16 training step);
-#   3. sampler throughput (16 prompts x G=8, 256 tokens): model.generate, ours plain, the kernel eager and compiled.
+#   3. sampler throughput (16 prompts x G=8, 256 tokens): model.generate, ours plain, the kernel eager and compiled;
+#   4. the FSDP2 path at world size one against the unwrapped one (bench/distributed.py: step time, memory).
 # trl, datasets and their missing dependencies travel as wheels in .whl/ when the machine lacks them (see the
 # device README; transformers travels too, so both sides run the version the CPU tests use).
 set -uo pipefail
@@ -27,5 +28,8 @@ timeout "$(left 380)" python3 bench/trainer.py --device cuda --shape qwen2.5-0.5
   --sides ours,trl,ours-plain --side-timeout 150 2>&1 | tee "$OUT/trainer.txt"
 timeout "$(left 110)" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
 timeout "$(left 120)" python3 bench/sampler.py --device cuda --prompts 16 --repeats 2 2>&1 | tee "$OUT/sampler.txt"; echo "sampler exit ${PIPESTATUS[0]}" | tee -a "$OUT/sampler.txt"
+timeout "$(left 120)" python3 bench/distributed.py --device cuda \
+  --shape qwen2.5-0.5b --processes 1 --modes none,fsdp --steps 3 --prompts 16 --group 8 --micro-batch 32 \
+  --new-tokens 256 2>&1 | tee "$OUT/fsdp.txt"
 echo "=== summary ==="; cat "$OUT/machine.txt"; grep -v "^ours run\|^trl run\|^ours-plain run" "$OUT/trainer.txt" | tail -25
-tail -3 "$OUT/gpu_tests.txt"; tail -6 "$OUT/sampler.txt"
+tail -3 "$OUT/gpu_tests.txt"; tail -6 "$OUT/sampler.txt"; tail -4 "$OUT/fsdp.txt"

@@ -71,20 +71,24 @@ class World:
     @property
     def device(self) -> torch.device:
         """Where collectives' tensors live: the rank's GPU with NCCL, the CPU with gloo."""
-        if self.size > 1 and dist.get_backend() == "nccl":
+        if dist.is_initialized() and dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
 
-def init_world(device: str = "auto", timeout_s: float = 600.0) -> World:
+def init_world(device: str = "auto", timeout_s: float = 600.0, mode: str = "auto") -> World:
     """Join the torchrun process group (once per process); world size one when not launched by torchrun.
 
     timeout_s bounds every collective: a rank that died or hangs ends the others with an error naming the
-    collective instead of waiting for PyTorch's 30-minute default.
+    collective instead of waiting for PyTorch's 30-minute default. At one process a group is made only when
+    `mode` asks for a wrapper (ddp / fsdp need one: `torchrun --nproc-per-node 1`).
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
+    if size == 1 and mode == "auto":
         return World()
+    if "RANK" not in os.environ:
+        raise ValueError(f"--distributed {mode} needs a process group: launch with torchrun (--nproc-per-node 1 for "
+                         "one process), or use --distributed auto")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     if not dist.is_initialized():

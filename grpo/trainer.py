@@ -106,9 +106,9 @@ class Trainer:
         self.config = config.validate()
         cfg = self.config
         # --- processes: world size one unless launched by torchrun (grpo.distributed) ---
-        self.world = init_world(cfg.device, cfg.distributed_timeout)
+        self.world = init_world(cfg.device, cfg.distributed_timeout, cfg.distributed)
         self.device = resolve_device(cfg.device)
-        if self.device.type == "cuda" and self.world.size > 1:
+        if self.device.type == "cuda" and torch.distributed.is_initialized():
             self.device = torch.device("cuda", self.world.local_rank)
         self.precision = resolve_precision(cfg.precision, self.device)
         self._check_world()
@@ -323,7 +323,7 @@ class Trainer:
     def save(self) -> Path:
         cfg = self.config
         sync = cfg.sync_ref_model  # TR-DPO's mixed reference is state
-        if self.world.size > 1:
+        if self.distributed != "none":  # DDP / FSDP2 (also at one process): sharded state, gathered weights
             return save_distributed_checkpoint(
                 self.run_dir, self.step, self.world, self.policy_call, self.optimizer, self.policy, self.tokenizer,
                 self.state_dict(with_optimizer=False), self.rng_state(), self.run_record(), cfg.save_total_limit,
