@@ -6,6 +6,9 @@
         trainer_state.pt     optimizer, scheduler, RNG states, step, counters, the entropy controller
                              (loaded with weights_only=True)
         reference/           with sync_ref_model: the mixed reference model (safetensors), resumed as it is
+    With LoRA (use_peft) the weights are the adapter in peft's format (adapter_model.safetensors,
+    adapter_config.json: PeftModel.from_pretrained loads it), and with save_merged
+        merged/              the base weights with the adapter folded in (from_pretrained-loadable)
         run_config.json      the GRPOConfig of the run
         COMPLETE             written last, before the rename
 
@@ -33,11 +36,12 @@ CHECKPOINTS = "checkpoints"
 SHARDED = "sharded"
 MARKER = "COMPLETE"
 REFERENCE = "reference"
+MERGED = "merged"
 
 
 def _fsync_tree(folder: Path) -> None:
     for file in folder.iterdir():
-        if file.is_dir() and file.name in (REFERENCE, SHARDED):
+        if file.is_dir() and file.name in (REFERENCE, SHARDED, MERGED):
             _fsync_tree(file)
         elif file.is_file():
             with open(file, "rb") as handle:
@@ -50,10 +54,11 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_state: dict, run_config: dict, keep: int = 0,
-                    reference=None) -> Path:
+                    reference=None, merged=None) -> Path:
     """Write checkpoint `step` atomically and keep only the newest `keep` (0 = all). Returns its folder.
 
-    `reference`: a reference model that changes during the run (sync_ref_model), saved in `reference/`."""
+    `reference`: a reference model that changes during the run (sync_ref_model), saved in `reference/`;
+    `merged`: a LoRA run's merged model, saved in `merged/`."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # left by a save that was killed
@@ -63,6 +68,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_st
     tokenizer.save_pretrained(tmp)
     if reference is not None:
         reference.save_pretrained(tmp / REFERENCE, safe_serialization=True)
+    if merged is not None:
+        merged.save_pretrained(tmp / MERGED, safe_serialization=True)
+        tokenizer.save_pretrained(tmp / MERGED)
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2))
     return _finish(root, tmp, step, run_dir, keep)
@@ -89,7 +97,7 @@ def _finish(root: Path, tmp: Path, step: int, run_dir, keep: int) -> Path:
 
 def save_distributed_checkpoint(run_dir: str | Path, step: int, world, call, optimizer, model, tokenizer,
                                 trainer_state: dict, rank_state: dict, run_config: dict, keep: int = 0,
-                                reference_call=None) -> Path:
+                                reference_call=None, merged=None) -> Path:
     """Every rank: the sharded optimizer state (torch.distributed.checkpoint) and its RNG states; rank 0: the
     full weights gathered into model.safetensors (what from_pretrained loads), the tokenizer, trainer_state.pt
     and run_config.json. The folder is renamed into place by rank 0 after every rank wrote its part."""
@@ -107,13 +115,20 @@ def save_distributed_checkpoint(run_dir: str | Path, step: int, world, call, opt
     dcp.save({"optimizer": get_optimizer_state_dict(call, optimizer)}, checkpoint_id=str(tmp / SHARDED))
     torch.save(rank_state, tmp / f"rank-{world.rank:05d}.pt")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = _strip_call_prefix(get_model_state_dict(call, options=full))  # a collective: every rank calls it
+    adapter = hasattr(model, "peft_config")  # LoRA under DDP: every rank holds the same adapter, rank 0 saves it
+    weights = None if adapter else _strip_call_prefix(get_model_state_dict(call, options=full))  # a collective
     ref_weights = None
     if reference_call is not None:
         ref_weights = _strip_call_prefix(get_model_state_dict(reference_call, options=full))
     final = root / f"step-{step:06d}"
     if world.is_main:
-        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        if adapter:
+            model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        if merged is not None:
+            merged.save_pretrained(tmp / MERGED, safe_serialization=True)
+            tokenizer.save_pretrained(tmp / MERGED)
         if ref_weights is not None:
             model.save_pretrained(tmp / REFERENCE, state_dict=ref_weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

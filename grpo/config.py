@@ -27,6 +27,8 @@ from data.prompts import SYSTEM_PROMPT
 from grpo.advantages import MULTI_OBJECTIVE_AGGREGATIONS
 from grpo.loss import CLIPPED_LOSS_TYPES, LOSS_TYPES
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+OPTIMIZERS = ("adamw", "adamw_8bit")
 GSM8K_RECIPE_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 KERNEL_CHOICES = ("auto", "plain")  # grpo.kernels.select_kernels
 GENERATION_BACKENDS = ("sampler", "transformers")  # grpo.generation
@@ -156,7 +158,17 @@ class GRPOConfig(ConfigMixin):
     overlong_buffer_len: int = _f(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
     overlong_penalty_factor: float = _f(1.0, "overlong reward shaping: the penalty at the full budget")
 
+    # --- LoRA (peft, the [peft] extra; trl's names) ---
+    use_peft: bool = _f(False, "train LoRA adapters instead of every weight (peft); with beta > 0 the reference is the same model with its adapters off, so no second copy is held")
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = _f(0.05, "dropout on the LoRA branch's input (training only)")
+    lora_target_modules: list[str] = _f(LORA_TARGETS, "module names that get adapters (default: the attention and MLP projections); the output head cannot (our log-probs read its weight)")
+    peft_adapter: str | None = _f(None, "start from this LoRA adapter (a peft folder or hub id) instead of a fresh one; the reference is the model with this starting adapter")
+    save_merged: bool = _f(False, "with --use-peft, checkpoints also hold merged/: the base weights with the adapter folded in, loadable by AutoModelForCausalLM.from_pretrained")
+
     # --- optimisation ---
+    optim: str = _f("adamw", "optimizer: adamw (torch's fused AdamW) or adamw_8bit (bitsandbytes' AdamW8bit: 8-bit moments, runs on CPU and CUDA; the [bnb] extra)", choices=OPTIMIZERS)
     learning_rate: float = _f(5e-6, "AdamW peak learning rate")
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.99, "AdamW beta2")
@@ -171,6 +183,7 @@ class GRPOConfig(ConfigMixin):
     device: str = _f("auto", "cuda, cpu, or auto (cuda when available)")
     precision: str = _f("auto", "fp32; bf16 (autocast, fp32 master weights and optimizer state); bf16-pure (bf16 weights); auto = bf16 on CUDA, fp32 on CPU", choices=("auto", "fp32", "bf16", "bf16-pure"))
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    cast_lm_head_to_fp32: bool = _f(False, "run the output projection (policy and reference) in fp32 outside autocast, as trl (ScaleRL); needs an untied output head")
     logprob_chunk_size: int | None = _f(None, "rows of logits per chunk in the log-prob projection (default: up to 128 MiB worth, a multiple of 64 rows: 192 at a 151,936-token vocabulary)")
     kernels: str = _f("auto", "fast paths (grpo/kernels/, docs/design.md): auto = each kernel where it applies (the tuned sampler, compiled decoding on CUDA, the fused log-prob + loss pass for token-level ratios, CPU log-prob layouts); plain = the readable path everywhere (the same numbers)", choices=KERNEL_CHOICES)
     distributed: str = _f("auto", "under torchrun (docs/distributed.md): fsdp (FSDP2, fully_shard per decoder layer), ddp, or auto = fsdp when there is more than one process; a single process trains unwrapped", choices=("auto", "ddp", "fsdp"))
@@ -279,6 +292,18 @@ class GRPOConfig(ConfigMixin):
         if not self.adam_epsilon > 0:
             problems.append(f"adam_epsilon must be > 0, got {self.adam_epsilon}")
         problems += self._objective_problems()
+        if self.use_peft:
+            if self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+                problems.append(f"LoRA needs lora_r >= 1, lora_alpha > 0 and lora_dropout in [0, 1), got "
+                                f"({self.lora_r}, {self.lora_alpha}, {self.lora_dropout})")
+            if any(name in ("lm_head", "embed_tokens") for name in self.lora_target_modules):
+                problems.append("lora_target_modules: lm_head / embed_tokens cannot take an adapter (the log-probs "
+                                "read the output matrix directly, as trl refuses it too)")
+            if self.sync_ref_model:
+                problems.append("sync_ref_model with use_peft: the reference is the model with its adapters off, "
+                                "there is no reference copy to sync (as trl)")
+        elif self.peft_adapter or self.save_merged:
+            problems.append("peft_adapter and save_merged need --use-peft")
         if not self.distributed_timeout > 0:
             problems.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:

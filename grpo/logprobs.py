@@ -87,10 +87,15 @@ def scatter_rows(keep: torch.Tensor, values: torch.Tensor | None) -> torch.Tenso
 
 
 def chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, fp32_head: bool = False):
     """One chunk: (c, H) hidden states, (V, H) weight, (c,) targets -> (c,) log-probs and (c,) entropies (nats)
-    or None. Both carry gradients (the entropy bonus differentiates the entropy; unused, it costs nothing)."""
-    logits = (hidden @ weight.T).float() / temperature  # (c, V), fp32 for the log-softmax
+    or None. Both carry gradients (the entropy bonus differentiates the entropy; unused, it costs nothing).
+    fp32_head: the product in fp32 outside autocast (cast_lm_head_to_fp32)."""
+    if fp32_head:
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = (hidden.float() @ weight.float().T) / temperature  # (c, V)
+    else:
+        logits = (hidden @ weight.T).float() / temperature  # (c, V), fp32 for the log-softmax
     log_probs = torch.log_softmax(logits, dim=-1)  # (c, V)
     logps = log_probs.gather(-1, targets[:, None]).squeeze(-1)  # (c,)
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # (c,)
@@ -105,12 +110,14 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int | None = None,
+    fp32_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, T) of the last T tokens of `input_ids` (the completion), 0 where `completion_mask` is 0.
 
     input_ids, attention_mask: (N, P + T), prompts left-padded, completions right-padded.
     completion_mask: (N, T), 1 for real completion tokens. Returns (logps, entropy or None), fp32.
     chunk_size: rows of logits computed at once (default: `default_chunk_size`, 192 at Qwen's vocabulary).
+    fp32_head: the output projection in fp32 outside autocast (trl's cast_lm_head_to_fp32).
     """
     check_temperature(temperature)
     hidden, targets, keep, weight = completion_hidden(model, input_ids, attention_mask, completion_mask)
@@ -119,7 +126,7 @@ def completion_logprobs(
     logps, entropies = [], []
     for start in range(0, max(hidden.shape[0], 1), chunk_size):  # one empty chunk when M = 0: the graph stays whole
         rows = slice(start, start + chunk_size)
-        args = (hidden[rows], weight, targets[rows], temperature, with_entropy)
+        args = (hidden[rows], weight, targets[rows], temperature, with_entropy, fp32_head)
         if differentiable:  # the chunk's (c, V) logits are recomputed in backward instead of kept
             chunk_logps, chunk_entropy = checkpoint(chunk_logprobs, *args, use_reentrant=False)
         else:

@@ -12,7 +12,7 @@ Qwen2.5's special tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`) and its
 
 Shapes (`SHAPES`): `tiny` (the tokenizer's own ~600-token vocabulary, 2 layers), `small` (the real
 151,936 vocabulary, hidden 128, 4 layers: large-vocabulary costs at small compute) and
-`qwen2.5-0.5b` (Qwen2.5-0.5B's exact shape; reference doc "Qwen2.5-0.5B-Instruct's shape").
+`qwen2.5-0.5b` and `qwen2.5-1.5b` (the exact shapes of Qwen2.5-0.5B and -1.5B, tied embeddings as both).
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ SHAPES: dict[str, dict] = {
                   num_attention_heads=4, num_key_value_heads=2),
     "qwen2.5-0.5b": dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2),
+    "qwen2.5-1.5b": dict(vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2),
 }
 
 

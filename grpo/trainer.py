@@ -30,6 +30,7 @@ import random
 import shutil
 import signal
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -51,6 +52,7 @@ from grpo.kernels.buffers import Buffers
 from grpo.kernels.fused_loss import fused_completion_loss
 from grpo.kernels.logprobs import completion_logprobs as fast_completion_logprobs
 from grpo.logprobs import check_plain_output_head, completion_logprobs
+from grpo.lora import AdaptersOff, add_lora, merged_model
 from grpo.loss import (EntropyControl, LossOptions, aggregate_loss, aggregation_weights, entropy_bonus,
                        high_entropy_mask, loss_statistics, per_token_loss, policy_loss_value)
 from grpo.metrics import MetricsLogger
@@ -75,6 +77,35 @@ def _seeded(*numbers: int) -> torch.Generator:
     for number in numbers:
         seed = (seed * 1_000_003 + number) % (2**63)
     return torch.Generator().manual_seed(seed)
+
+
+def cast_head_to_fp32(model) -> None:
+    """trl's cast_lm_head_to_fp32 (ScaleRL): an fp32 output matrix, run in fp32 outside autocast by the module's
+    own forward (the sampler's logits); the log-probs do the same (`fp32_head`). Untied heads only."""
+    head = model.get_output_embeddings()
+    if head.weight is model.get_input_embeddings().weight:
+        raise ValueError("cast_lm_head_to_fp32 needs an untied output head; this model ties it to the embeddings")
+    head.float()
+
+    def forward(module, hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden.float(), module.weight.float())
+
+    head.forward = types.MethodType(forward, head)  # bound: a deep copy (the reference) uses its own weight
+
+
+def make_optimizer(name: str, groups: list[dict], config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, or bitsandbytes' AdamW8bit (8-bit moments, block-wise quantised; CPU and CUDA)."""
+    options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+    if name == "adamw":  # fused: one kernel, no foreach temporaries the size of the model
+        return torch.optim.AdamW(groups, **options, fused=device.type in ("cpu", "cuda"))
+    if name == "adamw_8bit":
+        try:
+            import bitsandbytes
+        except ImportError as error:
+            raise ValueError("--optim adamw_8bit needs bitsandbytes: pip install -e '.[bnb]'") from error
+        return bitsandbytes.optim.AdamW8bit(groups, **options)
+    raise ValueError(f"optim must be one of adamw, adamw_8bit, got {name!r}")
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -140,11 +171,24 @@ class Trainer:
         weight_dtype = torch.bfloat16 if self.precision == "bf16-pure" else torch.float32
         if policy is not None:
             self.policy = policy.to(self.device, weight_dtype)
+        elif cfg.use_peft and self.resume_from is not None:  # the base from --model, the adapter from the checkpoint
+            self.policy = load_model(cfg.model, self.device, weight_dtype, cfg.trust_remote_code, self.tokenizer)
         else:
             self.policy = load_model(source, self.device, weight_dtype, cfg.trust_remote_code, self.tokenizer, setting)
         check_plain_output_head(self.policy.config)  # before any sampling, not at the first update
+        if cfg.cast_lm_head_to_fp32:
+            cast_head_to_fp32(self.policy)
+        self.peft_model = None
+        if cfg.use_peft:  # LoRA (grpo.lora): the loop keeps calling the Hugging Face model, its projections adapted
+            adapter = str(self.resume_from) if self.resume_from is not None else cfg.peft_adapter
+            self.peft_model = add_lora(self.policy, cfg, adapter,
+                                       reference_adapter=cfg.peft_adapter if cfg.beta != 0.0 else None)
+            self.peft_model.peft_config["default"].base_model_name_or_path = cfg.model
+            self.policy = self.peft_model.get_base_model()
+            trainable = sum(p.numel() for p in self.policy.parameters() if p.requires_grad)
+            logger.info("LoRA: %d trainable parameters of %d", trainable, sum(p.numel() for p in self.policy.parameters()))
         self.ref_model = None
-        if cfg.beta != 0.0:  # beta = 0: no reference model at all
+        if cfg.beta != 0.0 and not cfg.use_peft:  # beta = 0: no reference model at all; LoRA: adapters off
             synced = None if self.resume_from is None else self.resume_from / REFERENCE
             if synced is not None and cfg.sync_ref_model and synced.is_dir():  # the mixed reference of the run
                 reference = load_model(str(synced), self.device, torch.float32, False, self.tokenizer, "--resume")
@@ -154,6 +198,8 @@ class Trainer:
                 reference = copy.deepcopy(self.policy)
             ref_dtype = torch.bfloat16 if self.precision != "fp32" else torch.float32
             self.ref_model = reference.to(self.device, ref_dtype).eval().requires_grad_(False)
+            if cfg.cast_lm_head_to_fp32:
+                cast_head_to_fp32(self.ref_model)
         if cfg.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.policy.config.use_cache = False
@@ -161,18 +207,23 @@ class Trainer:
         self.eos_token_ids = eos_token_ids(self.policy, self.tokenizer)
         # --- the models as the loop calls them: ModelCall, in DDP or FSDP2 under torchrun (grpo.distributed) ---
         self.distributed = resolve_mode(cfg.distributed, self.world)
+        if cfg.use_peft and self.distributed == "fsdp":
+            raise ValueError("--use-peft under FSDP2 is not supported yet: use --distributed ddp (the adapters are "
+                             "small, every rank can hold them and the frozen base)")
         self.policy_call = wrap_model(self.policy, self.distributed, self.world, self.device, self.precision,
                                       cpu_offload=cfg.fsdp_cpu_offload)
         self.ref_call = None if self.ref_model is None else wrap_model(
             self.ref_model, self.distributed, self.world, self.device, self.precision, trainable=False,
             cpu_offload=cfg.fsdp_cpu_offload)
+        if cfg.use_peft and cfg.beta != 0.0:  # the same weights, adapters off (or the starting adapter)
+            self.ref_call = AdaptersOff(self.policy, self.peft_model)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16"
                          else contextlib.nullcontext())
         # --- kernels (grpo/kernels/): chosen once, here; the call sites below ask self.kernels ---
         self.loss_options = LossOptions.from_config(cfg)
         self.entropy_control = EntropyControl.from_config(cfg)
         self.kernels = select_kernels(cfg.kernels, self.device, self.loss_options, self.policy,
-                                      entropy_bonus=self.entropy_control.enabled)
+                                      entropy_bonus=self.entropy_control.enabled, fp32_head=cfg.cast_lm_head_to_fp32)
         self.kernels.log_reasons()
         self.logprob_buffers = Buffers()  # the log-prob kernels' reused storage, kept for the run
         self.generation = make_generation_backend(cfg.generation_backend, self.policy, self.tokenizer.pad_token_id,
@@ -181,11 +232,8 @@ class Trainer:
         # --- optimizer and schedule: weight decay on matrices only (not on norms and biases, as HF Trainer) ---
         decay = [p for p in self.policy.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.policy.parameters() if p.requires_grad and p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-            fused=self.device.type in ("cpu", "cuda"),  # one kernel, no foreach temporaries the size of the model
-        )
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = make_optimizer(cfg.optim, groups, cfg, self.device)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_rows) / cfg.prompts_per_generation)
         total_updates = self.total_steps * cfg.num_iterations * cfg.updates_per_generation
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer,
@@ -323,13 +371,16 @@ class Trainer:
     def save(self) -> Path:
         cfg = self.config
         sync = cfg.sync_ref_model  # TR-DPO's mixed reference is state
+        model = self.peft_model if self.peft_model is not None else self.policy  # LoRA: the adapter, peft's format
+        merged = merged_model(self.peft_model) if cfg.save_merged and self.world.is_main else None
         if self.distributed != "none":  # DDP / FSDP2 (also at one process): sharded state, gathered weights
             return save_distributed_checkpoint(
-                self.run_dir, self.step, self.world, self.policy_call, self.optimizer, self.policy, self.tokenizer,
+                self.run_dir, self.step, self.world, self.policy_call, self.optimizer, model, self.tokenizer,
                 self.state_dict(with_optimizer=False), self.rng_state(), self.run_record(), cfg.save_total_limit,
-                reference_call=self.ref_call if sync else None)
-        return save_checkpoint(self.run_dir, self.step, self.policy, self.tokenizer, self.state_dict(),
-                               self.run_record(), cfg.save_total_limit, reference=self.ref_model if sync else None)
+                reference_call=self.ref_call if sync else None, merged=merged)
+        return save_checkpoint(self.run_dir, self.step, model, self.tokenizer, self.state_dict(),
+                               self.run_record(), cfg.save_total_limit, reference=self.ref_model if sync else None,
+                               merged=merged)
 
     # ------------------------------------------------------------------ data order
     def batch_indices(self, step: int) -> list[int]:
@@ -441,7 +492,7 @@ class Trainer:
         with self.autocast:
             if self.kernels.update_logprobs if update else self.kernels.fast_logprobs:  # the same numbers, faster
                 return call(fast_completion_logprobs, *args, buffers=self.logprob_buffers)
-            return call(completion_logprobs, *args)
+            return call(completion_logprobs, *args, fp32_head=self.config.cast_lm_head_to_fp32)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, call, rollout_tensors, completion_mask) -> torch.Tensor:

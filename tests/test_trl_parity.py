@@ -93,6 +93,18 @@ def _extras(settings):
     return {key: settings.get(key, default) for key, default in EXTRA_DEFAULTS.items()}
 
 
+def _lora_settings(settings):
+    if "lora" not in settings:
+        return {}
+    r, alpha, targets = settings["lora"]
+    return dict(use_peft=True, lora_r=r, lora_alpha=alpha, lora_dropout=0.0, lora_target_modules=list(targets))
+
+
+def _trl_name(name: str) -> str:
+    """trl's parameter names under peft (PeftModel -> LoraModel -> the model) as ours (the model itself)."""
+    return name.removeprefix("base_model.model.")
+
+
 def _updates_per_generation(settings):
     return settings.get("updates_per_generation", 1)
 
@@ -137,7 +149,14 @@ def make_trl(model_dir, rows, settings):
         state["completions"] = completions
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
 
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=REWARDS, args=args,
+    peft_config = None
+    if "lora" in settings:  # trl's GRPOTrainer(peft_config=...): the reference is the model with adapters off
+        from peft import LoraConfig
+
+        r, alpha, targets = settings["lora"]
+        peft_config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets), bias="none",
+                                 task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=REWARDS, args=args, peft_config=peft_config,
                           train_dataset=datasets.Dataset.from_list(rows), rollout_func=rollout_func)
     trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
     return trainer, state
@@ -167,7 +186,8 @@ def trl_step(trainer, state, inputs, rollout_index, ga, iterations, k=1):
                 record["losses"].append(loss.item())
             trainer.accelerator.sync_gradients = True
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            record["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})  # clipped, as ours
+            record["grads"].append({n: None if p.grad is None else p.grad.clone()  # clipped, as ours
+                                for n, p in model.named_parameters()})
             trainer.optimizer.step()
             trainer.lr_scheduler.step()
             model.zero_grad(set_to_none=True)
@@ -188,6 +208,7 @@ def make_ours(model_dir, rows, settings, tmp_path, kernels):
         importance_sampling_level=settings["level"], mask_truncated_completions=settings["mask_truncated"],
         device="cpu", precision="fp32", reward=["int"], max_steps=NUM_ROLLOUTS, kernels=kernels,
         steps_per_generation=settings["ga"] * _updates_per_generation(settings), **_extras(settings),
+        **_lora_settings(settings),
     )
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     specs = [RewardSpec(fn.__name__, fn, w) for fn, w in zip(REWARDS, WEIGHTS)]
@@ -207,7 +228,7 @@ def our_step(trainer, inputs, completions, grads_out):
     step = trainer.optimizer.step
 
     def capture():
-        grads_out.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
+        grads_out.append({n: None if p.grad is None else p.grad.clone() for n, p in trainer.policy.named_parameters()})
         return step()
 
     trainer.optimizer.step = capture
@@ -283,7 +304,11 @@ OPTIONS = [dict(BASE, **change) for change in (
     dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.0, **OFF),
     dict(loss_type="luspo", level="sequence", delta=1.0005, **OFF),
 )]
-CONFIGURATIONS = MATRIX + AXES + OBJECTIVES + OPTIONS
+# LoRA (trl's peft_config): the default targets with the base's KL, and two targets with dapo off-policy.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORAS = [dict(BASE, lora=(4, 8, LORA_TARGETS)),
+         dict(BASE, lora=(8, 16, ("q_proj", "v_proj")), loss_type="dapo", ga=1, **OFF)]
+CONFIGURATIONS = MATRIX + AXES + OBJECTIVES + OPTIONS + LORAS
 
 
 def _loss_rtol(settings):
@@ -305,8 +330,14 @@ def test_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels):
     torch.manual_seed(0)
     trl_trainer, trl_state = make_trl(model_dir, rows, settings)
     ours = make_ours(model_dir, rows, settings, tmp_path, kernels)
+    ours_named = dict(ours.policy.named_parameters())
+    if "lora" in settings:  # the adapters' random init differs: start ours from trl's A and B
+        with torch.no_grad():
+            for name, param in trl_trainer.model.named_parameters():
+                if "lora_" in name:
+                    ours_named[_trl_name(name)].copy_(param)
     for name, param in trl_trainer.model.named_parameters():  # same start
-        assert torch.equal(param, dict(ours.policy.named_parameters())[name])
+        assert torch.equal(param, ours_named[_trl_name(name)])
 
     k = _updates_per_generation(settings)
     for index in range(NUM_ROLLOUTS):
@@ -340,10 +371,13 @@ def test_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels):
             # that already differ by the AdamW amplification described at the top (~0.5% of lr); its log-ratios
             # logp - logp_old are themselves ~lr-sized, so they carry that 0.5% and the gradient ~1e-5 of its
             # scale: 5e-5 there.
-            scale = max(g.abs().max().item() for g in trl_grad.values())
+            scale = max(g.abs().max().item() for g in trl_grad.values() if g is not None)
             atol = (1e-6 if update == 0 else 5e-5) * scale
             for name, expected in trl_grad.items():
-                torch.testing.assert_close(ours_grad[name], expected, rtol=1e-5, atol=atol, msg=name)
+                if expected is None:  # a frozen base weight (LoRA)
+                    assert ours_grad[_trl_name(name)] is None, name
+                    continue
+                torch.testing.assert_close(ours_grad[_trl_name(name)], expected, rtol=1e-5, atol=atol, msg=name)
         # Logged metrics, one value per micro-batch as trl appends them (entropy_coef: one per optimizer step).
         stats = last["micro_batch_stats"]
         count = len(stats)
@@ -363,7 +397,9 @@ def test_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels):
             torch.testing.assert_close(torch.tensor([getattr(s, ours_key) for s in stats], dtype=torch.float64),
                                        torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-6, msg=trl_key)
 
-        if settings["iterations"] > 1 and settings["epsilon"] < 0.01 and settings["loss_type"] in CLIPPED_LOSS_TYPES:
+        # (LoRA's first update moves the policy far less than 1e-3: B starts at 0, so nothing clips there.)
+        if (settings["iterations"] > 1 and settings["epsilon"] < 0.01 and settings["loss_type"] in CLIPPED_LOSS_TYPES
+                and "lora" not in settings):
             assert any(s.clip_region > 0 for s in stats), "the off-policy update should clip some ratios"
 
     if settings.get("sync_ref_model"):  # the mixed reference itself, after every sync of the run
@@ -373,5 +409,5 @@ def test_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels):
     # Parameters after all the optimizer steps.
     ours_params = dict(ours.policy.named_parameters())
     for name, param in trl_trainer.model.named_parameters():
-        torch.testing.assert_close(ours_params[name], param, rtol=0, atol=5e-3 * LR,
+        torch.testing.assert_close(ours_params[_trl_name(name)], param, rtol=0, atol=5e-3 * LR,
                                    msg=lambda message, name=name: f"{name}: {message}")

@@ -45,12 +45,14 @@ class KernelChoice:
 
 
 def select_kernels(kernels: str, device: torch.device, loss_options=None, model=None,
-                   entropy_bonus: bool = False) -> KernelChoice:
+                   entropy_bonus: bool = False, fp32_head: bool = False) -> KernelChoice:
     """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table).
 
     loss_options (grpo.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it needs
     a token's loss to depend on that token's log-prob only. entropy_bonus: the loss differentiates the entropy,
     which the log-prob kernels compute for the logs only, so the update pass takes the plain log-probs.
+    fp32_head (cast_lm_head_to_fp32): the kernels run the output projection in the autocast dtype; the plain
+    log-probs run it in fp32.
     """
     from grpo.loss import LossOptions
 
@@ -67,6 +69,10 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         (options.top_entropy_quantile < 1.0, "the entropy mask needs every token's entropy before the loss"),
         (entropy_bonus, "the entropy bonus differentiates the entropy"),
     ] if condition]
+    if fp32_head:
+        choice.fast_logprobs = choice.update_logprobs = False
+        choice.reasons["fast_logprobs"] = "cast_lm_head_to_fp32: the plain log-probs run the output projection in fp32"
+        coupled.append("cast_lm_head_to_fp32 (an fp32 output projection)")
     if coupled:
         choice.fused_loss = False
         choice.reasons["fused_loss"] = "; ".join(coupled) + ": the plain log-probs -> per_token_loss -> aggregate_loss path runs"

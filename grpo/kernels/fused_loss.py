@@ -99,7 +99,11 @@ class _FusedTokenLoss(torch.autograd.Function):
         logps = hidden.new_empty(num_rows, dtype=torch.float32)  # (M,)
         entropy = hidden.new_empty(num_rows, dtype=torch.float32) if with_entropy else None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (M, H)
-        grad_weight = tied.buffer if tied is not None else buffers.take_grad(weight)  # (V, H) fp32, first chunk writes it
+        grad_weight = None  # (V, H) fp32, the first chunk writes it; none when the head is frozen (LoRA)
+        if tied is not None:
+            grad_weight = tied.buffer
+        elif ctx.needs_input_grad[1]:
+            grad_weight = buffers.take_grad(weight)
         loss = hidden.new_zeros((), dtype=torch.float32)
         w = weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -124,7 +128,7 @@ class _FusedTokenLoss(torch.autograd.Function):
                     entropy[rows] = lse - (exps_w.float() * h.float()).sum(-1) / total
                 _add_chunk_grads(exps, exps_w if grad_hidden is not None else None, minus_scale, g, h, w,
                                  targets[rows], rows, temperature, grad_hidden, grad_weight, first=start == 0)
-        if num_rows == 0:
+        if num_rows == 0 and grad_weight is not None:
             grad_weight.zero_()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.tied, ctx.weight_dtype, ctx.buffers = tied, weight.dtype, buffers
@@ -141,9 +145,12 @@ class _FusedTokenLoss(torch.autograd.Function):
         if grad_loss.device.type != "cpu" or grad_loss.item() != 1.0:
             if grad_hidden is not None:
                 grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
-            grad_weight.mul_(grad_loss)
+            if grad_weight is not None:
+                grad_weight.mul_(grad_loss)
         if ctx.tied is not None:  # the embedding's backward adds its rows and returns the sum
             ctx.tied.head_done = True
+            return grad_hidden, None, None, None, None, None, None, None, None
+        if grad_weight is None:  # a frozen head
             return grad_hidden, None, None, None, None, None, None, None, None
         ctx.buffers.give_back_grad(grad_weight)
         return grad_hidden, grad_weight.to(ctx.weight_dtype), None, None, None, None, None, None, None

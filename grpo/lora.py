@@ -1,0 +1,104 @@
+"""LoRA through peft (the `[peft]` extra): low-rank adapters, and the reference model for free.
+
+    W x  ->  W x + (alpha / r) B A x        A (r, in), B (out, r); B starts at 0 (Hu et al., arXiv 2106.09685)
+
+`add_lora` wraps the policy in a peft model whose targeted projections (default: the attention and MLP
+ones) carry the adapters; only A and B train. The trainer keeps calling the Hugging Face model inside
+(`peft_model.get_base_model()`, its projections replaced in place), so the log-prob code, the samplers
+and the kernels run unchanged. With beta > 0 the reference log-probs come from the same weights with the
+adapters switched off (`AdaptersOff`), as trl does: no reference copy is loaded. A run that starts from
+an existing adapter (`--peft-adapter`) keeps that adapter, frozen, as the reference (`ref`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+
+from grpo.distributed import ModelCall
+
+REFERENCE_ADAPTER = "ref"
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as error:  # an optional extra
+        raise ImportError("--use-peft needs peft: pip install -e '.[peft]'") from error
+    return peft
+
+
+def add_lora(model, config, adapter: str | None = None, reference_adapter: str | None = None):
+    """The peft model around `model`: a fresh LoRA adapter from the config's lora_* settings, or `adapter`
+    (a peft folder or hub id) to keep training. `reference_adapter`: loaded frozen as `ref` (the reference
+    of a run that started from an adapter)."""
+    peft = _peft()
+    if adapter is not None:
+        wrapped = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    else:
+        lora = peft.LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                               target_modules=list(config.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]):  # A's random init from the run's seed, the caller's stream untouched
+            torch.manual_seed(config.seed)
+            try:
+                wrapped = peft.get_peft_model(model, lora)
+            except ValueError as error:
+                raise ValueError(f"--lora-target-modules {list(config.lora_target_modules)} match no module of the "
+                                 f"model (peft: {error})") from error
+    if reference_adapter is not None:
+        wrapped.load_adapter(reference_adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        wrapped.set_adapter("default")
+    targeted = [name for name, module in wrapped.named_modules() if hasattr(module, "lora_A")]
+    if not targeted:
+        raise ValueError(f"lora_target_modules {list(config.lora_target_modules)} match no module of the model")
+    return wrapped
+
+
+@contextlib.contextmanager
+def reference_weights(peft_model):
+    """The reference: the adapters off, or the frozen starting adapter `ref` when there is one."""
+    if REFERENCE_ADAPTER not in peft_model.peft_config:
+        with peft_model.disable_adapter():
+            yield
+        return
+    trainable = {name: p.requires_grad for name, p in peft_model.named_parameters()}
+    peft_model.set_adapter(REFERENCE_ADAPTER)
+    try:
+        yield
+    finally:
+        peft_model.set_adapter("default")
+        for name, p in peft_model.named_parameters():  # set_adapter moves requires_grad with the active adapter
+            p.requires_grad_(trainable[name])
+
+
+class AdaptersOff(ModelCall):
+    """ModelCall whose calls see the reference weights (grpo.distributed.ModelCall's `fn(model, *args)`)."""
+
+    def __init__(self, model, peft_model):
+        super().__init__(model)
+        self.peft_model = [peft_model]  # a list: not registered as a submodule (its parameters are the policy's)
+
+    def forward(self, fn, *args, **kwargs):
+        with torch.no_grad(), reference_weights(self.peft_model[0]):
+            return fn(self.model, *args, **kwargs)
+
+
+def merged_model(peft_model):
+    """A plain Hugging Face model with the adapter folded into the base weights (a copy; the run is untouched)."""
+    return copy.deepcopy(peft_model).merge_and_unload()
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    path = Path(path).expanduser()
+    return (path / "adapter_config.json").is_file()
+
+
+def load_merged(path: str | Path, load_base):
+    """The model an adapter folder describes, merged: `load_base(base name)` loads the base it names."""
+    peft = _peft()
+    config = peft.PeftConfig.from_pretrained(str(path))
+    base = load_base(config.base_model_name_or_path)
+    return peft.PeftModel.from_pretrained(base, str(path)).merge_and_unload()
