@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         return 143 if result["status"] == "interrupted" else 0
     if result["first_reward"] is not None:
         print(f"mean reward: first step {result['first_reward']:.4f} -> last step {result['last_reward']:.4f}")
-    print(f"run folder: {config.output_dir}")
+    print(f"run folder: {config.output_dir}  (curves: python -m grpo.plot {config.output_dir})")
     if result["status"] == "interrupted":
         return 130 if result["signal"] == "SIGINT" else 143
     return 0

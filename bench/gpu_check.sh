@@ -5,7 +5,9 @@
 #      micro-batch 32, beta 0.04; ours with --kernels auto (the compiled, CUDA-graph decode step) and plain;
 #   2. the CUDA-only tests (tests/test_gpu.py: compiled decode == eager greedy tokens, a bf16 training step);
 #   3. sampler throughput (16 prompts x G=8, 256 tokens): model.generate, ours plain, the kernel eager and compiled;
-#   4. the FSDP2 path at world size one against the unwrapped one (bench/distributed.py: step time, memory).
+#   4. the FSDP2 path at world size one against the unwrapped one (bench/distributed.py: step time, memory);
+#   5. memory and step time of the full fine-tune, 8-bit AdamW and LoRA r=16 at the 0.5B shape (bench/memory.py;
+#      peft and bitsandbytes travel as wheels in .whl/ too).
 # trl, datasets and their missing dependencies travel as wheels in .whl/ when the machine lacks them (see the
 # device README; transformers travels too, so both sides run the version the CPU tests use).
 set -uo pipefail
@@ -31,5 +33,7 @@ timeout "$(left 120)" python3 bench/sampler.py --device cuda --prompts 16 --repe
 timeout "$(left 120)" python3 bench/distributed.py --device cuda \
   --shape qwen2.5-0.5b --processes 1 --modes none,fsdp --steps 3 --prompts 16 --group 8 --micro-batch 32 \
   --new-tokens 256 2>&1 | tee "$OUT/fsdp.txt"
+timeout "$(left 150)" python3 bench/memory.py --device cuda --shape qwen2.5-0.5b --setups full,full-8bit,lora \
+  --prompts 16 --group 8 --micro-batch 32 --new-tokens 256 2>&1 | tee "$OUT/memory.txt"
 echo "=== summary ==="; cat "$OUT/machine.txt"; grep -v "^ours run\|^trl run\|^ours-plain run" "$OUT/trainer.txt" | tail -25
-tail -3 "$OUT/gpu_tests.txt"; tail -6 "$OUT/sampler.txt"; tail -4 "$OUT/fsdp.txt"
+tail -3 "$OUT/gpu_tests.txt"; tail -6 "$OUT/sampler.txt"; tail -4 "$OUT/fsdp.txt"; tail -6 "$OUT/memory.txt"

@@ -162,7 +162,7 @@ class GRPOConfig(ConfigMixin):
     use_peft: bool = _f(False, "train LoRA adapters instead of every weight (peft); with beta > 0 the reference is the same model with its adapters off, so no second copy is held")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r)")
-    lora_dropout: float = _f(0.05, "dropout on the LoRA branch's input (training only)")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA branch's input (training only; trl's default is 0.05): 0 keeps the training log-probs those of the sampling policy and saves a copy of every adapted input")
     lora_target_modules: list[str] = _f(LORA_TARGETS, "module names that get adapters (default: the attention and MLP projections); the output head cannot (our log-probs read its weight)")
     peft_adapter: str | None = _f(None, "start from this LoRA adapter (a peft folder or hub id) instead of a fresh one; the reference is the model with this starting adapter")
     save_merged: bool = _f(False, "with --use-peft, checkpoints also hold merged/: the base weights with the adapter folded in, loadable by AutoModelForCausalLM.from_pretrained")
@@ -194,7 +194,7 @@ class GRPOConfig(ConfigMixin):
     # --- logging, checkpoints, evaluation ---
     logging_steps: int = _f(1, "console line every N steps (metrics.jsonl gets every step)")
     log_completions_steps: int = _f(10, "append sample completions with rewards to samples.jsonl every N steps (0 = off)")
-    report_to: str = _f("none", "extra metrics back end", choices=("none", "tensorboard"))
+    report_to: str = _f("none", "extra metrics back end: tensorboard (RUN_DIR/tensorboard) or wandb (offline into RUN_DIR/wandb unless an API key is configured; WANDB_MODE and WANDB_PROJECT are read)", choices=("none", "tensorboard", "wandb"))
     save_steps: int = _f(100, "checkpoint every N steps (and at the end); 0 = only at the end")
     save_total_limit: int = _f(2, "checkpoints kept (oldest deleted first); 0 = keep all")
     eval_steps: int = _f(0, "evaluate on a held-out slice every N steps and at the end (0 = off)")

@@ -1,4 +1,6 @@
-"""One logger for metrics: a JSONL line per step, a console line per logging step, optional TensorBoard.
+"""One logger for metrics: a JSONL line per step, a console line per logging step, and an optional back end
+(`--report-to`, trl's names): `tensorboard` (the [tensorboard] extra) or `wandb` (the [wandb] extra; offline
+when WANDB_MODE=offline or no API key is configured: the run is kept in RUN_DIR/wandb for `wandb sync`).
 
 metrics.jsonl and samples.jsonl are appended and flushed line by line, so they survive a crash; a
 resumed run first drops any line past its checkpoint's step, so no step appears twice.
@@ -59,12 +61,45 @@ class _TensorBoard:
         self.writer.close()
 
 
+class _WandB:
+    def __init__(self, run_dir: Path, config: dict | None, resume_step: int | None):
+        import os
+
+        try:
+            import wandb
+        except ImportError as error:  # pragma: no cover - depends on the environment
+            raise RuntimeError("--report-to wandb needs `pip install wandb` (the [wandb] extra)") from error
+        # Without credentials, log offline instead of stopping to ask for a login.
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") or _wandb_logged_in() else "offline")
+        run_id_file = run_dir / "wandb_run_id"
+        run_id = run_id_file.read_text().strip() if resume_step is not None and run_id_file.exists() else None
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo"), dir=str(run_dir), config=config,
+                              mode=mode, id=run_id, resume="allow" if run_id else None, name=run_dir.name)
+        run_id_file.write_text(self.run.id)
+
+    def add_scalars(self, step: int, metrics: dict) -> None:
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb_logged_in() -> bool:
+    from pathlib import Path as _Path
+
+    return (_Path.home() / ".netrc").exists() and "api.wandb.ai" in (_Path.home() / ".netrc").read_text()
+
+
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
 class MetricsLogger:
     """Writes <run>/metrics.jsonl and <run>/samples.jsonl; `resume_step` drops lines a crash left past it."""
 
     CONSOLE_KEYS = ("reward", "reward_std", "kl", "loss", "grad_norm", "completions/mean_length", "entropy", "step_time")
 
-    def __init__(self, run_dir: str | Path, report_to: str = "none", resume_step: int | None = None):
+    def __init__(self, run_dir: str | Path, report_to: str = "none", resume_step: int | None = None,
+                 config: dict | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -74,7 +109,12 @@ class MetricsLogger:
             _truncate_after(self.samples_path, resume_step)
         self._metrics = self.metrics_path.open("a", encoding="utf-8")
         self._samples = self.samples_path.open("a", encoding="utf-8")
-        self.backend = _TensorBoard(self.run_dir / "tensorboard") if report_to == "tensorboard" else _NoBackend()
+        if report_to == "tensorboard":
+            self.backend = _TensorBoard(self.run_dir / "tensorboard")
+        elif report_to == "wandb":
+            self.backend = _WandB(self.run_dir, config, resume_step)
+        else:
+            self.backend = _NoBackend()
 
     def log(self, step: int, metrics: dict, console: bool = True) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}

@@ -64,7 +64,8 @@ from rewards.shaping import overlong_penalty
 
 logger = logging.getLogger("grpo")
 
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "eval", "run_config.json", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "eval", "run_config.json", "tensorboard", "wandb",
+             "wandb_run_id")
 
 
 class TrainingError(RuntimeError):
@@ -748,8 +749,8 @@ class Trainer:
         if main:  # rank 0 writes the run's files; every rank trains
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "run_config.json").write_text(json.dumps(self.run_record(), indent=2))
-        metrics_logger = (MetricsLogger(self.run_dir, cfg.report_to, resume_step=self.step if self.resume_from else None)
-                          if main else None)
+        metrics_logger = (MetricsLogger(self.run_dir, cfg.report_to, resume_step=self.step if self.resume_from else None,
+                                        config=self.run_record()) if main else None)
         handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         first_reward = last_reward = None
         bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", dynamic_ncols=True, disable=not main)

@@ -228,6 +228,20 @@ def test_tensorboard_backend_when_installed(tmp_path):
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.own_kernels
+def test_wandb_backend_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="optional: pip install -e '.[wandb]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    overrides = dict(max_steps=2, save_steps=1, report_to="wandb")
+    Trainer(make_config(tmp_path, **overrides)).train(until_step=1)
+    run_id = (tmp_path / "run" / "wandb_run_id").read_text()
+    Trainer(make_config(tmp_path, resume=str(tmp_path / "run"), **overrides)).train()  # the same wandb run continues
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert runs and all(run.name.endswith(run_id) for run in runs)
+    assert all(list(run.glob("run-*.wandb")) for run in runs)  # the logged history, for `wandb sync`
+
+
 @pytest.mark.parametrize("options", [
     dict(loss_type="grpo", beta=0.04),
     dict(loss_type="bnpo", beta=0.0),
