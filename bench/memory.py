@@ -32,6 +32,7 @@ SETUPS = {
     "full": {},
     "full-8bit": dict(optim="adamw_8bit"),
     "full-gc": dict(gradient_checkpointing=True),
+    "full-gc-8bit": dict(gradient_checkpointing=True, optim="adamw_8bit"),
     "lora": dict(use_peft=True, lora_r=16, lora_alpha=32),
     "lora-gc": dict(use_peft=True, lora_r=16, lora_alpha=32, gradient_checkpointing=True),
 }

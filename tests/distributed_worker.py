@@ -76,7 +76,7 @@ def main():
     def stepping():
         if current.get("grads") is None:  # the first update of the step: its averaged full gradient
             current["grads"] = {name: _full(p.grad).clone() for name, p in
-                                unwrap(trainer.policy_call).named_parameters()}
+                                unwrap(trainer.policy_call).named_parameters() if p.grad is not None}
         return step_fn()
 
     trainer.collect_rollout, trainer.train_on_rollout, trainer.optimizer.step = collecting, training, stepping
