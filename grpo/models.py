@@ -7,6 +7,8 @@ through `from_pretrained` (a hub id or a local folder), safetensors only, remote
 from __future__ import annotations
 
 import logging
+import math
+import types
 from pathlib import Path
 
 import torch
@@ -128,3 +130,50 @@ def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
     if not ids:
         raise ModelError("neither the tokenizer nor the generation config defines an EOS token")
     return tuple(sorted(ids))
+
+
+def cast_head_to_fp32(model) -> None:
+    """trl's cast_lm_head_to_fp32 (ScaleRL): an fp32 output matrix, run in fp32 outside autocast by the module's
+    own forward (the sampler's logits); the log-probs do the same (`fp32_head`). Untied heads only."""
+    head = model.get_output_embeddings()
+    if head.weight is model.get_input_embeddings().weight:
+        raise ValueError("cast_lm_head_to_fp32 needs an untied output head; this model ties it to the embeddings")
+    head.float()
+
+    def forward(module, hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden.float(), module.weight.float())
+
+    head.forward = types.MethodType(forward, head)  # bound: a deep copy (the reference) uses its own weight
+
+
+def make_optimizer(name: str, groups: list[dict], config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, or bitsandbytes' AdamW8bit (8-bit moments, block-wise quantised; CPU and CUDA)."""
+    options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+    if name == "adamw":  # fused: one kernel, no foreach temporaries the size of the model
+        return torch.optim.AdamW(groups, **options, fused=device.type in ("cpu", "cuda"))
+    if name == "adamw_8bit":
+        try:
+            import bitsandbytes
+        except ImportError as error:
+            raise ValueError("--optim adamw_8bit needs bitsandbytes: pip install -e '.[bnb]'") from error
+        return bitsandbytes.optim.AdamW8bit(groups, **options)
+    raise ValueError(f"optim must be one of adamw, adamw_8bit, got {name!r}")
+
+
+def make_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup: int, total: int):
+    """The learning-rate schedule, as transformers' get_scheduler computes it: `constant` (no warmup, as theirs),
+    `linear` and `cosine` (a half cosine to 0) after `warmup` linear steps, over `total` optimizer updates."""
+    def factor(step: int) -> float:
+        if name == "constant":
+            return 1.0
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = (step - warmup) / max(1, total - warmup)
+        if name == "linear":
+            return max(0.0, (total - step) / max(1, total - warmup))
+        if name == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        raise ValueError(f"lr_scheduler_type must be constant, linear or cosine, got {name!r}")
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -30,13 +30,11 @@ import random
 import shutil
 import signal
 import time
-import types
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm import tqdm
-from transformers import get_scheduler
 
 from data import add_prompts, load_task_rows
 from grpo.advantages import (decoupled_advantages, group_advantages, reward_function_stats, tied_groups,
@@ -56,7 +54,8 @@ from grpo.lora import AdaptersOff, add_lora, merged_model
 from grpo.loss import (EntropyControl, LossOptions, aggregate_loss, aggregation_weights, entropy_bonus,
                        high_entropy_mask, loss_statistics, per_token_loss, policy_loss_value)
 from grpo.metrics import MetricsLogger
-from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
+from grpo.models import (cast_head_to_fp32, eos_token_ids, load_model, load_tokenizer, make_optimizer, make_scheduler,
+                         resolve_device, resolve_precision)
 from grpo.rollout import Rollout, encode_prompts
 from grpo.sampler import RowUniforms, SamplingParams
 from rewards import RewardSpec, describe_rewards, parse_reward_specs, score_rows
@@ -78,35 +77,6 @@ def _seeded(*numbers: int) -> torch.Generator:
     for number in numbers:
         seed = (seed * 1_000_003 + number) % (2**63)
     return torch.Generator().manual_seed(seed)
-
-
-def cast_head_to_fp32(model) -> None:
-    """trl's cast_lm_head_to_fp32 (ScaleRL): an fp32 output matrix, run in fp32 outside autocast by the module's
-    own forward (the sampler's logits); the log-probs do the same (`fp32_head`). Untied heads only."""
-    head = model.get_output_embeddings()
-    if head.weight is model.get_input_embeddings().weight:
-        raise ValueError("cast_lm_head_to_fp32 needs an untied output head; this model ties it to the embeddings")
-    head.float()
-
-    def forward(module, hidden):
-        with torch.autocast(hidden.device.type, enabled=False):
-            return torch.nn.functional.linear(hidden.float(), module.weight.float())
-
-    head.forward = types.MethodType(forward, head)  # bound: a deep copy (the reference) uses its own weight
-
-
-def make_optimizer(name: str, groups: list[dict], config, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW, or bitsandbytes' AdamW8bit (8-bit moments, block-wise quantised; CPU and CUDA)."""
-    options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
-    if name == "adamw":  # fused: one kernel, no foreach temporaries the size of the model
-        return torch.optim.AdamW(groups, **options, fused=device.type in ("cpu", "cuda"))
-    if name == "adamw_8bit":
-        try:
-            import bitsandbytes
-        except ImportError as error:
-            raise ValueError("--optim adamw_8bit needs bitsandbytes: pip install -e '.[bnb]'") from error
-        return bitsandbytes.optim.AdamW8bit(groups, **options)
-    raise ValueError(f"optim must be one of adamw, adamw_8bit, got {name!r}")
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -237,9 +207,8 @@ class Trainer:
         self.optimizer = make_optimizer(cfg.optim, groups, cfg, self.device)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_rows) / cfg.prompts_per_generation)
         total_updates = self.total_steps * cfg.num_iterations * cfg.updates_per_generation
-        self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer,
-                                       num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
-                                       num_training_steps=total_updates)
+        self.scheduler = make_scheduler(cfg.lr_scheduler_type, self.optimizer,
+                                        math.ceil(cfg.warmup_ratio * total_updates), total_updates)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                        self.eos_token_ids)
         self.sample_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)

@@ -211,7 +211,7 @@ def test_8bit_adamw_runs_on_cpu_and_follows_adamw(tmp_path):
 def test_cast_lm_head_to_fp32_needs_an_untied_head_and_runs_the_head_in_fp32(tmp_path):
     with pytest.raises(ValueError, match="needs an untied output head"):
         Trainer(make_config(tmp_path / "tied", cast_lm_head_to_fp32=True))
-    from grpo.trainer import cast_head_to_fp32
+    from grpo.models import cast_head_to_fp32
 
     model, _ = build_tiny_model("tiny", seed=0)
     model.config.tie_word_embeddings = False

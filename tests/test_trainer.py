@@ -392,3 +392,22 @@ def test_overlong_shaping_is_a_reward(tmp_path):
     expected = (-0.5 * (lengths - 4).clamp(min=0) / 4).mean().item()
     metrics = trainer.train_on_rollout(rollout)
     assert metrics["rewards/overlong/mean"] == pytest.approx(expected) and expected < 0
+
+
+@pytest.mark.own_kernels
+@pytest.mark.parametrize("name", ["constant", "linear", "cosine"])
+def test_schedules_are_the_ones_transformers_computes(name):
+    # grpo.models.make_scheduler is written out (importing transformers' trainer utilities pulls in peft and
+    # bitsandbytes when they are installed); it must give get_scheduler's factors step for step.
+    from transformers import get_scheduler
+
+    from grpo.models import make_scheduler
+
+    for warmup, total in [(0, 10), (3, 17), (5, 5), (2, 3)]:
+        ours = make_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup, total)
+        theirs = get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                               num_warmup_steps=warmup, num_training_steps=total)
+        for _ in range(total + 2):
+            assert ours.get_last_lr()[0] == pytest.approx(theirs.get_last_lr()[0], abs=1e-12), (warmup, total)
+            ours.optimizer.step(), theirs.optimizer.step()
+            ours.step(), theirs.step()
