@@ -411,3 +411,36 @@ def test_schedules_are_the_ones_transformers_computes(name):
             assert ours.get_last_lr()[0] == pytest.approx(theirs.get_last_lr()[0], abs=1e-12), (warmup, total)
             ours.optimizer.step(), theirs.optimizer.step()
             ours.step(), theirs.step()
+
+
+def _always_tied(prompts, completions, **kwargs):
+    return [0.5 for _ in completions]
+
+
+@pytest.mark.own_kernels
+def test_dynamic_sampling_rounds_draw_other_prompts_per_step_and_round(tmp_path):
+    from rewards import RewardSpec
+
+    drawn = {}
+
+    def spy(trainer):
+        sample = trainer._sample_round
+
+        def recording(step, round_, indices):
+            drawn.setdefault(id(trainer), {})[(step, round_)] = list(indices)
+            return sample(step, round_, indices)
+
+        trainer._sample_round = recording
+        return trainer
+
+    runs = []
+    for name in ("a", "b"):
+        trainer = spy(Trainer(make_config(tmp_path / name, dynamic_sampling=True, dynamic_sampling_max_rounds=3,
+                                          max_steps=2), reward_functions=[RewardSpec("tied", _always_tied)]))
+        metrics = [trainer.collect_rollout(step)[3] for step in (0, 1)]
+        assert all(m == {"dynamic_sampling/rounds": 3, "dynamic_sampling/dropped_groups": 4,
+                         "dynamic_sampling/filled": 2} for m in metrics), metrics  # every group ties: all rounds run
+        runs.append(drawn[id(trainer)])
+    first = runs[0]
+    assert first[(0, 1)] != first[(0, 2)] and first[(0, 1)] != first[(1, 1)]  # seeded by step and round
+    assert runs[0] == runs[1]  # and the same in another run (resume samples what the run would have)
