@@ -312,13 +312,17 @@ def test_entropy_bonus_and_its_adaptive_coefficient():
     assert control.enabled and control.applied() == 0.0  # no measurement yet (last entropy +inf)
     control.update(0.8, 2.0)  # entropy 0.4 <= 0.5: more bonus, and it applies
     assert (control.coef, control.applied()) == (pytest.approx(0.15), pytest.approx(0.15))
-    control.update(0.4, 1.0)  # 0.4 again: capped at coef_max
+    control.update(0.4, 1.0)  # 0.4 again: 0.2, coef_max
+    control.update(0.4, 1.0)  # and again: capped at coef_max
     assert control.coef == pytest.approx(0.2)
     control.update(3.0, 5.0)  # 0.6 > 0.5: less bonus, and none applies while above the target
     assert (control.coef, control.applied()) == (pytest.approx(0.15), 0.0)
     restored = EntropyControl(coef=0.1, adaptive=True)
     restored.load_state_dict(control.state_dict())
     assert (restored.coef, restored.last_entropy) == (control.coef, control.last_entropy)
+    floored = EntropyControl(coef=0.02, adaptive=True, coef_min=0.01, delta=0.05, target=0.5)
+    floored.update(1.0, 1.0)  # entropy 1.0 > 0.5: 0.02 - 0.05 floored at coef_min
+    assert floored.coef == pytest.approx(0.01)
     static = EntropyControl(coef=0.3)
     static.update(0.0, 1.0)
     assert static.applied() == 0.3 and not EntropyControl().enabled
