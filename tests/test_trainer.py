@@ -448,3 +448,20 @@ def test_dynamic_sampling_rounds_draw_other_prompts_per_step_and_round(tmp_path)
     first = runs[0]
     assert first[(0, 1)] != first[(0, 2)] and first[(0, 1)] != first[(1, 1)]  # seeded by step and round
     assert runs[0] == runs[1]  # and the same in another run (resume samples what the run would have)
+
+
+def test_reference_sync_mixes_the_policy_in_every_sync_steps_updates(tmp_path):
+    # TR-DPO: every ref_model_sync_steps optimizer updates, ref <- alpha * policy + (1 - alpha) * ref.
+    trainer = Trainer(make_config(tmp_path, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2,
+                                  ref_model_mixup_alpha=0.6))
+    start = params_of(trainer.ref_model)
+    trainer.train_on_rollout(fixed_rollout(trainer, seed=0))  # update 1: no sync yet
+    for name, value in params_of(trainer.ref_model).items():
+        torch.testing.assert_close(value, start[name], rtol=0, atol=0)
+    trainer.train_on_rollout(fixed_rollout(trainer, seed=1))  # update 2: the sync
+    policy = params_of(trainer.policy)
+    moved = 0
+    for name, value in params_of(trainer.ref_model).items():
+        torch.testing.assert_close(value, 0.6 * policy[name] + 0.4 * start[name], rtol=1e-6, atol=1e-7, msg=name)
+        moved += not torch.equal(value, start[name])
+    assert moved > 0
