@@ -10,7 +10,7 @@ Qwen2.5's special tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`) and its
 `apply_chat_template` gives exactly Qwen2.5's layout. The four format tags (`<reasoning>`,
 `</reasoning>`, `<answer>`, `</answer>`) are single tokens, so a tiny policy can learn to emit them.
 
-Shapes (`SHAPES`): `tiny` (the tokenizer's own ~600-token vocabulary, 2 layers), `small` (the real
+Shapes (`SHAPES`): `tiny` (the tokenizer's own 460-token vocabulary, hidden 64, 2 layers), `small` (the real
 151,936 vocabulary, hidden 128, 4 layers: large-vocabulary costs at small compute) and
 `qwen2.5-0.5b` and `qwen2.5-1.5b` (the exact shapes of Qwen2.5-0.5B and -1.5B, tied embeddings as both).
 """
