@@ -22,13 +22,13 @@ def make_config(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**{**BASE, "output_dir": str(tmp_path / "run"), **overrides})
 
 
-def fixed_rollout(trainer: Trainer, seed: int = 0) -> Rollout:
+def fixed_rollout(trainer: Trainer, seed: int = 0, num_prompts: int | None = None) -> Rollout:
     """A rollout with random completions and rewards, the same for every trainer given the same seed."""
     g = torch.Generator().manual_seed(seed)
     cfg = trainer.config
     vocab = len(trainer.tokenizer)
     prompts, completions = [], []
-    for index in range(cfg.prompts_per_step):
+    for index in range(num_prompts or cfg.prompts_per_step):
         prompt = trainer.train_prompt_ids[index]
         for _ in range(cfg.num_generations):
             length = int(torch.randint(2, cfg.max_completion_length + 1, (1,), generator=g))
@@ -465,3 +465,28 @@ def test_reference_sync_mixes_the_policy_in_every_sync_steps_updates(tmp_path):
         torch.testing.assert_close(value, 0.6 * policy[name] + 0.4 * start[name], rtol=1e-6, atol=1e-7, msg=name)
         moved += not torch.equal(value, start[name])
     assert moved > 0
+
+
+def test_generation_reuse_updates_on_disjoint_slices(tmp_path):
+    # steps_per_generation 2: the rollout's rows are split between the two updates, each row trained on once.
+    trainer = Trainer(make_config(tmp_path, steps_per_generation=4, micro_batch_size=4))  # 2 micro-batches an update
+    pad = trainer.tokenizer.pad_token_id
+    updates, trained = [], []
+    original_loss, original_step = trainer._micro_batch_loss, trainer.optimizer.step
+
+    def spy_loss(ids, *args, **kwargs):
+        trained.extend(tuple(row[row != pad].tolist()) for row in ids)
+        return original_loss(ids, *args, **kwargs)
+
+    def spy_step(*args, **kwargs):
+        updates.append(list(trained))
+        trained.clear()
+        return original_step(*args, **kwargs)
+
+    trainer._micro_batch_loss, trainer.optimizer.step = spy_loss, spy_step
+    rollout = fixed_rollout(trainer, num_prompts=trainer.config.prompts_per_generation)
+    trainer.train_on_rollout(rollout)
+    rows = [tuple(torch.cat([p[m.bool()], c[cm.bool()]]).tolist()) for p, m, c, cm in
+            zip(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, strict=True)]
+    assert len(updates) == 2 and all(len(rows_of) == len(rows) // 2 for rows_of in updates)
+    assert sorted(updates[0] + updates[1]) == sorted(rows)
