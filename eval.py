@@ -55,6 +55,11 @@ class EvalConfig(ConfigMixin):
         return self
 
 
+def output_stem(name: str) -> str:
+    """The file-name stem of a model's outputs: <stem>.samples.jsonl and <stem>.summary.json."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip("/")) or "model"
+
+
 def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> dict:
     import torch
 
@@ -76,7 +81,7 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> d
                                 backend=backend)
     folder = Path(config.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip("/")) or "model"
+    stem = output_stem(name)
     with (folder / f"{stem}.samples.jsonl").open("w") as handle:
         handle.writelines(json.dumps(record) + "\n" for record in records)
     summary = {"model": name, "dataset": config.dataset, "split": config.split, **summary}

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data import KINDS, build_prompt, make_synthetic_problems, r1_completion  # noqa: E402
+from grpo.rollout import encode_prompt  # noqa: E402
 
 SLIP_KINDS = ("subtract", "two_step")
 
@@ -62,8 +63,7 @@ def warm_start_completions(rows: list[dict], slip_rate: float, seed: int) -> lis
 
 def prompt_ids(tokenizer, question: str) -> list[int]:
     """The token ids train.py and eval.py give the model: the chat template over [system prompt, question]."""
-    encoded = tokenizer.apply_chat_template(build_prompt(question), add_generation_prompt=True, tokenize=True)
-    return list(encoded if isinstance(encoded, list) else encoded["input_ids"])
+    return encode_prompt(tokenizer, build_prompt(question))
 
 
 def supervised_warm_start(model, tokenizer, rows: list[dict], completions: list[str], steps: int, batch_size: int,
@@ -191,7 +191,7 @@ def run_one(args, seed: int, loss_type: str, beta: float, model_dir: Path, task:
     heldout = [json.loads(line) for line in (task / "test.jsonl").read_text().splitlines()]
     result = {"seed": seed, "loss_type": loss_type, "beta": beta, "run_dir": str(run_dir)}
     for label, path in (("before", model_dir), ("after", final)):
-        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(path).strip("/"))
+        stem = eval_cli.output_stem(str(path))
         summary = json.loads((eval_dir / f"{stem}.summary.json").read_text())
         result[label] = {key: summary[key] for key in ("strict_accuracy", "lenient_accuracy", "format_compliance",
                                                        "mean_length")}
@@ -218,7 +218,7 @@ def plot_results(results: list[dict], output: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from grpo.plot import read_metrics, series
+    from grpo.plot import moving_average, read_metrics, series
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     colours = {}
@@ -230,10 +230,7 @@ def plot_results(results: list[dict], output: Path) -> None:
         left.plot(steps, values, color=colour, marker="o", markersize=3, alpha=0.8,
                   label=label if label not in left.get_legend_handles_labels()[1] else None)
         steps, values = series(records, "reward")
-        window = 10
-        smoothed = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
-                    for i in range(len(values))]
-        right.plot(steps, smoothed, color=colour, alpha=0.8)
+        right.plot(steps, moving_average(values, 10), color=colour, alpha=0.8)
     left.set(title="held-out strict accuracy (greedy)", xlabel="GRPO step", ylabel="accuracy", ylim=(0, 1))
     right.set(title="mean reward (moving average of 10 steps)", xlabel="GRPO step", ylabel="reward")
     for axis in (left, right):

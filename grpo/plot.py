@@ -75,7 +75,8 @@ def _names(records: list[dict], wanted: list[str]) -> list[str]:
     return names
 
 
-def _smooth(values: list[float], window: int) -> list[float]:
+def moving_average(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the window - 1 before it (fewer at the start)."""
     if window <= 1:
         return values
     out, total = [], 0.0
@@ -106,7 +107,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None, smooth: int 
         for name in names:
             steps, values = series(records, name)
             marker = "o" if len(steps) <= 20 else None  # sparse curves (evaluation) show their points
-            axis.plot(steps, _smooth(values, smooth if len(steps) > 20 else 1), label=name, marker=marker, markersize=3)
+            axis.plot(steps, moving_average(values, smooth if len(steps) > 20 else 1), label=name, marker=marker, markersize=3)
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.set_ylabel(label)
