@@ -5,8 +5,8 @@ calculator annotations (`<<a+b=c>>`) ending in `#### N`, exactly like GSM8K.
 
 Four kinds of problem (`KINDS`): add, subtract, multiply and two_step (a purchase, then the change).
 Their numbers come from a scale (`SCALES`): `standard` (two-digit sums, up to 9 x 12, change from $100;
-the default) or `easy` (sums up to 6 + 6, products up to 5 x 5, change from $20: arithmetic that a ~1M-parameter
-model learns in a few minutes on a CPU; the learning experiment's, bench/learning.py).
+the default) or `easy` (sums up to 6 + 6, products up to 5 x 5, change from $20: few enough facts for the `tiny` model
+to learn them all; the learning experiment's, bench/learning.py).
 """
 
 from __future__ import annotations
