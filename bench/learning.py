@@ -48,6 +48,18 @@ from grpo.rollout import encode_prompt  # noqa: E402
 SLIP_KINDS = ("subtract", "two_step")
 
 
+def problems(num_rows: int, seed: int, scale: str, kinds=KINDS) -> list[dict]:
+    """`num_rows` seeded problems of the task (data.make_synthetic_problems), of the given kinds only."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown or not kinds:
+        raise ValueError(f"kinds must be some of {KINDS}, got {list(kinds)}")
+    drawn = make_synthetic_problems(math.ceil(num_rows * len(KINDS) / len(kinds) * 1.3) + 50, seed=seed, scale=scale)
+    rows = [row for row in drawn if row["kind"] in kinds][:num_rows]
+    if len(rows) < num_rows:
+        raise RuntimeError(f"only {len(rows)} problems of kinds {list(kinds)} were drawn, {num_rows} asked for")
+    return rows
+
+
 def slipped_answer(row: dict) -> str:
     """The slip: the second operand of the solution's last step (`a - b = c` -> b), not its result."""
     last_step = re.sub(r"<<[^>]*>>", "", row["answer"].rsplit("####", 1)[0]).strip().splitlines()[-1]
@@ -108,11 +120,12 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def make_task(folder: Path, seed: int, num_train: int, num_heldout: int, seen: set[str], scale: str) -> dict:
+def make_task(folder: Path, seed: int, num_train: int, num_heldout: int, seen: set[str], scale: str,
+              kinds=KINDS) -> dict:
     """train.jsonl (GRPO's prompts) and test.jsonl (held-out: no question of the warm start or of train.jsonl)."""
-    train = make_synthetic_problems(num_train, seed=10_000 + seed, scale=scale)
+    train = problems(num_train, 10_000 + seed, scale, kinds)
     seen = seen | {row["question"] for row in train}
-    candidates = make_synthetic_problems(40 * num_heldout, seed=20_000 + seed, scale=scale)
+    candidates = problems(40 * num_heldout, 20_000 + seed, scale, kinds)
     heldout = [row for row in candidates if row["question"] not in seen][:num_heldout]
     if len(heldout) < num_heldout:
         raise RuntimeError(f"only {len(heldout)} unseen held-out problems; lower --heldout")
@@ -143,7 +156,7 @@ def warm_start(args, seed: int, folder: Path) -> tuple[Path, set[str]]:
     """Step 1: the supervised warm start, saved as a model folder train.py and eval.py load."""
     from grpo.tiny_model import build_tiny_model
 
-    rows = make_synthetic_problems(args.warm_start_rows, seed=seed, scale=args.scale)
+    rows = problems(args.warm_start_rows, seed, args.scale, args.kinds)
     model_dir = folder / "warm_start"
     if (model_dir / "model.safetensors").is_file() and not args.fresh:
         print(f"warm start: reusing {model_dir}")
@@ -169,7 +182,7 @@ def grpo_flags(args, loss_type: str, beta: float, seed: int) -> list[str]:
             "--num-generations", str(args.num_generations), "--micro-batch-size", str(args.micro_batch_size),
             "--max-prompt-length", "128", "--max-completion-length", str(args.max_completion_length),
             "--learning-rate", str(args.grpo_lr), "--max-grad-norm", str(args.max_grad_norm),
-            "--warmup-ratio", "0.05", "--lr-scheduler-type", "constant", "--weight-decay", "0.0",
+            "--warmup-ratio", "0.05", "--lr-scheduler-type", args.lr_scheduler_type, "--weight-decay", "0.0",
             "--eval-steps", str(args.eval_steps), "--eval-limit", str(args.heldout), "--eval-batch-size", "100",
             "--save-steps", "0", "--log-completions-steps", "20", "--logging-steps", "10",
             "--device", "cpu", "--precision", "fp32", "--overwrite"]
@@ -254,17 +267,19 @@ def parse_args(argv=None):
     parser.add_argument("--beta", type=float, default=None, help="KL coefficient (default 0.04; dapo: 0, as DAPO)")
     parser.add_argument("--shape", default="tiny", help="grpo/tiny_model.py shape of the warm-started model")
     parser.add_argument("--scale", default="easy", help="data/synthetic.py number scale of the problems")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="problem kinds of the task")
     parser.add_argument("--slip-rate", type=float, default=0.8, help="share of slipped answers in the slip kinds")
     parser.add_argument("--warm-start-rows", type=int, default=8_000)
     parser.add_argument("--warm-start-steps", type=int, default=600)
     parser.add_argument("--warm-start-batch", type=int, default=32)
     parser.add_argument("--warm-start-lr", type=float, default=5e-3)
-    parser.add_argument("--grpo-steps", type=int, default=100)
+    parser.add_argument("--grpo-steps", type=int, default=150)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=64)
     parser.add_argument("--max-completion-length", type=int, default=64)
-    parser.add_argument("--grpo-lr", type=float, default=3e-4)
+    parser.add_argument("--grpo-lr", type=float, default=5e-4)
+    parser.add_argument("--lr-scheduler-type", default="cosine", help="train.py's learning-rate schedule")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--train-rows", type=int, default=2000, help="GRPO's training problems")
     parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated")
@@ -280,7 +295,7 @@ def run_experiment(args) -> list[dict]:
         folder = Path(args.out) / f"seed{seed}"
         model_dir, seen = warm_start(args, seed, folder)
         task = folder / "task"
-        print(f"task: {json.dumps(make_task(task, seed, args.train_rows, args.heldout, seen, args.scale))}")
+        print(f"task: {json.dumps(make_task(task, seed, args.train_rows, args.heldout, seen, args.scale, args.kinds))}")
         for loss_type in args.loss_types:
             beta = args.beta if args.beta is not None else (0.0 if loss_type == "dapo" else 0.04)
             results.append(run_one(args, seed, loss_type, beta, model_dir, task, folder))

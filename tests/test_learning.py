@@ -87,3 +87,24 @@ def test_the_experiment_runs_end_to_end(tmp_path, capsys):
     assert (out / "learning.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "$ python train.py --model" in printed and "lift in held-out strict accuracy" in printed
+
+
+# The reduced experiment: the add and subtract kinds only (subtract slipped), 60 GRPO steps, 100 held-out problems.
+# Three seeds of it lifted held-out strict accuracy by 17, 13 and 16 points (0.55 -> 0.72, 0.54 -> 0.67,
+# 0.48 -> 0.64; docs/benchmarks.md): the test asks for 5, eight points under the lowest seed. A flipped advantage
+# sign or a zeroed loss leaves 0 or less (the zeroed loss changes no weight, so exactly 0).
+REDUCED = ["--kinds", "add", "subtract", "--grpo-steps", "60", "--heldout", "100", "--train-rows", "600",
+           "--eval-steps", "30"]
+
+
+@pytest.mark.slow
+def test_grpo_lifts_heldout_accuracy_of_the_reduced_experiment(tmp_path):
+    out = tmp_path / "learning"
+    assert learning.main(["--out", str(out), *REDUCED]) == 0
+    (result,) = json.loads((out / "results.json").read_text())
+    before, after = result["before"], result["after"]
+    assert 0.3 <= before["strict_accuracy"] <= 0.8, before  # competent, with room: the slip is there to fix
+    assert before["strict_by_kind"]["subtract"] <= 0.2, before  # greedy decoding repeats the slip
+    assert before["format_compliance"] >= 0.9 and after["format_compliance"] >= 0.9
+    assert result["lift"] >= 0.05, (before, after)
+    assert after["strict_by_kind"]["subtract"] >= before["strict_by_kind"]["subtract"] + 0.1, (before, after)
