@@ -17,6 +17,7 @@ Shapes (`SHAPES`): `tiny` (the tokenizer's own 460-token vocabulary, hidden 64, 
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -187,10 +188,50 @@ def build_tiny_model(shape: str = "tiny", seed: int = 0, tokenizer=None):
     return model.eval(), tokenizer
 
 
-def save_tiny_model(path: str | Path, shape: str = "tiny", seed: int = 0) -> Path:
-    """Build a tiny model + tokenizer and `save_pretrained` both into `path` (safetensors)."""
+@torch.no_grad()
+def set_eos_rate(model, rate: float, eos_token_id: int, seed: int = 0, iterations: int = 6) -> float:
+    """Make a random-init model draw `eos_token_id` with probability about `rate` at every position (temperature 1).
+
+    Completions then end after a geometric number of tokens (mean about 1 / rate, cut at the budget), the same
+    distribution for any sampler that draws from softmax(logits): the benchmarks' stand-in for a real model's
+    completion lengths. A random-init model's next-token distribution depends on its context; here one hidden
+    coordinate of every token's embedding is set to a constant m far above the others (initialised at std 0.02),
+    so the final norm's output is dominated by it (h_0 about sqrt(H)) whatever the context, and the output
+    projection (tied to the embedding, or given the same column) adds delta h_0 to the EOS logit alone, delta
+    fitted by a few Newton steps on the log-odds measured over random contexts. The arithmetic of every layer
+    is unchanged (the same shapes, dense weights). Returns the mean EOS probability measured after the fit.
+    """
+    if not 0 < rate < 1:
+        raise ValueError(f"rate must be in (0, 1), got {rate}")
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight  # (V, H)
+    constant = 1.0
+    embedding[:, 0] = constant
+    head[:, 0] = constant  # the same storage when tied; a shift every logit shares, so no change of distribution
+    generator = torch.Generator().manual_seed(seed)
+    contexts = torch.randint(embedding.shape[0], (8, 48), generator=generator)  # (8, 48) random token ids
+    target = math.log(rate / (1 - rate))
+    measured = rate
+    for _ in range(iterations):
+        trunk = getattr(model, model.base_model_prefix)
+        hidden = trunk(input_ids=contexts).last_hidden_state  # (8, 48, H)
+        probs = torch.softmax((hidden @ head.T).float(), dim=-1)[..., eos_token_id]  # (8, 48)
+        measured = probs.mean().item()
+        step = (target - math.log(measured / (1 - measured))) / hidden[..., 0].mean().item()
+        head[eos_token_id, 0] += step
+        if embedding.data_ptr() != head.data_ptr():
+            embedding[eos_token_id, 0] = head[eos_token_id, 0]
+    return measured
+
+
+def save_tiny_model(path: str | Path, shape: str = "tiny", seed: int = 0, eos_rate: float | None = None) -> Path:
+    """Build a tiny model + tokenizer and `save_pretrained` both into `path` (safetensors).
+
+    eos_rate: completions end at about this rate per token (`set_eos_rate`); None keeps the random init, whose
+    completions run to the token budget (EOS is one token of the vocabulary)."""
     path = Path(path)
     model, tokenizer = build_tiny_model(shape, seed)
+    if eos_rate is not None:
+        set_eos_rate(model, eos_rate, tokenizer.convert_tokens_to_ids(IM_END), seed=seed)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

@@ -51,6 +51,42 @@ def test_fast_sampler_draws_the_plain_samplers_tokens(shape, sampling):
         assert len(set(plain.completion_ids.flatten().tolist())) > 5  # varied tokens: the test can tell samplers apart
 
 
+@pytest.mark.parametrize("shape", ["tiny", "small"])
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)], ids=["plain", "top_p"])
+@pytest.mark.parametrize("lean_decode", [True, False], ids=["lean", "transformers"])
+def test_compaction_draws_the_tokens_of_decoding_every_row(shape, sampling, lean_decode, monkeypatch):
+    # Completions that end at a known rate (set_eos_rate), so rows finish at many different steps and the fast
+    # sampler drops them from its cache: the same tokens, masks and log-probs as decoding every row to the end.
+    import grpo.kernels.sampling as fast
+    from grpo.tiny_model import IM_END, set_eos_rate
+
+    model, tokenizer = build_tiny_model(shape, seed=0)
+    set_eos_rate(model, 0.12, tokenizer.convert_tokens_to_ids(IM_END))
+    params = SamplingParams(max_completion_length=40, eos_token_ids=(tokenizer.eos_token_id,), **sampling)
+    compactions = []
+    select = fast._ReservedLayer.batch_select_indices
+    monkeypatch.setattr(fast._ReservedLayer, "batch_select_indices",
+                        lambda layer, indices: (compactions.append(indices.numel()), select(layer, indices))[1])
+    runs = {}
+    for share in (fast._COMPACT_SHARE, 10**9):  # 10**9: never compacts
+        monkeypatch.setattr(fast, "_COMPACT_SHARE", share)
+        runs[share] = FastSampler().sample_groups(model, _prompts(tokenizer), 8, params, tokenizer.pad_token_id,
+                                                  generator=torch.Generator().manual_seed(5), return_logprobs=True,
+                                                  lean_decode=lean_decode)
+    compacted, every_row = runs[fast._COMPACT_SHARE], runs[10**9]
+    lengths = compacted.completion_mask.sum(-1)
+    assert len(set(lengths.tolist())) > 6 and compactions  # rows ended at many steps, and left the cache
+    assert torch.equal(compacted.completion_ids, every_row.completion_ids)
+    assert torch.equal(compacted.completion_mask, every_row.completion_mask)
+    assert torch.equal(compacted.truncated, every_row.truncated)
+    torch.testing.assert_close(compacted.logprobs, every_row.logprobs, rtol=1e-5, atol=1e-5)
+    if shape == "tiny":  # and the plain sampler's (at the real vocabulary fp32 and fp64 sums may split a near tie)
+        plain = sample_groups(model, _prompts(tokenizer), 8, params, tokenizer.pad_token_id,
+                              generator=torch.Generator().manual_seed(5), return_logprobs=True)
+        assert torch.equal(compacted.completion_ids, plain.completion_ids)
+        torch.testing.assert_close(compacted.logprobs, plain.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def _batch(vocab, generator, rows=4, prompt=6, completion=5):
     input_ids = torch.randint(3, vocab, (rows, prompt + completion), generator=generator)
     lengths = torch.tensor([5, 1, 3, 4])[:rows]
@@ -123,6 +159,51 @@ def test_fused_loss_matches_logprobs_then_loss_then_aggregation(tokenizer, loss_
     if off_policy:  # the clip and the delta cap bite on some tokens, so a wrong branch would show
         ratio = (logps.detach() - old).exp()[completion_mask.bool()]
         assert ((ratio < 0.99) | (ratio > 1.02)).any() and ((ratio > 0.99) & (ratio < 1.02)).any()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_trunk_pass_gives_the_padded_logprobs_and_gradients(tokenizer, tied):
+    # grpo.kernels.packing on CPU with SDPA (transformers gives the packed row a block-diagonal mask): the same
+    # log-probs, entropies, fused loss and gradients as the padded micro-batch, left and right padding included.
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    if not tied:  # an untied output projection: the fused loss's plain embedding backward
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 1.5)
+    model.train()
+    generator = torch.Generator().manual_seed(8)
+    ids, attention_mask, completion_mask = _batch(model.config.vocab_size, generator, prompt=7, completion=6)
+    attention_mask[2, :4] = 0  # more left padding
+    ids = ids.masked_fill(attention_mask == 0, tokenizer.pad_token_id)
+    weights = torch.randn(completion_mask.shape, generator=generator)
+    advantages = torch.randn(4, generator=generator)
+    options = LossOptions(beta=0.0, loss_type="dapo")
+    results = {}
+    for packed in (False, True):
+        model.zero_grad()
+        logps, entropy = kernel_logprobs(model, ids, attention_mask, completion_mask, 0.8, True, packed=packed)
+        (logps * weights).sum().backward()
+        loss, fused_logps, _ = fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, None,
+                                                     None, weights, options, 0.8, buffers=Buffers(), packed=packed)
+        loss.backward()
+        results[packed] = (logps.detach(), entropy, fused_logps, loss.detach(), _grads(model))
+    padded, packed = results[False], results[True]
+    for got, expected in zip(packed[:4], padded[:4], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _assert_same_grads(packed[4], padded[4])
+    assert completion_mask.sum() < completion_mask.numel()  # the rows had padding to leave out
+
+
+def test_packing_is_chosen_where_it_needs_no_dense_mask(tokenizer):
+    from grpo.kernels.packing import packs_without_dense_mask
+
+    assert packs_without_dense_mask("flash_attention_2") and packs_without_dense_mask("kernels-community/flash-attn")
+    assert packs_without_dense_mask("flex_attention")
+    assert not packs_without_dense_mask("sdpa") and not packs_without_dense_mask("eager")
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    choice = select_kernels("auto", torch.device("cpu"), model=model)
+    assert not choice.packed_logprobs and "'sdpa'" in choice.reasons["packed_logprobs"]
+    model.config._attn_implementation = "flash_attention_2"
+    assert select_kernels("auto", torch.device("cpu"), model=model).packed_logprobs
 
 
 def test_fused_loss_refuses_sequence_level_ratios(tokenizer):

@@ -91,6 +91,10 @@ class LeanDecodeStep:
         allowed = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(num_rows, max_new, dtype=torch.bool)], dim=1)
         self.allowed = allowed[:, None, None, :]
 
+    def keep_rows(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` of the attention mask (the sampler compacts the cache alike)."""
+        self.allowed = self.allowed[indices]
+
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         num_rows, heads, kv_heads, head_dim = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim
         x = self.trunk.embed_tokens(input_ids[:, 0])  # (N, H)

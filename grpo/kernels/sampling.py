@@ -15,6 +15,9 @@ What it does beyond the plain loop (docs/design.md has the why of each):
 - The lean CPU decode step of Qwen2/Llama trunks (grpo.kernels.lean_decode) and, on CUDA, the static
   cache + compiled decode step (grpo.kernels.compiled_decode).
 - On CPU it runs in inference mode (autograd bookkeeping skipped; results are copied out).
+- Compaction (eager decoding): finished rows leave the KV cache, the masks and the buffers once they are an
+  eighth of the rows still decoding, so decode work follows the real tokens rather than the longest row. The
+  static cache and compiled step (CUDA) keep their fixed shapes and decode every row to the end.
 
 Notation: B prompts, G group size, N = B * G rows, P prompt tokens, T completion tokens, V vocabulary.
 """
@@ -141,6 +144,15 @@ class _ReservedLayer(DynamicLayer):
         self.keys, self.values = keys_room[..., :end, :], values_room[..., :end, :]
         return self.keys, self.values
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` (the sampler's compaction), room included."""
+        keys_room, values_room = self._room
+        if self.keys.data_ptr() != keys_room.data_ptr():  # past the room: a plain layer now
+            return super().batch_select_indices(indices)
+        length = self.keys.shape[-2]
+        self._room = [keys_room[indices], values_room[indices]]
+        self.keys, self.values = (room[..., :length, :] for room in self._room)
+
 
 def _reserve(cache: DynamicCache, extra: int) -> None:
     """Give each plain, filled DynamicLayer of `cache` room for `extra` more positions (others are left as they are)."""
@@ -251,6 +263,11 @@ def _draw(weights: torch.Tensor, block_sums: torch.Tensor, uniform: torch.Tensor
 # overflow, and the largest weight is at least 2^-60 / V, so only weights under ~2^-49 of it reach fp32's subnormals.
 _SHIFT_MARGIN = 16.0
 _TOTAL_RANGE = (2.0**-60, 2.0**110)
+
+# Compaction: the finished rows leave the decode loop once they are at least 1 / _COMPACT_SHARE of the rows still in
+# it (and at least one). Each compaction copies the KV cache of the rows that go on, so it waits for a share of them
+# instead of running at every finished row; a finished row waits at most until the share is reached.
+_COMPACT_SHARE = 8
 
 
 def _sample_base2(y: torch.Tensor, uniform: torch.Tensor, out: torch.Tensor | None = None):
@@ -382,43 +399,61 @@ class FastSampler:
         logprobs = torch.zeros(num_rows, max_new, device=device) if return_logprobs else None
         done = torch.zeros(num_rows, dtype=torch.bool, device=device)
         lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
+        # Compaction (eager decoding): the loop runs on the n rows still decoding, `active` (n,) their indices in
+        # the N rows; when enough of them have finished, they leave the cache, the masks and the buffers, so a
+        # finished row costs no more decode work. The static (compiled) decoder keeps its fixed N rows.
+        active = torch.arange(num_rows, device=device)  # (n,)
+        live = torch.ones(num_rows, dtype=torch.bool, device=device)  # (n,) not finished yet
         for step in range(max_new):
-            if step_callback is not None:  # the logits z, also in shifted steps
-                step_callback(step, (logits if shift is None else logits + shift[:, None]) / scale)
+            if step_callback is not None:  # the logits z, also in shifted steps; finished rows that left: NaN
+                z = (logits if shift is None else logits + shift[:, None]) / scale
+                step_callback(step, z if z.shape[0] == num_rows else
+                              z.new_full((num_rows, z.shape[1]), float("nan")).index_copy_(0, active, z))
+            uniform = draw_uniform(generator, num_rows, step, device) if params.temperature > 0 else None  # (N, 1)
+            uniform = uniform if uniform is None or active.shape[0] == num_rows else uniform[active]  # (n, 1)
             if shifted:
-                uniform = draw_uniform(generator, num_rows, step, device)  # (N, 1), as sample_next_token draws
-                tokens, log2_total = _sample_base2(logits, uniform, out=scratch)  # log2_total (N,) in y's frame
+                tokens, log2_total = _sample_base2(logits, uniform, out=scratch)  # log2_total (n,) in y's frame
             else:
-                if scratch is None or scratch.stride() != logits.stride():
+                if scratch is None or scratch.stride() != logits.stride() or scratch.shape != logits.shape:
                     scratch = torch.empty_like(logits, dtype=torch.float32)
-                uniform = draw_uniform(generator, num_rows, step, device) if params.temperature > 0 else None
                 tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p,
                                            out=scratch, uniform=uniform)
-            tokens = tokens.masked_fill(done, pad_token_id)  # (N,) finished rows are padded
-            completion_ids[:, step] = tokens
+            tokens = tokens.masked_fill(~live, pad_token_id)  # (n,) finished rows are padded
+            completion_ids[active, step] = tokens
             if return_logprobs and shifted:  # log p = ln 2 (y_token - log2 sum_j 2^y_j)
-                logprobs[:, step] = (logits.gather(-1, tokens[:, None]).squeeze(-1) - log2_total) * _LN_2 * ~done
+                logprobs[active, step] = (logits.gather(-1, tokens[:, None]).squeeze(-1) - log2_total) * _LN_2 * live
             elif return_logprobs:
                 temperature = params.temperature if params.temperature > 0 else 1.0
-                logprobs[:, step] = torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1) * ~done
-            hit_eos = torch.isin(tokens, eos) & ~done
-            lengths = torch.where(hit_eos, step + 1, lengths)
-            done |= hit_eos
-            if step == max_new - 1 or bool(done.all()):  # note: a CPU-GPU sync point, once per token
+                logprobs[active, step] = torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1) * live
+            hit_eos = torch.isin(tokens, eos) & live  # (n,)
+            lengths[active] = torch.where(hit_eos, step + 1, lengths[active])
+            done[active] |= hit_eos
+            live &= ~hit_eos
+            remaining = int(live.sum())  # note: a CPU-GPU sync point, once per token
+            if step == max_new - 1 or remaining == 0:
                 break
             # The next step's shift: this step's log-normaliser (shift + log2_total) less a margin (see _SHIFT_MARGIN).
-            head_kwargs = {}
             if shifted:
-                shift = (log2_total if shift is None else shift + log2_total) - _SHIFT_MARGIN  # (N,)
-                head_kwargs = {"shift": shift, "scale": scale}
+                shift = (log2_total if shift is None else shift + log2_total) - _SHIFT_MARGIN  # (n,)
+            if decoder is None and live.shape[0] - remaining >= max(1, live.shape[0] // _COMPACT_SHARE):
+                keep = live.nonzero().squeeze(-1)  # (n',) rows of the active ones that go on
+                active, live, tokens, positions = active[keep], live[keep], tokens[keep], positions[keep]
+                shift = None if shift is None else shift[keep]
+                attention_mask = attention_mask[keep]
+                cache.batch_select_indices(keep)
+                if lean is not None:
+                    lean.keep_rows(keep)
+                if shifted:
+                    scratch = self.buffers.get("decode_weights", logits.shape[1], active.shape[0], torch.float32, device).T
+            head_kwargs = {"shift": shift, "scale": scale} if shifted else {}
             if decoder is not None:
                 logits = decoder(model, head, tokens[:, None], positions, step, **head_kwargs)
             elif lean is not None:
-                logits = head.project(lean(tokens[:, None], positions), **head_kwargs)  # (N, V)
+                logits = head.project(lean(tokens[:, None], positions), **head_kwargs)  # (n, V)
             else:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_rows, 1)], dim=1)  # (N, P + t + 1)
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(active.shape[0], 1)], dim=1)  # (n, P + t + 1)
                 logits = head(cache, input_ids=tokens[:, None], attention_mask=attention_mask,
-                              position_ids=positions, **head_kwargs)  # (N, V)
+                              position_ids=positions, **head_kwargs)  # (n, V)
             positions = positions + 1
 
         return finish_sample(prompt_ids, prompt_mask, completion_ids, lengths, done, logprobs, steps=step + 1)
