@@ -46,6 +46,7 @@ from grpo.evaluation import evaluate, make_scorer
 from grpo.distributed import gathered, init_world, resolve_mode, wrap_model
 from grpo.generation import make_generation_backend
 from grpo.kernels import select_kernels, use_cpu_huge_pages
+from grpo.kernels.batching import length_grouped, length_sorted
 from grpo.kernels.buffers import Buffers
 from grpo.kernels.fused_loss import fused_completion_loss
 from grpo.kernels.logprobs import completion_logprobs as fast_completion_logprobs
@@ -461,14 +462,19 @@ class Trainer:
                 self.config.logprob_chunk_size)
         with self.autocast:
             if self.kernels.update_logprobs if update else self.kernels.fast_logprobs:  # the same numbers, faster
-                return call(fast_completion_logprobs, *args, buffers=self.logprob_buffers)
+                return call(fast_completion_logprobs, *args, buffers=self.logprob_buffers,
+                            packed=self.kernels.packed_logprobs)
             return call(completion_logprobs, *args, fp32_head=self.config.cast_lm_head_to_fp32)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, call, rollout_tensors, completion_mask) -> torch.Tensor:
         """(N, T) log-probs computed micro-batch by micro-batch, without grad (reference or old policy)."""
         out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=self.device)
-        for rows in torch.arange(completion_mask.shape[0]).split(self.config.micro_batch_size):
+        if self.kernels.length_sorted_passes:  # grpo.kernels.batching: less padding, each row's log-probs the same
+            batches = length_sorted(completion_mask.sum(-1), self.config.micro_batch_size)
+        else:
+            batches = torch.arange(completion_mask.shape[0], device=completion_mask.device).split(self.config.micro_batch_size)
+        for rows in batches:
             ids, attention_mask, cm = _micro_batch(rollout_tensors, completion_mask, rows)
             logps, _ = self._logprobs(call, ids, attention_mask, cm)
             out[rows, : cm.shape[1]] = logps
@@ -490,7 +496,7 @@ class Trainer:
             with self.autocast:
                 loss, logps, entropy = self.policy_call(
                     fused_completion_loss, ids, attention_mask, cm, advantages, old_logps, ref_logps, weights, options,
-                    cfg.temperature, cfg.logprob_chunk_size, self.logprob_buffers)
+                    cfg.temperature, cfg.logprob_chunk_size, self.logprob_buffers, packed=self.kernels.packed_logprobs)
         else:
             logps, entropy = self._logprobs(self.policy_call, ids, attention_mask, cm, with_entropy=True, update=True)
             old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
@@ -533,6 +539,7 @@ class Trainer:
         rollout's micro-batches are split into k disjoint slices, one per update. Returns the step's metrics
         (over every rank). Micro-batch losses are summed into the accumulated gradient, so each update equals
         the full-slice one (grpo.loss.aggregate_loss says exactly when); DDP / FSDP2 average it over ranks.
+        shuffle=False: micro-batches of consecutive rows in rollout order, never regrouped (the parity tests).
         """
         cfg, device, world = self.config, self.device, self.world
         num_rows, updates_per_rollout = rollout.num_rows, cfg.updates_per_generation
@@ -574,6 +581,9 @@ class Trainer:
             order = (torch.randperm(num_rows, generator=_seeded(cfg.seed, self.step, iteration, world.rank))
                      if shuffle else torch.arange(num_rows))
             micro_batches = order.split(cfg.micro_batch_size)  # k * num_micro of them
+            if shuffle and self.kernels.length_grouping:  # grpo.kernels.batching: each update's rows, less padding
+                micro_batches = length_grouped(order, completion_mask.sum(-1).cpu(), cfg.micro_batch_size,
+                                               updates_per_rollout)
             for update in range(updates_per_rollout):
                 step_loss, finite, update_stats = 0.0, True, []
                 coef = self.entropy_control.applied()  # the same for every micro-batch of this update

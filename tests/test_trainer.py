@@ -285,6 +285,102 @@ def test_kernels_give_the_plain_gradients(tmp_path, options):
         assert metrics["auto"]["clip_ratio/region_mean"] > 0  # the second pass is off-policy and clips
 
 
+@pytest.mark.parametrize("options", [
+    dict(loss_type="grpo", beta=0.04),
+    dict(loss_type="dapo", beta=0.0, num_iterations=2, epsilon=1e-3),  # the second pass regroups its own shuffle
+    dict(loss_type="dr_grpo", beta=0.04, steps_per_generation=16),  # two updates (8 micro-batches each), own rows
+    dict(loss_type="luspo", beta=0.0, importance_sampling_level="sequence"),
+    dict(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+    dict(loss_type="sapo", beta=0.0),
+])
+@pytest.mark.own_kernels
+def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tmp_path, options, monkeypatch):
+    # grpo.kernels.batching: each update's rows sorted by completion length before the split into micro-batches.
+    # Against the random micro-batches of the same rows (everything else the same kernels): the same loss and
+    # gradient at every update, other micro-batches, and fewer padded positions.
+    import grpo.trainer as trainer_module
+
+    cells, grads, metrics, losses = {}, {}, {}, {}
+    original = trainer_module._micro_batch
+    for grouping in (True, False):
+        trainer = Trainer(make_config(tmp_path / str(grouping), micro_batch_size=2, prompts_per_step=4,
+                                      max_completion_length=16, adam_epsilon=1e-6, **options))
+        assert trainer.kernels.length_grouping
+        trainer.kernels.length_grouping = grouping
+        cells[grouping] = []
+
+        def recording(tensors, completion_mask, rows, out=cells[grouping]):
+            ids, attention_mask, cm = original(tensors, completion_mask, rows)
+            out.append(ids.numel())
+            return ids, attention_mask, cm
+
+        monkeypatch.setattr(trainer_module, "_micro_batch", recording)
+        step, grads[grouping] = trainer.optimizer.step, []
+
+        def capture(step=step, trainer=trainer, out=grads[grouping]):
+            out.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
+            return step()
+
+        trainer.optimizer.step = capture
+        rollout = fixed_rollout(trainer, num_prompts=trainer.config.prompts_per_generation)
+        metrics[grouping] = trainer.train_on_rollout(rollout)
+        losses[grouping] = trainer.last_step["micro_batch_losses"]
+    assert len(grads[True]) == len(grads[False]) == options.get("num_iterations", 1) * options.get("steps_per_generation", 8) // 8
+    for grouped_step, random_step in zip(grads[True], grads[False], strict=True):
+        for name, random_grad in random_step.items():
+            torch.testing.assert_close(grouped_step[name], random_grad, rtol=1e-5,
+                                       atol=1e-5 * random_grad.abs().max().item(), msg=name)
+    for key in ("loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean", "policy_loss"):
+        if metrics[False].get(key) is not None:
+            assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5, abs=1e-6), key
+    assert sorted(losses[True]) != pytest.approx(sorted(losses[False]))  # other micro-batches, the same sum
+    assert sum(cells[True]) < sum(cells[False])  # and less padding (the reference pass is sorted in both runs)
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="grpo", beta=0.04, num_iterations=2, epsilon=1e-3),
+                                     dict(loss_type="dapo", beta=0.0, importance_sampling_level="sequence")])
+@pytest.mark.own_kernels
+def test_packed_logprob_passes_give_the_padded_steps_gradients(tmp_path, options):
+    # grpo.kernels.packing in the reference, old-policy and update passes (forced on: on CPU with SDPA it is exact
+    # but not chosen, see select_kernels) against the padded passes: the same gradients and metrics.
+    grads, metrics = {}, {}
+    for packed in (True, False):
+        trainer = Trainer(make_config(tmp_path / str(packed), micro_batch_size=4, max_completion_length=12,
+                                      adam_epsilon=1e-6, **options))
+        assert not trainer.kernels.packed_logprobs and "sdpa" in trainer.kernels.reasons["packed_logprobs"]
+        trainer.kernels.packed_logprobs = packed
+        step, grads[packed] = trainer.optimizer.step, []
+
+        def capture(step=step, trainer=trainer, out=grads[packed]):
+            out.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
+            return step()
+
+        trainer.optimizer.step = capture
+        metrics[packed] = trainer.train_on_rollout(fixed_rollout(trainer))
+    for packed_step, padded_step in zip(grads[True], grads[False], strict=True):
+        for name, padded in padded_step.items():
+            torch.testing.assert_close(packed_step[name], padded, rtol=1e-5, atol=1e-5 * padded.abs().max().item(), msg=name)
+    for key in ("loss", "kl", "entropy", "grad_norm"):
+        if metrics[False].get(key) is not None:
+            assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5, abs=1e-6), key
+
+
+def test_length_grouping_steps_aside_where_the_grouping_changes_the_loss(tmp_path):
+    from grpo.kernels import select_kernels
+    from grpo.loss import LossOptions
+
+    cpu = torch.device("cpu")
+    assert select_kernels("auto", cpu, LossOptions(loss_type="grpo")).length_grouping
+    for options, entropy_bonus, reason in [(LossOptions(loss_type="bnpo"), False, "bnpo"),
+                                           (LossOptions(top_entropy_quantile=0.2), False, "quantile"),
+                                           (LossOptions(), True, "entropy bonus")]:
+        choice = select_kernels("auto", cpu, options, entropy_bonus=entropy_bonus)
+        assert not choice.length_grouping and reason in choice.reasons["length_grouping"]
+        assert choice.length_sorted_passes  # the passes without a loss sort their rows whatever the loss
+    plain = select_kernels("plain", cpu)
+    assert not (plain.length_grouping or plain.length_sorted_passes)
+
+
 @pytest.mark.own_kernels
 def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     from grpo.config import config_from_args

@@ -6,6 +6,8 @@
     grpo.kernels.compiled_decode   the decode step (static cache, CUDA graphs)       CUDA
     grpo.kernels.logprobs          grpo.logprobs.completion_logprobs                 every device
     grpo.kernels.fused_loss        completion_logprobs -> per_token_loss -> aggregate_loss   token-level ratios
+    grpo.kernels.batching          random micro-batches (rows of similar length together)   not bnpo, entropy terms
+    grpo.kernels.packing           the padded trunk pass of the log-prob kernels (packed rows)   flash / flex attention
     grpo.kernels.buffers           reused CPU storage, owned by the objects that run the kernels
 
 `--kernels plain` runs the plain path everywhere (the definition a reader checks against the paper);
@@ -37,6 +39,9 @@ class KernelChoice:
     fast_logprobs: bool = False  # grpo.kernels.logprobs instead of grpo.logprobs (reference and old log-probs)
     update_logprobs: bool = False  # the same in the update pass, where the loss may differentiate the entropy
     fused_loss: bool = False  # grpo.kernels.fused_loss instead of log-probs -> per_token_loss -> aggregate_loss
+    length_grouping: bool = False  # grpo.kernels.batching: update micro-batches of rows of similar length
+    length_sorted_passes: bool = False  # the same for the reference and old-policy passes (no loss: always exact)
+    packed_logprobs: bool = False  # grpo.kernels.packing: the log-prob kernels' trunk pass on packed real tokens
     reasons: dict[str, str] = field(default_factory=dict)  # kernel -> why it is off
 
     def log_reasons(self) -> None:
@@ -61,7 +66,17 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     if kernels == "plain":
         return KernelChoice(reasons={"all": "--kernels plain"})
     options = loss_options or LossOptions()
-    choice = KernelChoice(fast_sampler=True, fast_logprobs=True, fused_loss=True, update_logprobs=True)
+    choice = KernelChoice(fast_sampler=True, fast_logprobs=True, fused_loss=True, update_logprobs=True,
+                          length_grouping=True, length_sorted_passes=True)
+    grouping_dependent = [reason for condition, reason in [
+        (options.loss_type == "bnpo", "bnpo divides each micro-batch's loss by that micro-batch's token count"),
+        (options.top_entropy_quantile < 1.0, "the entropy mask's quantile is taken over each micro-batch"),
+        (entropy_bonus, "the entropy bonus is a mean over each micro-batch's tokens"),
+    ] if condition]
+    if grouping_dependent:
+        choice.length_grouping = False
+        choice.reasons["length_grouping"] = "; ".join(grouping_dependent) + ": regrouping would change the loss, so " \
+            "the update keeps the random micro-batches"
     coupled = [reason for condition, reason in [
         (options.importance_sampling_level != "token", "sequence-level ratios couple a completion's tokens"),
         (options.loss_type == "vespo", "vespo weighs each token by its completion's ratio"),
@@ -86,6 +101,15 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     if plain_update:
         choice.update_logprobs = False
         choice.reasons["update_logprobs"] = "; ".join(plain_update) + ": the update pass takes grpo.logprobs"
+    from grpo.kernels.packing import packs_without_dense_mask
+
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if model is not None and packs_without_dense_mask(attention):
+        choice.packed_logprobs = True
+    else:
+        choice.reasons["packed_logprobs"] = (f"attention implementation {attention!r} would take a packed row's dense "
+                                             "block-diagonal mask; padded micro-batches of similar lengths run instead "
+                                             "(flash attention and flex attention pack)")
     if device.type == "cuda":
         choice.compile_decode = True
     else:

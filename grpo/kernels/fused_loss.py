@@ -25,6 +25,7 @@ import torch
 
 from grpo.kernels.buffers import Buffers
 from grpo.kernels.logprobs import _LN_2, _add_chunk_grads, _chunk_forward, _compute_dtype
+from grpo.kernels.packing import packed_completion_hidden
 from grpo.logprobs import check_temperature, completion_hidden, default_chunk_size, scatter_rows
 from grpo.loss import LossOptions, token_loss
 
@@ -157,7 +158,8 @@ class _FusedTokenLoss(torch.autograd.Function):
 
 
 def completion_token_loss(model, input_ids, attention_mask, completion_mask, loss_fn, temperature: float = 1.0,
-                          with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None):
+                          with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None,
+                          packed: bool = False):
     """loss = sum over real completion tokens of loss_fn(logp, index): the log-probs and the loss in one pass.
 
     `loss_fn(logps (c,), index)` gets a chunk of log-probs (with grad) and `index`, the slice of those tokens
@@ -173,7 +175,8 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
     embeds = None
     if tied is not None:  # the trunk gets embeddings whose backward completes the tied matrix's gradient
         embeds = _TiedEmbedding.apply(embedding.weight, input_ids, embedding.padding_idx, tied)
-    hidden, targets, keep, weight = completion_hidden(model, input_ids, attention_mask, completion_mask, embeds)
+    trunk_pass = packed_completion_hidden if packed else completion_hidden  # packed: grpo.kernels.packing
+    hidden, targets, keep, weight = trunk_pass(model, input_ids, attention_mask, completion_mask, embeds)
     loss, token_logps, token_entropy = _FusedTokenLoss.apply(
         hidden, weight, targets, float(temperature), chunk_size or default_chunk_size(weight.shape[0]), with_entropy,
         loss_fn, tied, buffers)
@@ -182,7 +185,7 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
 
 def fused_completion_loss(model, input_ids, attention_mask, completion_mask, advantages, old_logps, ref_logps,
                           weights, options: LossOptions, temperature: float = 1.0, chunk_size: int | None = None,
-                          buffers: Buffers | None = None):
+                          buffers: Buffers | None = None, packed: bool = False):
     """The micro-batch loss sum(weights * per_token_loss(logps, ...)) for token-level ratios, in one pass.
 
     weights (n, T): `grpo.loss.aggregation_weights(mask, loss_type, ...)`, so the loss equals
@@ -203,4 +206,4 @@ def fused_completion_loss(model, input_ids, attention_mask, completion_mask, adv
         return (token_loss(logps, chunk_old, token_advantages[index], chunk_ref, options) * token_weights[index]).sum()
 
     return completion_token_loss(model, input_ids, attention_mask, completion_mask, chunk_loss, temperature,
-                                 with_entropy=True, chunk_size=chunk_size, buffers=buffers)
+                                 with_entropy=True, chunk_size=chunk_size, buffers=buffers, packed=packed)

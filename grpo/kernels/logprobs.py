@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from grpo.kernels.buffers import Buffers
+from grpo.kernels.packing import packed_completion_hidden
 from grpo.logprobs import check_temperature, completion_hidden, default_chunk_size, scatter_rows
 
 
@@ -316,10 +317,13 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
-                        with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None):
-    """Same inputs and result as `grpo.logprobs.completion_logprobs`; `buffers` holds the reused chunk storage."""
+                        with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None,
+                        packed: bool = False):
+    """Same inputs and result as `grpo.logprobs.completion_logprobs`; `buffers` holds the reused chunk storage.
+    packed: the trunk runs on the real tokens packed into one row (grpo.kernels.packing)."""
     check_temperature(temperature)
-    hidden, targets, keep, weight = completion_hidden(model, input_ids, attention_mask, completion_mask)
+    trunk_pass = packed_completion_hidden if packed else completion_hidden
+    hidden, targets, keep, weight = trunk_pass(model, input_ids, attention_mask, completion_mask)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
     token_logps, token_entropy = _ChunkedTokenLogProbs.apply(
         hidden, weight, targets, float(temperature), chunk_size, with_entropy, buffers or Buffers())  # (M,), (M,)
