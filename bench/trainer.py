@@ -75,13 +75,20 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
     )
     trainer = Trainer(config, train_rows=add_prompts(make_synthetic_gsm8k(256, seed=0)))
     trainer.save = lambda: None  # checkpoint writing is not part of a step on either side
+    lengths, train_on_rollout = [], trainer.train_on_rollout
+
+    def recording(rollout, **kwargs):  # each step's real prompt and completion tokens per row, for the floor
+        lengths.append({"prompt": rollout.prompt_mask.sum(-1).tolist(), "completion": rollout.completion_mask.sum(-1).tolist()})
+        return train_on_rollout(rollout, **kwargs)
+
+    trainer.train_on_rollout = recording
     trainer.train()
     metrics = read_jsonl(Path(out_dir) / "metrics.jsonl")
     return {"step_times": [m["step_time"] for m in metrics],
             "phases": [{"sample": m["sample_time"], "reference": m["reference_time"],
                         "update": m["step_time"] - m["sample_time"] - m["reference_time"]} for m in metrics],
             "tokens": [m["completions/mean_length"] * config.completions_per_step for m in metrics],
-            "peak_mib": _peak_memory_mib(device)}
+            "lengths": lengths, "peak_mib": _peak_memory_mib(device)}
 
 
 def run_trl(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -> dict:
@@ -126,99 +133,147 @@ def run_trl(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -
             "peak_mib": _peak_memory_mib(device)}
 
 
-def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats: int = 5) -> dict:
-    """Time of the matrix products one GRPO step cannot avoid, with torch.mm at the step's shapes.
+class Products:
+    """Timings of the matrix products of one GRPO step at a model shape, each measured once and kept.
 
-    Every product of the step is timed on its own: each linear layer's forward Y = X W^T and, for the
-    update, its backward dX = dY W and dW = dY^T X; the output projection over all completion positions
-    at once (no chunking); attention's two batched products per layer. Each product writes into a
-    preallocated output (allocation is not part of a product), is timed in both orientations (A B, and
-    (B^T A^T)^T with the weight's own (out, in) layout: BLAS speed depends on it) and up to `repeats`
-    times; the fastest timing of the faster orientation counts. Returns the parts and their total
-    (seconds), and under "<part>_median" the same sums of each product's median timing: a step's median
-    includes the machine's timing noise, which the fastest of several timings leaves out.
+    Each product writes into a preallocated output (allocation is not part of a product), is timed in both
+    orientations (A B, and (B^T A^T)^T with the weight's own (out, in) layout: BLAS speed depends on it) and up
+    to `repeats` times; the faster orientation counts, by its fastest timing. `pick` 0 gives each product's
+    fastest timing, 1 its median (a step's median includes the machine's timing noise, which the fastest of
+    several timings leaves out). On a GPU one product is a kernel of microseconds: timing it alone would count
+    the launch and the synchronisation, so there each timing runs it ten times back to back and takes the mean.
     """
-    import torch
 
-    from grpo.tiny_model import SHAPES
+    def __init__(self, shape: str, precision: str, device: str, repeats: int = 5):
+        import torch
 
-    dims = SHAPES[shape]
-    hidden, inter, layers, vocab = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"], dims["vocab_size"] or 512
-    heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
-    head_dim = hidden // heads
-    dtype = torch.bfloat16 if work["precision"] == "bf16" else torch.float32
-    rows, new = work["prompts"] * work["group"], work["new_tokens"]
-    linears = [(hidden, hidden), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim), (hidden, hidden),
-               (hidden, inter), (hidden, inter), (inter, hidden)]  # q, k, v, o, gate, up, down: (in, out)
-    measured: dict[tuple, tuple[float, float]] = {}  # product -> (fastest, median) seconds
+        from grpo.tiny_model import SHAPES
 
-    def sync():
-        if device == "cuda":
+        dims = SHAPES[shape]
+        self.hidden, self.inter, self.layers = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
+        self.vocab = dims["vocab_size"] or 512
+        self.heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
+        self.head_dim = self.hidden // self.heads
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.device, self.repeats, self.calls = device, repeats, 10 if device == "cuda" else 1
+        kv = kv_heads * self.head_dim
+        h, i = self.hidden, self.inter
+        self.linears = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # q, k, v, o, gate, up, down: (in, out)
+        self.measured: dict[tuple, tuple[float, float]] = {}  # product -> (fastest, median) seconds
+
+    def _sync(self):
+        if self.device == "cuda":
+            import torch
+
             torch.cuda.synchronize()
 
-    # On a GPU one product is a kernel of microseconds: timing it alone would count the launch and the
-    # synchronisation. There each timing runs it `calls` times back to back and takes the mean.
-    calls = 10 if device == "cuda" else 1
-
-    def timed(run) -> tuple[float, float]:
+    def _timed(self, run) -> tuple[float, float]:
         """(fastest, median) seconds of `run` over up to `repeats` timings."""
         times, spent = [], 0.0
-        for attempt in range(repeats):
-            sync()
+        for attempt in range(self.repeats):
+            self._sync()
             start = time.perf_counter()
-            for _ in range(calls):
+            for _ in range(self.calls):
                 run()
-            sync()
+            self._sync()
             elapsed = time.perf_counter() - start
-            times.append(elapsed / calls)
+            times.append(elapsed / self.calls)
             spent += elapsed
             if attempt and spent > 1.0:  # large products: two or three timings are enough
                 break
         return min(times), statistics.median(times)
 
-    def product(m, k, n) -> tuple[float, float]:
-        """One (m, k) @ (k, n) product in its faster orientation (by fastest timing)."""
-        if (m, k, n) not in measured:
+    def product(self, m, k, n) -> tuple[float, float]:
+        """One (m, k) @ (k, n) product in its faster orientation (by fastest timing); 0 when empty."""
+        import torch
+
+        if min(m, k, n) == 0:
+            return 0.0, 0.0
+        if (m, k, n) not in self.measured:
+            device, dtype = self.device, self.dtype
             a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
             out = torch.empty(m, n, device=device, dtype=dtype)
-            plain = timed(lambda: torch.mm(a, b, out=out))
+            plain = self._timed(lambda: torch.mm(a, b, out=out))
             del out
             b_rows, out = b.T.contiguous(), torch.empty(n, m, device=device, dtype=dtype)  # (n, k) and (n, m) storage
-            measured[(m, k, n)] = min(plain, timed(lambda: torch.mm(b_rows, a.T, out=out)))
+            self.measured[(m, k, n)] = min(plain, self._timed(lambda: torch.mm(b_rows, a.T, out=out)))
             del a, b, b_rows, out
-        return measured[(m, k, n)]
+        return self.measured[(m, k, n)]
 
-    def attention(batch, queries, keys) -> tuple[float, float]:  # QK^T and AV per head, one batched product each
+    def attention(self, batch, queries, keys) -> tuple[float, float]:
+        """QK^T and AV of every head, one batched product each."""
+        import torch
+
         key = ("attention", batch, queries, keys)
-        if key not in measured:
-            q = torch.randn(batch * heads, queries, head_dim, device=device, dtype=dtype)
-            k = torch.randn(batch * heads, head_dim, keys, device=device, dtype=dtype)
-            measured[key] = timed(lambda: (torch.bmm(q, k), torch.bmm(q, k)))
-        return measured[key]
+        if key not in self.measured:
+            q = torch.randn(batch * self.heads, queries, self.head_dim, device=self.device, dtype=self.dtype)
+            k = torch.randn(batch * self.heads, self.head_dim, keys, device=self.device, dtype=self.dtype)
+            self.measured[key] = self._timed(lambda: (torch.bmm(q, k), torch.bmm(q, k)))
+        return self.measured[key]
+
+    def linear(self, tokens, fan_in, fan_out, pick, backward=False) -> float:
+        seconds = self.product(tokens, fan_in, fan_out)[pick]  # Y = X W^T
+        if backward:  # dX = dY W, dW = dY^T X
+            seconds += self.product(tokens, fan_out, fan_in)[pick] + self.product(fan_out, tokens, fan_in)[pick]
+        return seconds
+
+    def trunk(self, tokens, pick, backward=False) -> float:
+        return sum(self.linear(tokens, i, o, pick, backward) for i, o in self.linears) * self.layers
+
+    def head(self, tokens, pick, backward=False) -> float:
+        return self.linear(tokens, self.hidden, self.vocab, pick, backward)
+
+
+def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats: int = 5) -> dict:
+    """Time of the matrix products one GRPO step cannot avoid at the step's shapes, every completion full-length.
+
+    Every product of the step (`Products`): each linear layer's forward Y = X W^T and, for the update, its
+    backward dX = dY W and dW = dY^T X; the output projection over all completion positions at once (no
+    chunking); attention's two batched products per layer. Returns the parts and their total (seconds) from each
+    product's fastest timing, and under "<part>_median" the same sums of each product's median timing.
+    """
+    timer = Products(shape, work["precision"], device, repeats)
+    rows, new, layers = work["prompts"] * work["group"], work["new_tokens"], timer.layers
 
     def parts(pick: int) -> dict:
         """The step's parts (seconds) from each product's fastest (pick 0) or median (pick 1) timing."""
-
-        def linear(tokens, fan_in, fan_out, backward=False) -> float:
-            seconds = product(tokens, fan_in, fan_out)[pick]  # Y = X W^T
-            if backward:  # dX = dY W, dW = dY^T X
-                seconds += product(tokens, fan_out, fan_in)[pick] + product(fan_out, tokens, fan_in)[pick]
-            return seconds
-
-        def trunk(tokens, backward=False) -> float:
-            return sum(linear(tokens, i, o, backward) for i, o in linears) * layers
-
         seq = prompt_len + new
-        prefill = trunk(work["prompts"] * prompt_len) + attention(work["prompts"], prompt_len, prompt_len)[pick] * layers
-        decode = (trunk(rows) + linear(rows, hidden, vocab) + attention(rows, 1, seq)[pick] * layers) * new
-        train = (trunk(rows * seq, backward=True) + linear(rows * new, hidden, vocab, backward=True)
-                 + attention(rows, seq, seq)[pick] * layers * 3)
-        reference = (trunk(rows * seq) + linear(rows * new, hidden, vocab) + attention(rows, seq, seq)[pick] * layers
+        prefill = timer.trunk(work["prompts"] * prompt_len, pick) + timer.attention(work["prompts"], prompt_len, prompt_len)[pick] * layers
+        decode = (timer.trunk(rows, pick) + timer.head(rows, pick) + timer.attention(rows, 1, seq)[pick] * layers) * new
+        train = (timer.trunk(rows * seq, pick, backward=True) + timer.head(rows * new, pick, backward=True)
+                 + timer.attention(rows, seq, seq)[pick] * layers * 3)
+        reference = (timer.trunk(rows * seq, pick) + timer.head(rows * new, pick) + timer.attention(rows, seq, seq)[pick] * layers
                      if work["beta"] else 0.0)
         return {"sample": prefill + decode, "reference": reference, "update": train,
                 "total": prefill + decode + train + reference}
 
     return {**parts(0), **{f"{part}_median": seconds for part, seconds in parts(1).items()}}
+
+
+def real_token_floor(timer: Products, work: dict, prompt_lengths: list[int], completion_lengths: list[int]) -> dict:
+    """The floor of one step's real tokens: `floor_seconds`'s products with no padding and no finished row.
+
+    prompt_lengths, completion_lengths: (N,) real tokens of each row (rows grouped by prompt, G per prompt).
+    Prefill: each distinct prompt's tokens once. Decode step t: the rows whose completion is longer than t, each
+    attending to a prompt of the mean length and the t tokens before. Training and reference: the trunk over every row's real
+    prompt and completion tokens packed together (no padding), the output projection over the real completion
+    tokens, attention per row over its own length. Returns the parts and their total, fastest timings (pick 0).
+    """
+    group, layers = work["group"], timer.layers
+    prompts = prompt_lengths[::group]
+    prefill = timer.trunk(sum(prompts), 0) + sum(timer.attention(1, p, p)[0] for p in prompts) * layers
+    mean_prompt = round(sum(prompt_lengths) / len(prompt_lengths))
+    decode = 0.0
+    for step in range(max(completion_lengths)):
+        active = sum(length > step for length in completion_lengths)
+        decode += timer.trunk(active, 0) + timer.head(active, 0) + timer.attention(active, 1, mean_prompt + step + 1)[0] * layers
+    tokens = sum(prompt_lengths) + sum(completion_lengths)
+    generated = sum(completion_lengths)
+    attention = sum(timer.attention(1, p + c, p + c)[0] for p, c in zip(prompt_lengths, completion_lengths)) * layers
+    train = timer.trunk(tokens, 0, backward=True) + timer.head(generated, 0, backward=True) + attention * 3
+    reference = timer.trunk(tokens, 0) + timer.head(generated, 0) + attention if work["beta"] else 0.0
+    return {"sample": prefill + decode, "reference": reference, "update": train,
+            "total": prefill + decode + train + reference}
 
 
 # ours: our defaults (--kernels auto: the compiled decode step on CUDA, the fused loss, ...); ours-plain: --kernels plain.
@@ -235,6 +290,32 @@ def child(args):
     print("RESULT " + json.dumps(result))
 
 
+# --lengths: how completions end. full: a random-init model, EOS one token in 151,936, so every completion runs
+# to the budget T; realistic and short: the model draws EOS at rate c / T per token (grpo.tiny_model.set_eos_rate),
+# lengths geometric and cut at T (mean (1 - e^-c) T / c). realistic (c = 2.3): a mean near 40% of the budget, a wide spread,
+# a tenth of the rows at the budget, like an early GSM8K run; short (c = 6.4): a mean near 16%, almost no row
+# long, like late training. Both sides sample at temperature 1 from the same model: the same distribution.
+LENGTHS = {"full": None, "realistic": 2.3, "short": 6.4}
+
+
+def run_side(args, side: str, model_dir: str) -> dict | None:
+    """One run of one side in its own process; None (reported) if it failed or ran out of time."""
+    forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k in ("prompts", "group_size", "new_tokens", "micro_batch") and v is not None]
+    command = [sys.executable, __file__, "--child", side, "--model-dir", model_dir, "--shape", args.shape,
+               "--device", args.device, "--steps", str(args.steps), *forwarded]
+    try:
+        run = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, timeout=args.side_timeout)
+    except subprocess.TimeoutExpired as stopped:
+        print(f"{side} run stopped after {args.side_timeout} s:\n{_tail(stopped.stderr)}", flush=True)
+        return None
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    if run.returncode or not lines:  # reported, and the other runs go on
+        print(f"{side} run failed (exit {run.returncode}):\n{_tail(run.stdout)}\n{_tail(run.stderr)}", flush=True)
+        return None
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="small", help="small, qwen2.5-0.5b or tiny (grpo/tiny_model.py)")
@@ -247,6 +328,8 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--micro-batch", type=int)
     parser.add_argument("--sides", default="ours,trl", help=f"which trainers to run, comma-separated: {', '.join(SIDES)}")
+    parser.add_argument("--lengths", default="full", help="completion lengths, comma-separated settings run side by "
+                        f"side: {', '.join(LENGTHS)} (see LENGTHS in this file)")
     parser.add_argument("--side-timeout", type=float, default=None, help="seconds one run may take before it is "
                         "stopped and reported as failed (the other runs go on)")
     parser.add_argument("--child", choices=list(SIDES), help=argparse.SUPPRESS)
@@ -258,96 +341,121 @@ def main(argv=None):
     from grpo.tiny_model import save_tiny_model
 
     work = workload(args)
-    sides = args.sides.split(",")
-    unknown = [side for side in sides if side not in SIDES]
+    sides, settings = args.sides.split(","), args.lengths.split(",")
+    unknown = [side for side in sides if side not in SIDES] + [name for name in settings if name not in LENGTHS]
     if unknown:
-        parser.error(f"unknown side(s) {unknown} in --sides; choose from {', '.join(SIDES)}")
-    results = {side: [] for side in sides}
-    floors, round_ratios = [], {side: [] for side in sides}
-    with tempfile.TemporaryDirectory() as model_dir:
-        save_tiny_model(model_dir, args.shape, seed=0)
+        parser.error(f"unknown side(s) or length setting(s) {unknown}; sides: {', '.join(SIDES)}; "
+                     f"lengths: {', '.join(LENGTHS)}")
+    runs = [(name, side) for name in settings for side in sides]
+    results = {run: [] for run in runs}
+    floors, round_ratios = [], {run: [] for run in runs}
+    real_floors = {run: [] for run in runs}  # (step time, real-token floor of that step) per timed step
+    with tempfile.TemporaryDirectory() as models:
         from transformers import AutoTokenizer
 
         from data import add_prompts, make_synthetic_gsm8k
         from grpo.rollout import encode_prompt
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model_dirs = {}
+        for name in settings:
+            rate = None if LENGTHS[name] is None else LENGTHS[name] / work["new_tokens"]
+            model_dirs[name] = str(save_tiny_model(Path(models) / name, args.shape, seed=0, eos_rate=rate))
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs[settings[0]])
         prompt_len = max(len(encode_prompt(tokenizer, row["prompt"])) for row in add_prompts(make_synthetic_gsm8k(64, seed=0)))
-        forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                     if k in ("prompts", "group_size", "new_tokens", "micro_batch") and v is not None]
+        timer = Products(args.shape, work["precision"], args.device)
         for _ in range(args.repeats):
-            for side in sides:
-                if side.startswith("ours"):
+            for name, side in runs:
+                full_floor = side.startswith("ours") and name == "full"
+                if full_floor:
                     floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # just before the run
-                command = [sys.executable, __file__, "--child", side, "--model-dir", model_dir, "--shape", args.shape,
-                           "--device", args.device, "--steps", str(args.steps), *forwarded]
-                try:
-                    run = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT,
-                                         timeout=args.side_timeout)
-                except subprocess.TimeoutExpired as stopped:
-                    print(f"{side} run stopped after {args.side_timeout} s:\n{_tail(stopped.stderr)}", flush=True)
+                result = run_side(args, side, model_dirs[name])
+                if result is None:
                     continue
-                lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-                if run.returncode or not lines:  # reported, and the other runs go on
-                    print(f"{side} run failed (exit {run.returncode}):\n{_tail(run.stdout)}\n{_tail(run.stderr)}", flush=True)
-                    continue
-                results[side].append(json.loads(lines[-1][len("RESULT "):]))
-                print(f"{side} run: step times {', '.join(f'{t:.3f}' for t in results[side][-1]['step_times'])} s, "
-                      f"peak {results[side][-1]['peak_mib']:.0f} MiB", flush=True)
+                results[(name, side)].append(result)
+                print(f"{name} {side} run: step times {', '.join(f'{t:.3f}' for t in result['step_times'])} s, "
+                      f"tokens/step {', '.join(f'{n:.0f}' for n in result['tokens'])}, peak {result['peak_mib']:.0f} MiB",
+                      flush=True)
                 if side.startswith("ours"):
+                    for seconds, lengths in list(zip(result["step_times"], result["lengths"]))[args.untimed:]:
+                        real_floors[(name, side)].append(
+                            (seconds, real_token_floor(timer, work, lengths["prompt"], lengths["completion"])))
+                if full_floor:
                     floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # and just after it
                     around = (floors[-2]["total"] + floors[-1]["total"]) / 2
                     around_median = (floors[-2]["total_median"] + floors[-1]["total_median"]) / 2
-                    step = statistics.median(results[side][-1]["step_times"][args.untimed:])
-                    round_ratios[side].append((step / around, step, around, step / around_median))
+                    step = statistics.median(result["step_times"][args.untimed:])
+                    round_ratios[(name, side)].append((step / around, step, around, step / around_median))
     floor = {part: statistics.median(f[part] for f in floors) for part in floors[0]} if floors else None
 
     summary = {}
-    for side, runs in results.items():
-        if not runs:
+    for run, done in results.items():
+        if not done:
             continue
-        step_times = [t for run in runs for t in run["step_times"][args.untimed:]]  # warm-up steps dropped
-        tokens = [n for run in runs for n in run["tokens"][args.untimed:]]
+        step_times = [t for r in done for t in r["step_times"][args.untimed:]]  # warm-up steps dropped
+        tokens = [n for r in done for n in r["tokens"][args.untimed:]]
         step = statistics.median(step_times)
-        summary[side] = {"step_s": step, "tokens_per_s": statistics.median(tokens) / step,
-                         "peak_mib": statistics.median(run["peak_mib"] for run in runs),
-                         "mean_tokens": statistics.mean(tokens)}
+        summary[run] = {"step_s": step, "tokens_per_s": statistics.median(tokens) / step,
+                        "peak_mib": statistics.median(r["peak_mib"] for r in done), "mean_tokens": statistics.mean(tokens)}
     print(f"shape={args.shape} device={args.device} precision={work['precision']} prompts={work['prompts']} "
           f"G={work['group']} new_tokens={work['new_tokens']} micro_batch={work['micro_batch']} beta={work['beta']} "
           f"steps/run={args.steps} ({args.untimed} untimed) runs/side={args.repeats}, medians")
-    print(f"{'':18s} {'s/step':>9s} {'tokens/s':>10s} {'peak MiB':>10s} {'tokens/step':>12s}")
-    for side, s in summary.items():
-        print(f"{side:18s} {s['step_s']:9.3f} {s['tokens_per_s']:10.1f} {s['peak_mib']:10.0f} {s['mean_tokens']:12.0f}")
-    ours_sides = [side for side in summary if side.startswith("ours")]
-    if "trl" in summary:
-        t = summary["trl"]
+    for name in settings:
+        rows = {side: summary[(name, side)] for side in sides if (name, side) in summary}
+        rate = LENGTHS[name]
+        print(f"\n[{name}] " + ("completions run to the budget" if rate is None else
+                                f"EOS at rate {rate} / {work['new_tokens']} a token"))
+        print(f"{'':18s} {'s/step':>9s} {'tokens/s':>10s} {'peak MiB':>10s} {'tokens/step':>12s}")
+        for side, r in rows.items():
+            print(f"{side:18s} {r['step_s']:9.3f} {r['tokens_per_s']:10.1f} {r['peak_mib']:10.0f} {r['mean_tokens']:12.0f}")
+        ours_sides = [side for side in rows if side.startswith("ours")]
+        if "trl" in rows:
+            t = rows["trl"]
+            for side in ours_sides:
+                o = rows[side]
+                print(f"{side + '/trl':18s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
+                      f"{o['peak_mib'] / t['peak_mib']:10.3f}   ({side} steps/s = {t['step_s'] / o['step_s']:.2f} x trl's)")
         for side in ours_sides:
-            o = summary[side]
-            print(f"{side + '/trl':18s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
-                  f"{o['peak_mib'] / t['peak_mib']:10.3f}   ({side} steps/s = {t['step_s'] / o['step_s']:.2f} x trl's)")
-    if ours_sides:
-        print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here, each "
-              f"product's fastest timing; median of {len(floors)} measurements, before and after each of our runs)")
-        print(f"{'median floor':18s} {floor['total_median']:9.3f}   (the same products, each at its median timing, "
-              "as our step is a median)")
-        for side in ours_sides:
-            ratios = round_ratios[side]
-            summary[side]["floor_ratio"] = statistics.median(r for r, _, _, _ in ratios)
-            summary[side]["floor_median_ratio"] = statistics.median(r for _, _, _, r in ratios)
-            print(f"{side + '/floor':18s} {summary[side]['floor_ratio']:9.3f}   (median over rounds of our step / the "
-                  f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f, _ in ratios)})")
-            print(f"{side + '/median floor':18s} {summary[side]['floor_median_ratio']:9.3f}   (the same against the "
-                  f"floor of median timings; per round: {', '.join(f'{r:.3f}' for _, _, _, r in ratios)})")
-        print(f"\nper phase, s    {'sample':>8s} {'reference':>10s} {'update':>8s}")
-        for side in ours_sides:
-            phases = [p for run in results[side] for p in run["phases"][args.untimed:]]
-            ours = summary[side]["phases"] = {part: statistics.median(p[part] for p in phases)
-                                              for part in ("sample", "reference", "update")}
-            print(f"{side:14s} {ours['sample']:8.3f} {ours['reference']:10.3f} {ours['update']:8.3f}")
-        print(f"{'floor':14s} {floor['sample']:8.3f} {floor['reference']:10.3f} {floor['update']:8.3f}")
-        print(f"{'median floor':14s} {floor['sample_median']:8.3f} {floor['reference_median']:10.3f} "
-              f"{floor['update_median']:8.3f}")
-    return {"summary": summary, "floor": floor}
+            full = summary.get(("full", side))
+            if name != "full" and full:
+                scaled = full["step_s"] * rows[side]["mean_tokens"] / full["mean_tokens"]
+                rows[side]["vs_full_scaled"] = rows[side]["step_s"] / scaled
+                print(f"{side + '/full scaled':18s} {rows[side]['vs_full_scaled']:9.3f}   (our step / our full-length step "
+                      f"x tokens ratio {rows[side]['mean_tokens'] / full['mean_tokens']:.3f} = {scaled:.3f} s)")
+            pairs = real_floors[(name, side)]
+            if pairs:
+                rows[side]["real_floor_ratio"] = statistics.median(seconds / f["total"] for seconds, f in pairs)
+                parts = {part: statistics.median(f[part] for _, f in pairs) for part in ("sample", "reference", "update", "total")}
+                rows[side]["real_floor"] = parts
+                print(f"{side + '/real floor':18s} {rows[side]['real_floor_ratio']:9.3f}   (median over timed steps of the "
+                      f"step / its real-token floor; floor {parts['total']:.3f} s = {parts['sample']:.3f} sample + "
+                      f"{parts['reference']:.3f} reference + {parts['update']:.3f} update)")
+            if name == "full" and floor:
+                ratios = round_ratios[(name, side)]
+                rows[side]["floor_ratio"] = statistics.median(r for r, _, _, _ in ratios)
+                rows[side]["floor_median_ratio"] = statistics.median(r for _, _, _, r in ratios)
+                print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here, each "
+                      f"product's fastest timing; median of {len(floors)} measurements, before and after each of our runs)")
+                print(f"{'median floor':18s} {floor['total_median']:9.3f}   (the same products, each at its median timing, "
+                      "as our step is a median)")
+                print(f"{side + '/floor':18s} {rows[side]['floor_ratio']:9.3f}   (median over rounds of our step / the "
+                      f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f, _ in ratios)})")
+                print(f"{side + '/median floor':18s} {rows[side]['floor_median_ratio']:9.3f}   (the same against the "
+                      f"floor of median timings; per round: {', '.join(f'{r:.3f}' for _, _, _, r in ratios)})")
+        if ours_sides:
+            print(f"per phase, s    {'sample':>8s} {'reference':>10s} {'update':>8s}")
+            for side in ours_sides:
+                phases = [ph for r in results[(name, side)] for ph in r["phases"][args.untimed:]]
+                ours = rows[side]["phases"] = {part: statistics.median(ph[part] for ph in phases)
+                                               for part in ("sample", "reference", "update")}
+                print(f"{side:14s} {ours['sample']:8.3f} {ours['reference']:10.3f} {ours['update']:8.3f}")
+            if name == "full" and floor:
+                print(f"{'floor':14s} {floor['sample']:8.3f} {floor['reference']:10.3f} {floor['update']:8.3f}")
+                print(f"{'median floor':14s} {floor['sample_median']:8.3f} {floor['reference_median']:10.3f} "
+                      f"{floor['update_median']:8.3f}")
+            real = rows[ours_sides[0]].get("real_floor")
+            if real:
+                print(f"{'real floor':14s} {real['sample']:8.3f} {real['reference']:10.3f} {real['update']:8.3f}")
+    return {"summary": {f"{name}/{side}": value for (name, side), value in summary.items()}, "floor": floor}
 
 
 def _tail(text, limit: int = 3000) -> str:

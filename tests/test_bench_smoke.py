@@ -23,11 +23,55 @@ def test_trainer_benchmark_runs(capsys):
 
     result = trainer.main(["--shape", "tiny", "--steps", "2", "--repeats", "1", "--prompts", "2", "--group-size", "2",
                            "--new-tokens", "8", "--micro-batch", "4"])
-    assert set(result["summary"]) == {"ours", "trl"} and result["floor"]["total"] > 0
+    assert set(result["summary"]) == {"full/ours", "full/trl"} and result["floor"]["total"] > 0
     floor = result["floor"]  # each product's fastest timing, and its median (never below the fastest)
     assert all(floor[f"{part}_median"] >= floor[part] for part in ("sample", "reference", "update", "total"))
-    assert result["summary"]["ours"]["floor_median_ratio"] <= result["summary"]["ours"]["floor_ratio"]
+    assert result["summary"]["full/ours"]["floor_median_ratio"] <= result["summary"]["full/ours"]["floor_ratio"]
     assert "ours/trl" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_trainer_benchmark_with_realistic_lengths(capsys):
+    from bench import trainer
+
+    result = trainer.main(["--shape", "tiny", "--steps", "2", "--repeats", "1", "--prompts", "2", "--group-size", "4",
+                           "--new-tokens", "24", "--micro-batch", "4", "--sides", "ours", "--lengths", "full,short"])
+    full, short = result["summary"]["full/ours"], result["summary"]["short/ours"]
+    assert full["mean_tokens"] == 2 * 4 * 24  # every completion at the budget
+    assert short["mean_tokens"] < 0.5 * full["mean_tokens"]  # EOS at 6.4 / 24 a token: most rows end early
+    assert short["vs_full_scaled"] > 0 and short["real_floor_ratio"] > 0 and full["real_floor_ratio"] > 0
+    assert "ours/full scaled" in capsys.readouterr().out
+
+
+def test_real_token_floor_counts_the_real_tokens_only():
+    # The floor's accounting with products timed as their FLOPs (1 s per 1e9 multiply-adds), so it is exact.
+    from bench import trainer
+
+    class FlopTimer(trainer.Products):
+        def product(self, m, k, n):
+            return (m * k * n * 1e-9,) * 2
+
+        def attention(self, batch, queries, keys):
+            return (2 * batch * self.heads * queries * keys * self.head_dim * 1e-9,) * 2
+
+    timer = FlopTimer("tiny", "fp32", "cpu")
+    work = dict(prompts=2, group=2, new_tokens=8, beta=0.04)
+    linear = sum(i * o for i, o in timer.linears) * timer.layers * 1e-9  # trunk seconds per token (forward)
+    head = timer.hidden * timer.vocab * 1e-9
+
+    def attention(batch, queries, keys):
+        return timer.attention(batch, queries, keys)[0] * timer.layers
+
+    floor = trainer.real_token_floor(timer, work, [5, 5, 3, 3], [2, 4, 1, 1])
+    prefill = (5 + 3) * linear + attention(1, 5, 5) + attention(1, 3, 3)  # each prompt once
+    active = [4, 2, 1, 1]  # rows still decoding at steps 0..3 (lengths 2, 4, 1, 1)
+    decode = sum(n * (linear + head) + attention(n, 1, 4 + step + 1) for step, n in enumerate(active))
+    assert floor["sample"] == pytest.approx(prefill + decode)
+    tokens, generated = 5 + 5 + 3 + 3 + 2 + 4 + 1 + 1, 8
+    rows = attention(1, 7, 7) + attention(1, 9, 9) + 2 * attention(1, 4, 4)
+    assert floor["reference"] == pytest.approx(tokens * linear + generated * head + rows)
+    assert floor["update"] == pytest.approx(3 * (tokens * linear + generated * head + rows))  # forward + dX + dW
+    assert floor["total"] == pytest.approx(floor["sample"] + floor["reference"] + floor["update"])
 
 
 def test_trainer_benchmark_reports_a_stopped_side_and_goes_on(capsys):
