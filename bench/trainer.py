@@ -5,10 +5,12 @@
     python bench/trainer.py --device cuda --shape qwen2.5-0.5b   # GPU, bf16: 16 prompts x G=8, 256 tokens
         --sides ours,trl,ours-plain      # ours: --kernels auto (the default); ours-plain: --kernels plain
 
-Same work on both sides: one random-init model saved to a folder (so completions run to the token
-budget: EOS is a 1-in-150k token for it), the same prompts, num_generations, completions per
-optimizer step, micro-batch, max_completion_length, beta and precision; gradient checkpointing
-off, no vLLM. Each side runs in its own subprocess (its peak memory is its own), alternating
+    python bench/trainer.py --shape small --lengths full,realistic,short   # completions that end early too
+
+Same work on both sides: one random-init model saved to a folder (with --lengths full, the default,
+completions run to the token budget: EOS is a 1-in-150k token for it; realistic and short give the model an
+EOS rate, LENGTHS below), the same prompts, num_generations, completions per optimizer step, micro-batch,
+max_completion_length, beta and precision; gradient checkpointing off, no vLLM. Each side runs in its own subprocess (its peak memory is its own), alternating
 ours / trl for --repeats rounds; the first optimizer step of every run is warm-up and not timed.
 
 Printed: median seconds per optimizer step, generated tokens/s, peak memory (CPU: peak resident
@@ -22,6 +24,9 @@ median over rounds of (our median step in that run) / (the mean of its two floor
 drift of a shared machine's speed largely cancels in each ratio. The floor counts each product's fastest
 timing; a second line sums each product's median timing instead ("median floor"), the statistic our
 step is reported in, and gives ours against it too: on a noisy machine the two differ by the noise.
+For every length setting, each timed step also gets its real-token floor (real_token_floor: the same products
+over the step's real tokens, without padding or finished rows), and a setting other than full gives our step
+against our full-length step scaled by the ratio of generated tokens (1 = the cost follows the real tokens).
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ class GRPOConfig(ConfigMixin):
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     cast_lm_head_to_fp32: bool = _f(False, "run the output projection (policy and reference) in fp32 outside autocast, as trl (ScaleRL); needs an untied output head")
     logprob_chunk_size: int | None = _f(None, "rows of logits per chunk in the log-prob projection (default: up to 128 MiB worth, a multiple of 64 rows: 192 at a 151,936-token vocabulary)")
-    kernels: str = _f("auto", "fast paths (grpo/kernels/, docs/design.md): auto = each kernel where it applies (the tuned sampler, compiled decoding on CUDA, the fused log-prob + loss pass for token-level ratios, CPU log-prob layouts); plain = the readable path everywhere (the same numbers)", choices=KERNEL_CHOICES)
+    kernels: str = _f("auto", "fast paths (grpo/kernels/, docs/design.md): auto = each kernel where it applies (the tuned sampler, which drops finished rows, compiled decoding on CUDA, the fused log-prob + loss pass for token-level ratios, CPU log-prob layouts, micro-batches of rows of similar length, packed log-prob passes with flash or flex attention); plain = the readable path everywhere (the same numbers)", choices=KERNEL_CHOICES)
     distributed: str = _f("auto", "under torchrun (docs/distributed.md): fsdp (FSDP2, fully_shard per decoder layer), ddp, or auto = fsdp when there is more than one process; a single process trains unwrapped", choices=("auto", "ddp", "fsdp"))
     fsdp_cpu_offload: bool = _f(False, "FSDP2: keep the sharded parameters, gradients and optimizer state in CPU memory")
     distributed_timeout: float = _f(600.0, "seconds any collective may wait for the other ranks before the run stops with an error (a dead or hung rank)")

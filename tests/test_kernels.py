@@ -6,6 +6,9 @@
     grpo.kernels.compiled_decode  tests/test_sampler.py (CPU) and tests/test_gpu.py (CUDA): the eager tokens
     grpo.kernels.logprobs      log-probs, entropies and gradients of grpo.logprobs.completion_logprobs, rtol 1e-5
     grpo.kernels.fused_loss    loss, log-probs, entropies and gradients of log-probs -> per_token_loss -> aggregate_loss
+    compaction (sampling)      the tokens of decoding every row, on models whose completions end at a known rate
+    grpo.kernels.packing       log-probs and gradients of the padded trunk pass (CPU, SDPA's packed mask)
+    grpo.kernels.batching      tests/test_trainer.py: length-grouped micro-batches give the random ones' gradients
 
 Tolerances: fp32 on CPU, rtol 1e-5; gradients atol 1e-6 of the tensor's largest entry (fp32 sums in another order).
 """
