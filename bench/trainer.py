@@ -404,7 +404,7 @@ def main(argv=None):
     print(f"shape={args.shape} device={args.device} precision={work['precision']} prompts={work['prompts']} "
           f"G={work['group']} new_tokens={work['new_tokens']} micro_batch={work['micro_batch']} beta={work['beta']} "
           f"steps/run={args.steps} ({args.untimed} untimed) runs/side={args.repeats}, medians")
-    for name in settings:
+    for name in sorted(settings, key=lambda n: n != "full"):  # full first: the others compare with it
         rows = {side: summary[(name, side)] for side in sides if (name, side) in summary}
         rate = LENGTHS[name]
         print(f"\n[{name}] " + ("completions run to the budget" if rate is None else
@@ -434,6 +434,11 @@ def main(argv=None):
                 print(f"{side + '/real floor':18s} {rows[side]['real_floor_ratio']:9.3f}   (median over timed steps of the "
                       f"step / its real-token floor; floor {parts['total']:.3f} s = {parts['sample']:.3f} sample + "
                       f"{parts['reference']:.3f} reference + {parts['update']:.3f} update)")
+                if name != "full" and full and "real_floor" in full:  # how far the work itself follows the tokens
+                    ratio = rows[side]["mean_tokens"] / full["mean_tokens"]
+                    rows[side]["floor_vs_full_scaled"] = parts["total"] / (full["real_floor"]["total"] * ratio)
+                    print(f"{'real floor/scaled':18s} {rows[side]['floor_vs_full_scaled']:9.3f}   (this floor / the "
+                          f"full-length real-token floor x the tokens ratio: the same comparison for the work itself)")
             if name == "full" and floor:
                 ratios = round_ratios[(name, side)]
                 rows[side]["floor_ratio"] = statistics.median(r for r, _, _, _ in ratios)
