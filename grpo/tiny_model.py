@@ -195,8 +195,9 @@ def set_eos_rate(model, rate: float, eos_token_id: int, seed: int = 0, iteration
     Completions then end after a geometric number of tokens (mean about 1 / rate, cut at the budget), the same
     distribution for any sampler that draws from softmax(logits): the benchmarks' stand-in for a real model's
     completion lengths. A random-init model's next-token distribution depends on its context; here one hidden
-    coordinate of every token's embedding is set to a constant m far above the others (initialised at std 0.02),
-    so the final norm's output is dominated by it (h_0 about sqrt(H)) whatever the context, and the output
+    coordinate of every token's embedding is set to a constant m far above the others (initialised at std 0.02;
+    m grows until h_0 varies by under 2% over random contexts, which deep stacks need), so the final norm's output
+    is dominated by it (h_0 about sqrt(H)) whatever the context, and the output
     projection (tied to the embedding, or given the same column) adds delta h_0 to the EOS logit alone, delta
     fitted by a few Newton steps on the log-odds measured over random contexts. The arithmetic of every layer
     is unchanged (the same shapes, dense weights). Returns the mean EOS probability measured after the fit.
@@ -204,15 +205,21 @@ def set_eos_rate(model, rate: float, eos_token_id: int, seed: int = 0, iteration
     if not 0 < rate < 1:
         raise ValueError(f"rate must be in (0, 1), got {rate}")
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight  # (V, H)
-    constant = 1.0
-    embedding[:, 0] = constant
-    head[:, 0] = constant  # the same storage when tied; a shift every logit shares, so no change of distribution
+    trunk = getattr(model, model.base_model_prefix)
     generator = torch.Generator().manual_seed(seed)
     contexts = torch.randint(embedding.shape[0], (8, 48), generator=generator)  # (8, 48) random token ids
+    for constant in (1.0, 4.0, 16.0, 64.0, 256.0):  # deep stacks grow the other coordinates: raise m until h_0 is flat
+        embedding[:, 0] = constant
+        head[:, 0] = constant  # the same storage when tied; a shift every logit shares, so no change of distribution
+        h0 = trunk(input_ids=contexts).last_hidden_state[..., 0]  # (8, 48)
+        if h0.std() < 0.02 * h0.mean().abs():
+            break
+    else:
+        raise RuntimeError(f"set_eos_rate: the final hidden coordinate did not become context-free ({h0.mean():.3g} "
+                           f"+- {h0.std():.3g})")
     target = math.log(rate / (1 - rate))
     measured = rate
     for _ in range(iterations):
-        trunk = getattr(model, model.base_model_prefix)
         hidden = trunk(input_ids=contexts).last_hidden_state  # (8, 48, H)
         probs = torch.softmax((hidden @ head.T).float(), dim=-1)[..., eos_token_id]  # (8, 48)
         measured = probs.mean().item()

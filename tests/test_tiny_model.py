@@ -135,3 +135,21 @@ def test_models_outside_the_attention_interface_keep_their_attention(tokenizer):
     model, _ = build_tiny_model("tiny", seed=0, tokenizer=tokenizer)
     model.set_attn_implementation("eager")
     assert not use_packed_decode_attention(model) and model.config._attn_implementation == "eager"
+
+
+def test_set_eos_rate_makes_completions_end_at_that_rate(tokenizer):
+    from grpo.sampler import SamplingParams, sample_groups
+    from grpo.tiny_model import IM_END, set_eos_rate
+
+    model, _ = build_tiny_model("tiny", seed=2, tokenizer=tokenizer)
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    assert set_eos_rate(model, 0.1, eos) == pytest.approx(0.1, rel=0.02)  # fitted on random contexts
+    params = SamplingParams(max_completion_length=200, eos_token_ids=(eos,))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Ava has 4 apples."}], add_generation_prompt=True,
+                                           return_dict=False)
+    sample = sample_groups(model, [prompt], 400, params, tokenizer.pad_token_id, torch.Generator().manual_seed(0))
+    lengths = sample.completion_mask.sum(-1).float()  # geometric, mean 1 / 0.1 = 10 (cut at 200: no row reaches it)
+    assert lengths.mean().item() == pytest.approx(10.0, rel=0.15)  # 400 rows: the mean's sd is ~0.5
+    assert not sample.truncated.any() and lengths.min() == 1
+    with pytest.raises(ValueError, match="rate"):
+        set_eos_rate(model, 1.5, eos)
