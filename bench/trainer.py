@@ -66,6 +66,10 @@ def _peak_memory_mib(device: str) -> float:
 
 
 def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, kernels: str = "auto") -> dict:
+    """Our trainer's step times, phases, tokens and peak memory; kernels "auto-padded": auto without compaction,
+    length grouping and packing (what they save)."""
+    padded = kernels == "auto-padded"
+    kernels = "auto" if padded else kernels
     from data import add_prompts, make_synthetic_gsm8k
     from grpo.config import GRPOConfig
     from grpo.metrics import read_jsonl
@@ -80,6 +84,11 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
     )
     trainer = Trainer(config, train_rows=add_prompts(make_synthetic_gsm8k(256, seed=0)))
     trainer.save = lambda: None  # checkpoint writing is not part of a step on either side
+    if padded:  # the real-length kernels off: every row decoded to the budget's end, random padded micro-batches
+        import grpo.kernels.sampling as fast_sampling
+
+        fast_sampling._COMPACT_SHARE = 10**9
+        trainer.kernels.length_grouping = trainer.kernels.length_sorted_passes = trainer.kernels.packed_logprobs = False
     lengths, train_on_rollout = [], trainer.train_on_rollout
 
     def recording(rollout, **kwargs):  # each step's real prompt and completion tokens per row, for the floor
@@ -281,8 +290,9 @@ def real_token_floor(timer: Products, work: dict, prompt_lengths: list[int], com
             "total": prefill + decode + train + reference}
 
 
-# ours: our defaults (--kernels auto: the compiled decode step on CUDA, the fused loss, ...); ours-plain: --kernels plain.
-SIDES = {"ours": "auto", "ours-plain": "plain", "trl": None}
+# ours: our defaults (--kernels auto: the compiled decode step on CUDA, the fused loss, ...); ours-plain: --kernels plain;
+# ours-padded: --kernels auto without the real-length kernels (compaction, length grouping, packing).
+SIDES = {"ours": "auto", "ours-plain": "plain", "ours-padded": "auto-padded", "trl": None}
 
 
 def child(args):
@@ -367,7 +377,6 @@ def main(argv=None):
             model_dirs[name] = str(save_tiny_model(Path(models) / name, args.shape, seed=0, eos_rate=rate))
         tokenizer = AutoTokenizer.from_pretrained(model_dirs[settings[0]])
         prompt_len = max(len(encode_prompt(tokenizer, row["prompt"])) for row in add_prompts(make_synthetic_gsm8k(64, seed=0)))
-        timer = Products(args.shape, work["precision"], args.device)
         for _ in range(args.repeats):
             for name, side in runs:
                 full_floor = side.startswith("ours") and name == "full"
@@ -380,7 +389,8 @@ def main(argv=None):
                 print(f"{name} {side} run: step times {', '.join(f'{t:.3f}' for t in result['step_times'])} s, "
                       f"tokens/step {', '.join(f'{n:.0f}' for n in result['tokens'])}, peak {result['peak_mib']:.0f} MiB",
                       flush=True)
-                if side.startswith("ours"):
+                if side.startswith("ours"):  # the real-token floors, timed right after the run (the machine drifts)
+                    timer = Products(args.shape, work["precision"], args.device)
                     for seconds, lengths in list(zip(result["step_times"], result["lengths"]))[args.untimed:]:
                         real_floors[(name, side)].append(
                             (seconds, real_token_floor(timer, work, lengths["prompt"], lengths["completion"])))
