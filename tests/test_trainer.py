@@ -42,6 +42,18 @@ def params_of(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def record_gradients(trainer: Trainer) -> list[dict]:
+    """The gradients of every optimizer update the trainer makes from now on, one dict per update."""
+    updates, step = [], trainer.optimizer.step
+
+    def capture():
+        updates.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
+        return step()
+
+    trainer.optimizer.step = capture
+    return updates
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_gradient_accumulation_is_exact(tmp_path, loss_type):
     # Same rollout, one micro-batch of N = 8 vs four of N / 4 = 2 (shuffled): the accumulated gradient
@@ -265,13 +277,7 @@ def test_kernels_give_the_plain_gradients(tmp_path, options):
         trainer = Trainer(make_config(tmp_path / kernels, kernels=kernels, adam_epsilon=1e-6, **options))
         expected_fused = kernels == "auto" and options.get("importance_sampling_level", "token") == "token"
         assert trainer.kernels.fused_loss == expected_fused and trainer.kernels.fast_logprobs == (kernels == "auto")
-        step, grads[kernels] = trainer.optimizer.step, []
-
-        def capture(step=step, trainer=trainer, out=grads[kernels]):
-            out.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
-            return step()
-
-        trainer.optimizer.step = capture
+        grads[kernels] = record_gradients(trainer)
         metrics[kernels] = trainer.train_on_rollout(fixed_rollout(trainer))
     assert len(grads["auto"]) == len(grads["plain"]) == options.get("num_iterations", 1)
     for kernel_step, plain_step in zip(grads["auto"], grads["plain"], strict=True):
@@ -315,13 +321,7 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
             return ids, attention_mask, cm
 
         monkeypatch.setattr(trainer_module, "_micro_batch", recording)
-        step, grads[grouping] = trainer.optimizer.step, []
-
-        def capture(step=step, trainer=trainer, out=grads[grouping]):
-            out.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
-            return step()
-
-        trainer.optimizer.step = capture
+        grads[grouping] = record_gradients(trainer)
         rollout = fixed_rollout(trainer, num_prompts=trainer.config.prompts_per_generation)
         metrics[grouping] = trainer.train_on_rollout(rollout)
         losses[grouping] = trainer.last_step["micro_batch_losses"]
@@ -349,13 +349,7 @@ def test_packed_logprob_passes_give_the_padded_steps_gradients(tmp_path, options
                                       adam_epsilon=1e-6, **options))
         assert not trainer.kernels.packed_logprobs and "sdpa" in trainer.kernels.reasons["packed_logprobs"]
         trainer.kernels.packed_logprobs = packed
-        step, grads[packed] = trainer.optimizer.step, []
-
-        def capture(step=step, trainer=trainer, out=grads[packed]):
-            out.append({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
-            return step()
-
-        trainer.optimizer.step = capture
+        grads[packed] = record_gradients(trainer)
         metrics[packed] = trainer.train_on_rollout(fixed_rollout(trainer))
     for packed_step, padded_step in zip(grads[True], grads[False], strict=True):
         for name, padded in padded_step.items():
