@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data import KINDS, build_prompt, make_synthetic_problems, r1_completion  # noqa: E402
+from grpo.metrics import read_jsonl  # noqa: E402
 from grpo.rollout import encode_prompt  # noqa: E402
 
 SLIP_KINDS = ("subtract", "two_step")
@@ -137,7 +138,7 @@ def make_task(folder: Path, seed: int, num_train: int, num_heldout: int, seen: s
 
 def per_kind(samples_path: Path, heldout: list[dict]) -> dict:
     """Strict accuracy per problem kind from eval.py's per-sample records (in the held-out rows' order)."""
-    records = [json.loads(line) for line in samples_path.read_text().splitlines()]
+    records = read_jsonl(samples_path)
     scores = {}
     for kind in KINDS:
         chosen = [r["strict_accuracy"] for r, row in zip(records, heldout, strict=True) if row["kind"] == kind]
@@ -201,7 +202,7 @@ def run_one(args, seed: int, loss_type: str, beta: float, model_dir: Path, task:
     run_command(eval_cli, ["--model", str(model_dir), "--compare", str(final), "--dataset", str(task), "--split", "test",
                            "--max-completion-length", str(args.max_completion_length), "--batch-size", "100",
                            "--device", "cpu", "--output-dir", str(eval_dir)])
-    heldout = [json.loads(line) for line in (task / "test.jsonl").read_text().splitlines()]
+    heldout = read_jsonl(task / "test.jsonl")
     result = {"seed": seed, "loss_type": loss_type, "beta": beta, "run_dir": str(run_dir)}
     for label, path in (("before", model_dir), ("after", final)):
         stem = eval_cli.output_stem(str(path))

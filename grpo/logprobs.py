@@ -55,6 +55,16 @@ def default_chunk_size(vocab: int) -> int:
     return max(16, rows // 64 * 64 if rows >= 64 else rows)
 
 
+def plain_output_weight(model) -> torch.Tensor:
+    """The output matrix W (V, H), after checking that the model's logits are W h: no transform in its config,
+    no bias on its output projection."""
+    check_plain_output_head(model.config)
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("output projections with a bias are not supported")
+    return head.weight
+
+
 def completion_hidden(model, input_ids, attention_mask, completion_mask, inputs_embeds=None):
     """The trunk once over the sequences; the hidden states that predict real completion tokens.
 
@@ -64,10 +74,7 @@ def completion_hidden(model, input_ids, attention_mask, completion_mask, inputs_
     """
     total_len, completion_len = input_ids.shape[1], completion_mask.shape[1]
     assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
-    check_plain_output_head(model.config)  # before the trunk runs, not after
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise NotImplementedError("output projections with a bias are not supported")
+    weight = plain_output_weight(model)  # before the trunk runs, not after
     trunk = getattr(model, model.base_model_prefix)
     inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
     hidden = trunk(**inputs, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
@@ -76,7 +83,7 @@ def completion_hidden(model, input_ids, attention_mask, completion_mask, inputs_
     hidden = hidden[:, total_len - completion_len - 1 : total_len - 1]  # (N, T, H)
     keep = completion_mask.bool()  # (N, T)
     targets = input_ids[:, total_len - completion_len :][keep]  # (M,)
-    return hidden[keep], targets, keep, head.weight
+    return hidden[keep], targets, keep, weight
 
 
 def scatter_rows(keep: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:

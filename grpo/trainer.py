@@ -580,10 +580,11 @@ class Trainer:
         for iteration in range(cfg.num_iterations):
             order = (torch.randperm(num_rows, generator=_seeded(cfg.seed, self.step, iteration, world.rank))
                      if shuffle else torch.arange(num_rows))
-            micro_batches = order.split(cfg.micro_batch_size)  # k * num_micro of them
             if shuffle and self.kernels.length_grouping:  # grpo.kernels.batching: each update's rows, less padding
                 micro_batches = length_grouped(order, completion_mask.sum(-1).cpu(), cfg.micro_batch_size,
                                                updates_per_rollout)
+            else:
+                micro_batches = order.split(cfg.micro_batch_size)  # k * num_micro of them
             for update in range(updates_per_rollout):
                 step_loss, finite, update_stats = 0.0, True, []
                 coef = self.entropy_control.applied()  # the same for every micro-batch of this update

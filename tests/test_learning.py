@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from data import KINDS, make_synthetic_gsm8k, make_synthetic_problems, r1_completion
+from grpo.metrics import read_jsonl
 from rewards.gsm8k import strict_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -60,8 +61,7 @@ def test_the_slip_is_the_last_steps_second_operand_in_the_slip_kinds_only():
 def test_heldout_problems_were_not_seen(tmp_path):
     seen = {row["question"] for row in make_synthetic_problems(2000, seed=0, scale="easy")}
     info = learning.make_task(tmp_path, seed=0, num_train=500, num_heldout=100, seen=seen, scale="easy")
-    train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
-    heldout = [json.loads(line) for line in (tmp_path / "test.jsonl").read_text().splitlines()]
+    train, heldout = read_jsonl(tmp_path / "train.jsonl"), read_jsonl(tmp_path / "test.jsonl")
     assert (info["train"], info["heldout"], len(heldout)) == (500, 100, 100)
     assert not {row["question"] for row in heldout} & (seen | {row["question"] for row in train})
     assert sum(info["heldout_kinds"].values()) == 100

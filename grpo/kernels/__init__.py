@@ -104,7 +104,7 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     from grpo.kernels.packing import packs_without_dense_mask
 
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if model is not None and packs_without_dense_mask(attention):
+    if packs_without_dense_mask(attention):
         choice.packed_logprobs = True
     else:
         choice.reasons["packed_logprobs"] = (f"attention implementation {attention!r} would take a packed row's dense "

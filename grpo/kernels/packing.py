@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.logprobs import check_plain_output_head, position_ids_from_mask
+from grpo.logprobs import plain_output_weight, position_ids_from_mask
 
 # Attention implementations that run a packed row without forming an (R, R) mask.
 PACKING_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
@@ -39,10 +39,7 @@ def packed_completion_hidden(model, input_ids, attention_mask, completion_mask, 
     """
     total_len, completion_len = input_ids.shape[1], completion_mask.shape[1]
     assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
-    check_plain_output_head(model.config)
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise NotImplementedError("output projections with a bias are not supported")
+    weight = plain_output_weight(model)  # before the trunk runs
     trunk = getattr(model, model.base_model_prefix)
     real = attention_mask.bool()  # (n, L)
     positions = position_ids_from_mask(attention_mask)[real][None]  # (1, R): 0, 1, ... within each row
@@ -55,4 +52,4 @@ def packed_completion_hidden(model, input_ids, attention_mask, completion_mask, 
     predicting[:, total_len - completion_len - 1 : total_len - 1] = keep
     packed_index = real.flatten().cumsum(0).view_as(real) - 1  # (n, L): index in the packed row, where real
     targets = input_ids[:, total_len - completion_len :][keep]  # (M,)
-    return packed[packed_index[predicting]], targets, keep, head.weight
+    return packed[packed_index[predicting]], targets, keep, weight
