@@ -429,13 +429,19 @@ def main(argv=None):
                 o = rows[side]
                 print(f"{side + '/trl':18s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
                       f"{o['peak_mib'] / t['peak_mib']:10.3f}   ({side} steps/s = {t['step_s'] / o['step_s']:.2f} x trl's)")
+        if name == "full" and floor and ours_sides:
+            print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here, each "
+                  f"product's fastest timing; median of {len(floors)} measurements, before and after each of our runs)")
+            print(f"{'median floor':18s} {floor['total_median']:9.3f}   (the same products, each at its median timing, "
+                  "as our step is a median)")
         for side in ours_sides:
-            full = summary.get(("full", side))
-            if name != "full" and full:
-                scaled = full["step_s"] * rows[side]["mean_tokens"] / full["mean_tokens"]
+            full = summary.get(("full", side)) if name != "full" else None  # what this setting is compared with
+            if full:
+                tokens_ratio = rows[side]["mean_tokens"] / full["mean_tokens"]
+                scaled = full["step_s"] * tokens_ratio
                 rows[side]["vs_full_scaled"] = rows[side]["step_s"] / scaled
                 print(f"{side + '/full scaled':18s} {rows[side]['vs_full_scaled']:9.3f}   (our step / our full-length step "
-                      f"x tokens ratio {rows[side]['mean_tokens'] / full['mean_tokens']:.3f} = {scaled:.3f} s)")
+                      f"x tokens ratio {tokens_ratio:.3f} = {scaled:.3f} s)")
             pairs = real_floors[(name, side)]
             if pairs:
                 rows[side]["real_floor_ratio"] = statistics.median(seconds / f["total"] for seconds, f in pairs)
@@ -444,19 +450,14 @@ def main(argv=None):
                 print(f"{side + '/real floor':18s} {rows[side]['real_floor_ratio']:9.3f}   (median over timed steps of the "
                       f"step / its real-token floor; floor {parts['total']:.3f} s = {parts['sample']:.3f} sample + "
                       f"{parts['reference']:.3f} reference + {parts['update']:.3f} update)")
-                if name != "full" and full and "real_floor" in full:  # how far the work itself follows the tokens
-                    ratio = rows[side]["mean_tokens"] / full["mean_tokens"]
-                    rows[side]["floor_vs_full_scaled"] = parts["total"] / (full["real_floor"]["total"] * ratio)
+                if full and "real_floor" in full:  # how far the work itself follows the tokens
+                    rows[side]["floor_vs_full_scaled"] = parts["total"] / (full["real_floor"]["total"] * tokens_ratio)
                     print(f"{'real floor/scaled':18s} {rows[side]['floor_vs_full_scaled']:9.3f}   (this floor / the "
                           f"full-length real-token floor x the tokens ratio: the same comparison for the work itself)")
             if name == "full" and floor:
                 ratios = round_ratios[(name, side)]
                 rows[side]["floor_ratio"] = statistics.median(r for r, _, _, _ in ratios)
                 rows[side]["floor_median_ratio"] = statistics.median(r for _, _, _, r in ratios)
-                print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here, each "
-                      f"product's fastest timing; median of {len(floors)} measurements, before and after each of our runs)")
-                print(f"{'median floor':18s} {floor['total_median']:9.3f}   (the same products, each at its median timing, "
-                      "as our step is a median)")
                 print(f"{side + '/floor':18s} {rows[side]['floor_ratio']:9.3f}   (median over rounds of our step / the "
                       f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f, _ in ratios)})")
                 print(f"{side + '/median floor':18s} {rows[side]['floor_median_ratio']:9.3f}   (the same against the "
