@@ -6,6 +6,7 @@
         --sides ours,trl,ours-plain      # ours: --kernels auto (the default); ours-plain: --kernels plain
 
     python bench/trainer.py --shape small --lengths full,realistic,short   # completions that end early too
+        --profile DIR                    # and where one more step's reference and update time goes (torch.profiler)
 
 Same work on both sides: one random-init model saved to a folder (with --lengths full, the default,
 completions run to the token budget: EOS is a 1-in-150k token for it; realistic and short give the model an
@@ -65,9 +66,55 @@ def _peak_memory_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, kernels: str = "auto") -> dict:
+def profiled(trainer, run, path: Path, device: str):
+    """`run()` (the trainer's train_on_rollout for one step: its reference and update passes) under torch.profiler;
+    writes where the time goes to `path`: the passes (reference / old-policy log-probs, each micro-batch's loss
+    forward, its backward, the optimizer step) and the operations (CUDA kernels on a GPU) by self time, also by
+    input shape. Returns what `run` returns."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    def labelled(label, method):
+        def call(*args, **kwargs):
+            with record_function(label):
+                return method(*args, **kwargs)
+        return call
+
+    passes = {(trainer, "_logprobs_no_grad"): "reference/old log-probs",
+              (trainer, "_micro_batch_loss"): "micro-batch loss forward",
+              (torch.Tensor, "backward"): "micro-batch backward", (trainer.optimizer, "step"): "optimizer step"}
+    cuda = device == "cuda"
+    with contextlib.ExitStack() as stack:
+        for (owner, name), label in passes.items():
+            stack.enter_context(mock.patch.object(owner, name, labelled(label, getattr(owner, name))))
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities, record_shapes=True) as prof:
+            with record_function("train_on_rollout"):
+                result = run()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    events, labels = prof.key_averages(), ["train_on_rollout", *passes.values()]
+    lines = [f"{'pass':28s} {'calls':>6s} {'CPU total ms':>13s}" + (f" {'CUDA total ms':>14s}" if cuda else "")]
+    if cuda:  # autograd launches the backward's kernels from its own device thread, outside the label's range
+        lines.insert(0, "(CUDA: the backward's kernels are launched by autograd's device thread: see the tables below)")
+    for event in sorted((e for e in events if e.key in labels), key=lambda e: labels.index(e.key)):
+        device_ms = f" {event.device_time_total / 1e3:14.1f}" if cuda else ""
+        lines.append(f"{event.key:28s} {event.count:6d} {event.cpu_time_total / 1e3:13.1f}{device_ms}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n\n" + events.table(sort_by=sort, row_limit=30) + "\n"
+                    + prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=30,
+                                                                         max_shapes_column_width=90))
+    return result
+
+
+def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, kernels: str = "auto",
+             profile: str | None = None) -> dict:
     """Our trainer's step times, phases, tokens and peak memory; kernels "auto-padded": auto without compaction,
-    length grouping and packing (what they save)."""
+    length grouping and packing (what they save). `profile`: a path; one more step runs after the `steps`, its
+    reference and update passes profiled into that file (`profiled`), and left out of the results."""
     padded = kernels == "auto-padded"
     kernels = "auto" if padded else kernels
     from data import add_prompts, make_synthetic_gsm8k
@@ -76,7 +123,7 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
     from grpo.trainer import Trainer
 
     config = GRPOConfig(
-        model=model_dir, dataset="synthetic:256", output_dir=out_dir, overwrite=True, max_steps=steps,
+        model=model_dir, dataset="synthetic:256", output_dir=out_dir, overwrite=True, max_steps=steps + bool(profile),
         prompts_per_step=work["prompts"], num_generations=work["group"], micro_batch_size=work["micro_batch"],
         max_completion_length=work["new_tokens"], max_prompt_length=256, beta=work["beta"], reward=["tags"],
         device=device, precision=work["precision"], learning_rate=1e-6, save_steps=0, log_completions_steps=0,
@@ -96,8 +143,15 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         return train_on_rollout(rollout, **kwargs)
 
     trainer.train_on_rollout = recording
+    if profile:  # one more step, its reference and update passes profiled, not timed with the others
+        def profiled_last(rollout, **kwargs):
+            if trainer.step < steps:
+                return recording(rollout, **kwargs)
+            return profiled(trainer, lambda: train_on_rollout(rollout, **kwargs), Path(profile), device)
+
+        trainer.train_on_rollout = profiled_last
     trainer.train()
-    metrics = read_jsonl(Path(out_dir) / "metrics.jsonl")
+    metrics = read_jsonl(Path(out_dir) / "metrics.jsonl")[:steps]
     return {"step_times": [m["step_time"] for m in metrics],
             "phases": [{"sample": m["sample_time"], "reference": m["reference_time"],
                         "update": m["step_time"] - m["sample_time"] - m["reference_time"]} for m in metrics],
@@ -301,7 +355,8 @@ def child(args):
         if args.child == "trl":
             result = run_trl(args.model_dir, work, args.steps, args.device, out)
         else:
-            result = run_ours(args.model_dir, work, args.steps, args.device, out, kernels=SIDES[args.child])
+            result = run_ours(args.model_dir, work, args.steps, args.device, out, kernels=SIDES[args.child],
+                              profile=args.profile_file)
     print("RESULT " + json.dumps(result))
 
 
@@ -313,12 +368,15 @@ def child(args):
 LENGTHS = {"full": None, "realistic": 2.3, "short": 6.4}
 
 
-def run_side(args, side: str, model_dir: str) -> dict | None:
-    """One run of one side in its own process; None (reported) if it failed or ran out of time."""
+def run_side(args, side: str, model_dir: str, profile_file: str | None = None) -> dict | None:
+    """One run of one side in its own process; None (reported) if it failed or ran out of time. `profile_file`
+    (ours only): where its extra profiled step writes (run_ours)."""
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("prompts", "group_size", "new_tokens", "micro_batch") and v is not None]
     command = [sys.executable, __file__, "--child", side, "--model-dir", model_dir, "--shape", args.shape,
                "--device", args.device, "--steps", str(args.steps), *forwarded]
+    if profile_file and side != "trl":
+        command += ["--profile-file", profile_file]
     try:
         run = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, timeout=args.side_timeout)
     except subprocess.TimeoutExpired as stopped:
@@ -347,7 +405,11 @@ def main(argv=None):
                         f"side: {', '.join(LENGTHS)} (see LENGTHS in this file)")
     parser.add_argument("--side-timeout", type=float, default=None, help="seconds one run may take before it is "
                         "stopped and reported as failed (the other runs go on)")
+    parser.add_argument("--profile", metavar="DIR", help="our runs each run one more step after the timed ones, its "
+                        "reference and update passes under torch.profiler (not in the figures), and write where its "
+                        "time goes to DIR/<lengths>-<side>-<round>.txt")
     parser.add_argument("--child", choices=list(SIDES), help=argparse.SUPPRESS)
+    parser.add_argument("--profile-file", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -377,18 +439,20 @@ def main(argv=None):
             model_dirs[name] = str(save_tiny_model(Path(models) / name, args.shape, seed=0, eos_rate=rate))
         tokenizer = AutoTokenizer.from_pretrained(model_dirs[settings[0]])
         prompt_len = max(len(encode_prompt(tokenizer, row["prompt"])) for row in add_prompts(make_synthetic_gsm8k(64, seed=0)))
-        for _ in range(args.repeats):
+        for round_index in range(args.repeats):
             for name, side in runs:
                 full_floor = side.startswith("ours") and name == "full"
                 if full_floor:
                     floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # just before the run
-                result = run_side(args, side, model_dirs[name])
+                profile_file = (str(Path(args.profile).resolve() / f"{name}-{side}-{round_index}.txt")
+                                if args.profile and side.startswith("ours") else None)
+                result = run_side(args, side, model_dirs[name], profile_file)
                 if result is None:
                     continue
                 results[(name, side)].append(result)
                 print(f"{name} {side} run: step times {', '.join(f'{t:.3f}' for t in result['step_times'])} s, "
-                      f"tokens/step {', '.join(f'{n:.0f}' for n in result['tokens'])}, peak {result['peak_mib']:.0f} MiB",
-                      flush=True)
+                      f"tokens/step {', '.join(f'{n:.0f}' for n in result['tokens'])}, peak {result['peak_mib']:.0f} MiB"
+                      + (f"; profile of one more step: {profile_file}" if profile_file else ""), flush=True)
                 if side.startswith("ours"):  # the real-token floors, timed right after the run (the machine drifts)
                     timer = Products(args.shape, work["precision"], args.device)
                     for seconds, lengths in list(zip(result["step_times"], result["lengths"]))[args.untimed:]:
@@ -476,7 +540,8 @@ def main(argv=None):
             real = rows[ours_sides[0]].get("real_floor")
             if real:
                 print(f"{'real floor':14s} {real['sample']:8.3f} {real['reference']:10.3f} {real['update']:8.3f}")
-    return {"summary": {f"{name}/{side}": value for (name, side), value in summary.items()}, "floor": floor}
+    return {"summary": {f"{name}/{side}": value for (name, side), value in summary.items()}, "floor": floor,
+            "runs": {f"{name}/{side}": done for (name, side), done in results.items()}}
 
 
 def _tail(text, limit: int = 3000) -> str:

@@ -31,12 +31,19 @@ def test_trainer_benchmark_runs(capsys):
 
 
 @pytest.mark.slow
-def test_trainer_benchmark_with_realistic_lengths(capsys):
+def test_trainer_benchmark_with_realistic_lengths(capsys, tmp_path):
     from bench import trainer
 
     result = trainer.main(["--shape", "tiny", "--steps", "2", "--repeats", "1", "--prompts", "2", "--group-size", "4",
-                           "--new-tokens", "24", "--micro-batch", "4", "--sides", "ours", "--lengths", "full,short"])
+                           "--new-tokens", "24", "--micro-batch", "4", "--sides", "ours", "--lengths", "full,short",
+                           "--profile", str(tmp_path)])
     full, short = result["summary"]["full/ours"], result["summary"]["short/ours"]
+    # --profile: one more step a run, profiled, and kept out of the figures (2 steps, 1 untimed: 1 timed step)
+    assert len(result["runs"]["full/ours"][0]["step_times"]) == 2
+    profile = (tmp_path / "short-ours-0.txt").read_text()
+    for label in ("train_on_rollout", "reference/old log-probs", "micro-batch loss forward", "micro-batch backward",
+                  "optimizer step", "aten::mm"):
+        assert label in profile, label
     assert full["mean_tokens"] == 2 * 4 * 24  # every completion at the budget
     assert short["mean_tokens"] < 0.5 * full["mean_tokens"]  # EOS at 6.4 / 24 a token: most rows end early
     assert short["vs_full_scaled"] > 0 and short["real_floor_ratio"] > 0 and full["real_floor_ratio"] > 0
