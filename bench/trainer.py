@@ -318,28 +318,31 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
     return {**parts(0), **{f"{part}_median": seconds for part, seconds in parts(1).items()}}
 
 
-def real_token_floor(timer: Products, work: dict, prompt_lengths: list[int], completion_lengths: list[int]) -> dict:
+def real_token_floor(timer: Products, work: dict, prompt_lengths: list[int], completion_lengths: list[int],
+                     pick: int = 0) -> dict:
     """The floor of one step's real tokens: `floor_seconds`'s products with no padding and no finished row.
 
     prompt_lengths, completion_lengths: (N,) real tokens of each row (rows grouped by prompt, G per prompt).
     Prefill: each distinct prompt's tokens once. Decode step t: the rows whose completion is longer than t, each
     attending to a prompt of the mean length and the t tokens before. Training and reference: the trunk over every row's real
     prompt and completion tokens packed together (no padding), the output projection over the real completion
-    tokens, attention per row over its own length. Returns the parts and their total, fastest timings (pick 0).
+    tokens, attention per row over its own length. Returns the parts and their total, from each product's fastest
+    timing (pick 0) or its median (pick 1, `Products`).
     """
     group, layers = work["group"], timer.layers
     prompts = prompt_lengths[::group]
-    prefill = timer.trunk(sum(prompts), 0) + sum(timer.attention(1, p, p)[0] for p in prompts) * layers
+    prefill = timer.trunk(sum(prompts), pick) + sum(timer.attention(1, p, p)[pick] for p in prompts) * layers
     mean_prompt = round(sum(prompt_lengths) / len(prompt_lengths))
     decode = 0.0
     for step in range(max(completion_lengths)):
         active = sum(length > step for length in completion_lengths)
-        decode += timer.trunk(active, 0) + timer.head(active, 0) + timer.attention(active, 1, mean_prompt + step + 1)[0] * layers
+        decode += (timer.trunk(active, pick) + timer.head(active, pick)
+                   + timer.attention(active, 1, mean_prompt + step + 1)[pick] * layers)
     tokens = sum(prompt_lengths) + sum(completion_lengths)
     generated = sum(completion_lengths)
-    attention = sum(timer.attention(1, p + c, p + c)[0] for p, c in zip(prompt_lengths, completion_lengths)) * layers
-    train = timer.trunk(tokens, 0, backward=True) + timer.head(generated, 0, backward=True) + attention * 3
-    reference = timer.trunk(tokens, 0) + timer.head(generated, 0) + attention if work["beta"] else 0.0
+    attention = sum(timer.attention(1, p + c, p + c)[pick] for p, c in zip(prompt_lengths, completion_lengths)) * layers
+    train = timer.trunk(tokens, pick, backward=True) + timer.head(generated, pick, backward=True) + attention * 3
+    reference = timer.trunk(tokens, pick) + timer.head(generated, pick) + attention if work["beta"] else 0.0
     return {"sample": prefill + decode, "reference": reference, "update": train,
             "total": prefill + decode + train + reference}
 
@@ -426,7 +429,7 @@ def main(argv=None):
     runs = [(name, side) for name in settings for side in sides]
     results = {run: [] for run in runs}
     floors, round_ratios = [], {run: [] for run in runs}
-    real_floors = {run: [] for run in runs}  # (step time, real-token floor of that step) per timed step
+    real_floors = {run: [] for run in runs}  # (step time, its real-token floor, the same at median timings) per timed step
     with tempfile.TemporaryDirectory() as models:
         from transformers import AutoTokenizer
 
@@ -457,7 +460,8 @@ def main(argv=None):
                     timer = Products(args.shape, work["precision"], args.device)
                     for seconds, lengths in list(zip(result["step_times"], result["lengths"]))[args.untimed:]:
                         real_floors[(name, side)].append(
-                            (seconds, real_token_floor(timer, work, lengths["prompt"], lengths["completion"])))
+                            (seconds, *(real_token_floor(timer, work, lengths["prompt"], lengths["completion"], pick)
+                                        for pick in (0, 1))))
                 if full_floor:
                     floors.append(floor_seconds(args.shape, work, prompt_len, args.device))  # and just after it
                     around = (floors[-2]["total"] + floors[-1]["total"]) / 2
@@ -508,12 +512,15 @@ def main(argv=None):
                       f"x tokens ratio {tokens_ratio:.3f} = {scaled:.3f} s)")
             pairs = real_floors[(name, side)]
             if pairs:
-                rows[side]["real_floor_ratio"] = statistics.median(seconds / f["total"] for seconds, f in pairs)
-                parts = {part: statistics.median(f[part] for _, f in pairs) for part in ("sample", "reference", "update", "total")}
+                rows[side]["real_floor_ratio"] = statistics.median(seconds / f["total"] for seconds, f, _ in pairs)
+                rows[side]["real_median_floor_ratio"] = statistics.median(seconds / f["total"] for seconds, _, f in pairs)
+                parts = {part: statistics.median(f[part] for _, f, _ in pairs) for part in ("sample", "reference", "update", "total")}
                 rows[side]["real_floor"] = parts
                 print(f"{side + '/real floor':18s} {rows[side]['real_floor_ratio']:9.3f}   (median over timed steps of the "
                       f"step / its real-token floor; floor {parts['total']:.3f} s = {parts['sample']:.3f} sample + "
                       f"{parts['reference']:.3f} reference + {parts['update']:.3f} update)")
+                print(f"{side + '/real median':18s} {rows[side]['real_median_floor_ratio']:9.3f}   (the same against the "
+                      "real-token floor of each product's median timing, as our step is a median)")
                 if full and "real_floor" in full:  # how far the work itself follows the tokens
                     rows[side]["floor_vs_full_scaled"] = parts["total"] / (full["real_floor"]["total"] * tokens_ratio)
                     print(f"{'real floor/scaled':18s} {rows[side]['floor_vs_full_scaled']:9.3f}   (this floor / the "

@@ -47,6 +47,7 @@ def test_trainer_benchmark_with_realistic_lengths(capsys, tmp_path):
     assert full["mean_tokens"] == 2 * 4 * 24  # every completion at the budget
     assert short["mean_tokens"] < 0.5 * full["mean_tokens"]  # EOS at 6.4 / 24 a token: most rows end early
     assert short["vs_full_scaled"] > 0 and short["real_floor_ratio"] > 0 and full["real_floor_ratio"] > 0
+    assert 0 < short["real_median_floor_ratio"] <= short["real_floor_ratio"]  # medians are never under the fastest
     assert "ours/full scaled" in capsys.readouterr().out
 
 
@@ -78,6 +79,12 @@ def test_real_token_floor_counts_the_real_tokens_only():
     rows = attention(1, 7, 7) + attention(1, 9, 9) + 2 * attention(1, 4, 4)
     assert floor["reference"] == pytest.approx(tokens * linear + generated * head + rows)
     assert floor["update"] == pytest.approx(3 * (tokens * linear + generated * head + rows))  # forward + dX + dW
+    # pick 1: each product's median timing (here twice its fastest), the same accounting
+    doubled = type("Doubled", (FlopTimer,), {"product": lambda self, m, k, n: (m * k * n * 1e-9, 2 * m * k * n * 1e-9),
+                                             "attention": lambda self, b, q, k: tuple(
+                                                 t * f for t, f in zip(FlopTimer.attention(self, b, q, k), (1, 2)))})
+    medians = trainer.real_token_floor(doubled("tiny", "fp32", "cpu"), work, [5, 5, 3, 3], [2, 4, 1, 1], pick=1)
+    assert all(medians[part] == pytest.approx(2 * floor[part]) for part in floor)
     assert floor["total"] == pytest.approx(floor["sample"] + floor["reference"] + floor["update"])
 
 
