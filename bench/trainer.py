@@ -111,10 +111,11 @@ def profiled(trainer, run, path: Path, device: str):
 
 
 def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, kernels: str = "auto",
-             profile: str | None = None) -> dict:
+             profile: str | None = None, chunk_size: int | None = None) -> dict:
     """Our trainer's step times, phases, tokens and peak memory; kernels "auto-padded": auto without compaction,
     length grouping and packing (what they save). `profile`: a path; one more step runs after the `steps`, its
-    reference and update passes profiled into that file (`profiled`), and left out of the results."""
+    reference and update passes profiled into that file (`profiled`), and left out of the results. `chunk_size`:
+    logprob_chunk_size (None: its default)."""
     padded = kernels == "auto-padded"
     kernels = "auto" if padded else kernels
     from data import add_prompts, make_synthetic_gsm8k
@@ -127,7 +128,7 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         prompts_per_step=work["prompts"], num_generations=work["group"], micro_batch_size=work["micro_batch"],
         max_completion_length=work["new_tokens"], max_prompt_length=256, beta=work["beta"], reward=["tags"],
         device=device, precision=work["precision"], learning_rate=1e-6, save_steps=0, log_completions_steps=0,
-        logging_steps=10**6, warmup_ratio=0.0, kernels=kernels,
+        logging_steps=10**6, warmup_ratio=0.0, kernels=kernels, logprob_chunk_size=chunk_size,
     )
     trainer = Trainer(config, train_rows=add_prompts(make_synthetic_gsm8k(256, seed=0)))
     trainer.save = lambda: None  # checkpoint writing is not part of a step on either side
@@ -359,7 +360,7 @@ def child(args):
             result = run_trl(args.model_dir, work, args.steps, args.device, out)
         else:
             result = run_ours(args.model_dir, work, args.steps, args.device, out, kernels=SIDES[args.child],
-                              profile=args.profile_file)
+                              profile=args.profile_file, chunk_size=args.chunk_size)
     print("RESULT " + json.dumps(result))
 
 
@@ -375,7 +376,7 @@ def run_side(args, side: str, model_dir: str, profile_file: str | None = None) -
     """One run of one side in its own process; None (reported) if it failed or ran out of time. `profile_file`
     (ours only): where its extra profiled step writes (run_ours)."""
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("prompts", "group_size", "new_tokens", "micro_batch") and v is not None]
+                 if k in ("prompts", "group_size", "new_tokens", "micro_batch", "chunk_size") and v is not None]
     command = [sys.executable, __file__, "--child", side, "--model-dir", model_dir, "--shape", args.shape,
                "--device", args.device, "--steps", str(args.steps), *forwarded]
     if profile_file and side != "trl":
@@ -403,6 +404,8 @@ def main(argv=None):
     parser.add_argument("--group-size", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--micro-batch", type=int)
+    parser.add_argument("--chunk-size", type=int, help="our sides' logprob_chunk_size (rows of logits per chunk of "
+                        "the log-prob passes; default: the trainer's)")
     parser.add_argument("--sides", default="ours,trl", help=f"which trainers to run, comma-separated: {', '.join(SIDES)}")
     parser.add_argument("--lengths", default="full", help="completion lengths, comma-separated settings run side by "
                         f"side: {', '.join(LENGTHS)} (see LENGTHS in this file)")
@@ -481,7 +484,8 @@ def main(argv=None):
                         "peak_mib": statistics.median(r["peak_mib"] for r in done), "mean_tokens": statistics.mean(tokens)}
     print(f"shape={args.shape} device={args.device} precision={work['precision']} prompts={work['prompts']} "
           f"G={work['group']} new_tokens={work['new_tokens']} micro_batch={work['micro_batch']} beta={work['beta']} "
-          f"steps/run={args.steps} ({args.untimed} untimed) runs/side={args.repeats}, medians")
+          f"steps/run={args.steps} ({args.untimed} untimed) runs/side={args.repeats}, medians"
+          + (f", our logprob_chunk_size={args.chunk_size}" if args.chunk_size else ""))
     for name in sorted(settings, key=lambda n: n != "full"):  # full first: the others compare with it
         rows = {side: summary[(name, side)] for side in sides if (name, side) in summary}
         rate = LENGTHS[name]

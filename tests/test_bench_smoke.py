@@ -6,9 +6,30 @@ from bench import sampler
 
 
 def test_sampler_benchmark_runs(capsys):
-    times = sampler.main(["--shape", "tiny", "--prompts", "2", "--group-size", "2", "--new-tokens", "4", "--repeats", "1"])
+    times = sampler.main(["--shape", "tiny", "--prompts", "2", "--group-size", "2", "--new-tokens", "4", "--repeats", "1",
+                          "--head-rows"])
     assert set(times) == {"model.generate", "ours, plain", "ours, kernel (eager)"}
-    assert "tokens/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "1: " in out and "4: " in out
+
+
+def test_sampler_phases_cover_the_call():
+    import torch
+
+    from data.prompts import build_prompt
+    from data.synthetic import make_synthetic_gsm8k
+    from grpo.tiny_model import build_tiny_model
+
+    model, tokenizer = build_tiny_model("tiny", seed=0)
+    prompts = [tokenizer.apply_chat_template(build_prompt(r["question"]), add_generation_prompt=True, return_dict=False)
+               for r in make_synthetic_gsm8k(2, seed=0)]
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    split = sampler.decode_phases(model, tokenizer, prompts, 4, 24, rate=6.4, repeats=2)
+    assert split["tokens"] < 2 * 4 * 24 and 0 < split["mean_rows"] < 8  # rows ended early and left the loop
+    assert split["ms"]["decode trunk (lean step)"] > 0 and split["ms"]["head product"] > 0
+    assert split["ms"]["compaction (KV cache)"] > 0 and split["ms"]["rest"] >= 0
+    assert sum(split["ms"].values()) == pytest.approx(split["total_ms"])
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())  # a copy got the rate
 
 
 def test_sampler_cost_table_runs():
