@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The prepared GPU check (about 7 minutes on one H200), run from the repository root on a CUDA machine.
+# The prepared GPU check (about 8 minutes on one H200), run from the repository root on a CUDA machine.
 # In order of priority, each part under its own time limit so one failure leaves the others' figures:
 #   1. ours vs trl on the trainer benchmark: the qwen2.5-0.5b shape, bf16, 16 prompts x G=8, 256 new tokens,
 #      micro-batch 32, beta 0.04; ours with --kernels auto (the compiled, CUDA-graph decode step), completions
 #      at the budget and at realistic lengths (--lengths full,realistic), with each step's real-token floor, and
 #      one more step of each of our runs profiled (--profile: where the reference and update passes' time goes);
 #   2. the CUDA-only tests (tests/test_gpu.py: compiled decode == eager greedy tokens, a bf16 training step);
-#   2b. ours alone at realistic lengths with 8x the default log-prob chunk (1536 rows), profiled too: whether the
+#   2b. ours without the shared-prompt passes (ours-unshared) at realistic lengths, profiled: what running each
+#      group's prompt once buys in the reference and update passes;
+#   2c. ours at realistic lengths with 8x the default log-prob chunk (1536 rows), profiled too: whether the
 #      reference pass's distance from its floor is the chunks' count (each chunk is ~10 kernels over (c, V) values);
 #   3. sampler throughput (16 prompts x G=8, 256 tokens): model.generate, ours plain, the kernel eager and compiled;
 #   4. the FSDP2 path at world size one against the unwrapped one (bench/distributed.py: step time, memory);
@@ -33,6 +35,8 @@ fi
 timeout "$(left 380)" python3 bench/trainer.py --device cuda --shape qwen2.5-0.5b --steps 3 --repeats 1 \
   --sides ours,trl --lengths full,realistic --side-timeout 90 --profile "$OUT/profile" 2>&1 | tee "$OUT/trainer.txt"
 timeout "$(left 110)" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
+timeout "$(left 100)" python3 bench/trainer.py --device cuda --shape qwen2.5-0.5b --steps 3 --repeats 1 \
+  --sides ours-unshared --lengths realistic --side-timeout 80 --profile "$OUT/profile-unshared" 2>&1 | tee "$OUT/trainer_unshared.txt"
 timeout "$(left 100)" python3 bench/trainer.py --device cuda --shape qwen2.5-0.5b --steps 3 --repeats 1 --sides ours \
   --lengths realistic --chunk-size 1536 --side-timeout 80 --profile "$OUT/profile-chunk1536" 2>&1 | tee "$OUT/trainer_chunk.txt"
 timeout "$(left 120)" python3 bench/sampler.py --device cuda --prompts 16 --repeats 2 2>&1 | tee "$OUT/sampler.txt"; echo "sampler exit ${PIPESTATUS[0]}" | tee -a "$OUT/sampler.txt"
@@ -42,6 +46,7 @@ timeout "$(left 120)" python3 bench/distributed.py --device cuda \
 timeout "$(left 150)" python3 bench/memory.py --device cuda --shape qwen2.5-0.5b --setups full,full-8bit,lora \
   --prompts 16 --group 8 --micro-batch 32 --new-tokens 256 2>&1 | tee "$OUT/memory.txt"
 echo "=== summary ==="; cat "$OUT/machine.txt"; grep -v " run: " "$OUT/trainer.txt" | tail -40
-head -8 "$OUT"/profile/realistic-ours-0.txt 2>/dev/null; grep -A3 "s/step" "$OUT/trainer_chunk.txt"
+head -8 "$OUT"/profile/realistic-ours-0.txt 2>/dev/null; grep -A3 "s/step" "$OUT/trainer_unshared.txt" "$OUT/trainer_chunk.txt"
+head -8 "$OUT"/profile-unshared/realistic-ours-unshared-0.txt 2>/dev/null
 head -8 "$OUT"/profile-chunk1536/realistic-ours-0.txt 2>/dev/null
 tail -3 "$OUT/gpu_tests.txt"; tail -6 "$OUT/sampler.txt"; tail -4 "$OUT/fsdp.txt"; tail -6 "$OUT/memory.txt"

@@ -113,11 +113,11 @@ def profiled(trainer, run, path: Path, device: str):
 def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, kernels: str = "auto",
              profile: str | None = None, chunk_size: int | None = None) -> dict:
     """Our trainer's step times, phases, tokens and peak memory; kernels "auto-padded": auto without compaction,
-    length grouping and packing (what they save). `profile`: a path; one more step runs after the `steps`, its
+    length grouping and packing (what they save); "auto-unshared": auto without the shared-prompt passes. `profile`: a path; one more step runs after the `steps`, its
     reference and update passes profiled into that file (`profiled`), and left out of the results. `chunk_size`:
     logprob_chunk_size (None: its default)."""
-    padded = kernels == "auto-padded"
-    kernels = "auto" if padded else kernels
+    padded, unshared = kernels == "auto-padded", kernels == "auto-unshared"
+    kernels = "auto" if padded or unshared else kernels
     from data import add_prompts, make_synthetic_gsm8k
     from grpo.config import GRPOConfig
     from grpo.metrics import read_jsonl
@@ -137,6 +137,8 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
 
         fast_sampling._COMPACT_SHARE = 10**9
         trainer.kernels.length_grouping = trainer.kernels.length_sorted_passes = trainer.kernels.packed_logprobs = False
+    if unshared:  # every row's prompt through the trunk, as the plain path
+        trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = False
     lengths, train_on_rollout = [], trainer.train_on_rollout
 
     def recording(rollout, **kwargs):  # each step's real prompt and completion tokens per row, for the floor
@@ -349,8 +351,10 @@ def real_token_floor(timer: Products, work: dict, prompt_lengths: list[int], com
 
 
 # ours: our defaults (--kernels auto: the compiled decode step on CUDA, the fused loss, ...); ours-plain: --kernels plain;
-# ours-padded: --kernels auto without the real-length kernels (compaction, length grouping, packing).
-SIDES = {"ours": "auto", "ours-plain": "plain", "ours-padded": "auto-padded", "trl": None}
+# ours-padded: --kernels auto without the real-length kernels (compaction, length grouping, packing); ours-unshared:
+# --kernels auto without the shared-prompt passes (grpo.kernels.prefix).
+SIDES = {"ours": "auto", "ours-plain": "plain", "ours-padded": "auto-padded", "ours-unshared": "auto-unshared",
+         "trl": None}
 
 
 def child(args):

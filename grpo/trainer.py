@@ -195,7 +195,8 @@ class Trainer:
         self.loss_options = LossOptions.from_config(cfg)
         self.entropy_control = EntropyControl.from_config(cfg)
         self.kernels = select_kernels(cfg.kernels, self.device, self.loss_options, self.policy,
-                                      entropy_bonus=self.entropy_control.enabled, fp32_head=cfg.cast_lm_head_to_fp32)
+                                      entropy_bonus=self.entropy_control.enabled, fp32_head=cfg.cast_lm_head_to_fp32,
+                                      sharded=self.distributed == "fsdp", gradient_checkpointing=cfg.gradient_checkpointing)
         self.kernels.log_reasons()
         self.logprob_buffers = Buffers()  # the log-prob kernels' reused storage, kept for the run
         self.generation = make_generation_backend(cfg.generation_backend, self.policy, self.tokenizer.pad_token_id,
@@ -463,7 +464,8 @@ class Trainer:
         with self.autocast:
             if self.kernels.update_logprobs if update else self.kernels.fast_logprobs:  # the same numbers, faster
                 return call(fast_completion_logprobs, *args, buffers=self.logprob_buffers,
-                            packed=self.kernels.packed_logprobs)
+                            packed=self.kernels.packed_logprobs,
+                            shared_prompts=self.kernels.shared_prompt_update if update else self.kernels.shared_prompt_passes)
             return call(completion_logprobs, *args, fp32_head=self.config.cast_lm_head_to_fp32)
 
     @torch.no_grad()
@@ -496,7 +498,8 @@ class Trainer:
             with self.autocast:
                 loss, logps, entropy = self.policy_call(
                     fused_completion_loss, ids, attention_mask, cm, advantages, old_logps, ref_logps, weights, options,
-                    cfg.temperature, cfg.logprob_chunk_size, self.logprob_buffers, packed=self.kernels.packed_logprobs)
+                    cfg.temperature, cfg.logprob_chunk_size, self.logprob_buffers, packed=self.kernels.packed_logprobs,
+                    shared_prompts=self.kernels.shared_prompt_update)
         else:
             logps, entropy = self._logprobs(self.policy_call, ids, attention_mask, cm, with_entropy=True, update=True)
             old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1

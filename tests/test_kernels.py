@@ -8,6 +8,7 @@
     grpo.kernels.fused_loss    loss, log-probs, entropies and gradients of log-probs -> per_token_loss -> aggregate_loss
     compaction (sampling)      the tokens of decoding every row, on models whose completions end at a known rate
     grpo.kernels.packing       log-probs and gradients of the padded trunk pass (CPU, SDPA's packed mask)
+    grpo.kernels.prefix        hidden states and log-probs of the padded trunk pass, prompts shared by their rows
     grpo.kernels.batching      tests/test_trainer.py: length-grouped micro-batches give the random ones' gradients
 
 Tolerances: fp32 on CPU, rtol 1e-5; gradients atol 1e-6 of the tensor's largest entry (fp32 sums in another order).
@@ -60,6 +61,8 @@ def test_fast_sampler_draws_the_plain_samplers_tokens(shape, sampling):
 def test_compaction_draws_the_tokens_of_decoding_every_row(shape, sampling, lean_decode, monkeypatch):
     # Completions that end at a known rate (set_eos_rate), so rows finish at many different steps and the fast
     # sampler drops them from its cache: the same tokens, masks and log-probs as decoding every row to the end.
+    # (Equal here; in general equal up to the logits' rounding, which BLAS varies with the rows of a product: a
+    # uniform that falls within it of a token boundary draws the neighbour, see docs/design.md.)
     import grpo.kernels.sampling as fast
     from grpo.tiny_model import IM_END, set_eos_rate
 
@@ -164,36 +167,125 @@ def test_fused_loss_matches_logprobs_then_loss_then_aggregation(tokenizer, loss_
         assert ((ratio < 0.99) | (ratio > 1.02)).any() and ((ratio > 0.99) & (ratio < 1.02)).any()
 
 
+@pytest.mark.parametrize("trunk_pass", ["packed", "shared prompts"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_packed_trunk_pass_gives_the_padded_logprobs_and_gradients(tokenizer, tied):
-    # grpo.kernels.packing on CPU with SDPA (transformers gives the packed row a block-diagonal mask): the same
-    # log-probs, entropies, fused loss and gradients as the padded micro-batch, left and right padding included.
+def test_packed_or_shared_prompt_trunk_pass_gives_the_padded_logprobs_and_gradients(tokenizer, tied, trunk_pass):
+    # grpo.kernels.packing on CPU with SDPA (transformers gives the packed row a block-diagonal mask), and
+    # grpo.kernels.prefix (two prompts, three rows each, the prompt's activations shared): the same log-probs,
+    # entropies, fused loss and gradients as the padded micro-batch, left and right padding included.
     model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
     if not tied:  # an untied output projection: the fused loss's plain embedding backward
         model.config.tie_word_embeddings = False
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 1.5)
     model.train()
     generator = torch.Generator().manual_seed(8)
-    ids, attention_mask, completion_mask = _batch(model.config.vocab_size, generator, prompt=7, completion=6)
-    attention_mask[2, :4] = 0  # more left padding
+    if trunk_pass == "packed":
+        ids, attention_mask, completion_mask = _batch(model.config.vocab_size, generator, prompt=7, completion=6)
+        attention_mask[2, :4] = 0  # more left padding
+    else:
+        ids, attention_mask, completion_mask = _grouped_batch(model.config.vocab_size, generator)
     ids = ids.masked_fill(attention_mask == 0, tokenizer.pad_token_id)
     weights = torch.randn(completion_mask.shape, generator=generator)
-    advantages = torch.randn(4, generator=generator)
+    advantages = torch.randn(ids.shape[0], generator=generator)
     options = LossOptions(beta=0.0, loss_type="dapo")
     results = {}
-    for packed in (False, True):
+    for on in (False, True):
+        chosen = dict(packed=on and trunk_pass == "packed", shared_prompts=on and trunk_pass == "shared prompts")
         model.zero_grad()
-        logps, entropy = kernel_logprobs(model, ids, attention_mask, completion_mask, 0.8, True, packed=packed)
+        logps, entropy = kernel_logprobs(model, ids, attention_mask, completion_mask, 0.8, True, **chosen)
         (logps * weights).sum().backward()
         loss, fused_logps, _ = fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, None,
-                                                     None, weights, options, 0.8, buffers=Buffers(), packed=packed)
+                                                     None, weights, options, 0.8, buffers=Buffers(), **chosen)
         loss.backward()
-        results[packed] = (logps.detach(), entropy, fused_logps, loss.detach(), _grads(model))
-    padded, packed = results[False], results[True]
-    for got, expected in zip(packed[:4], padded[:4], strict=True):
+        results[on] = (logps.detach(), entropy, fused_logps, loss.detach(), _grads(model))
+    padded, other = results[False], results[True]
+    for got, expected in zip(other[:4], padded[:4], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    _assert_same_grads(packed[4], padded[4])
+    _assert_same_grads(other[4], padded[4])
     assert completion_mask.sum() < completion_mask.numel()  # the rows had padding to leave out
+
+
+def _grouped_batch(vocab, generator, group=3, prompt=7, completion=6):
+    """Two prompts, each repeated for `group` rows (the second left-padded), completions of several lengths."""
+    prompts = torch.randint(3, vocab, (2, prompt), generator=generator).repeat_interleave(group, 0)  # (2G, P)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[group:, :3] = 0
+    lengths = torch.tensor([6, 1, 4, 3, 6, 2])[: 2 * group]
+    completion_mask = (torch.arange(completion)[None, :] < lengths[:, None]).long()  # (2G, T)
+    completions = torch.randint(3, vocab, (2 * group, completion), generator=generator)
+    return (torch.cat([prompts, completions], 1), torch.cat([prompt_mask, completion_mask], 1), completion_mask)
+
+
+def test_distinct_prompts_finds_each_prompt_once():
+    from grpo.kernels.prefix import distinct_prompts
+
+    ids = torch.tensor([[0, 5, 6], [1, 5, 6], [7, 8, 9], [0, 5, 6], [2, 2, 6]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1], [0, 0, 1]])  # rows 0, 1, 3: one prompt
+    first, inverse = distinct_prompts(ids, mask)
+    assert first.numel() == 3 and torch.equal(ids[first][inverse].masked_fill(mask == 0, -1), ids.masked_fill(mask == 0, -1))
+    assert inverse[0] == inverse[1] == inverse[3] and len({int(inverse[0]), int(inverse[2]), int(inverse[4])}) == 3
+    assert all(first[inverse[row]] <= row for row in range(5))  # the first row of each prompt
+
+
+@pytest.mark.parametrize("shape", ["tiny", "small"])
+def test_shared_prompt_pass_gives_the_padded_hidden_states_and_logprobs(tokenizer, shape):
+    # grpo.kernels.prefix: each distinct prompt through the trunk once, its KV cache repeated for its rows, then the
+    # completions: the padded pass's hidden states, log-probs and entropies (left and right padding included).
+    from grpo.kernels.prefix import shared_prompt_hidden
+    from grpo.logprobs import completion_hidden
+
+    model, _ = build_tiny_model(shape, seed=3, tokenizer=tokenizer if shape == "tiny" else None)
+    model.eval()
+    ids, attention_mask, completion_mask = _grouped_batch(model.config.vocab_size, torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        shared, padded = (fn(model, ids, attention_mask, completion_mask) for fn in (shared_prompt_hidden, completion_hidden))
+        torch.testing.assert_close(shared[0], padded[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(shared[1], padded[1]) and torch.equal(shared[2], padded[2])
+        logps = {flag: kernel_logprobs(model, ids, attention_mask, completion_mask, 0.8, True, buffers=Buffers(),
+                                       shared_prompts=flag) for flag in (True, False)}
+    for got, expected in zip(logps[True], logps[False], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="choose one"):
+        kernel_logprobs(model, ids, attention_mask, completion_mask, packed=True, shared_prompts=True)
+
+
+def test_shared_prompt_pass_refuses_a_trunk_without_its_cache(tokenizer, monkeypatch):
+    # A trunk that leaves the KV cache empty (here: one that drops its cache argument) is reported instead of
+    # its completions attending to nothing. Under gradient checkpointing without grad transformers keeps the cache.
+    from grpo.kernels.prefix import shared_prompt_hidden
+    from grpo.sampler import cache_kwarg
+
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    ids, attention_mask, completion_mask = _grouped_batch(model.config.vocab_size, torch.Generator().manual_seed(9))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    with torch.no_grad():
+        shared_prompt_hidden(model, ids, attention_mask, completion_mask)  # fills its cache
+    forward, name = model.model.forward, cache_kwarg(model.model)
+    monkeypatch.setattr(model.model, "forward", lambda **kwargs: forward(**{**kwargs, name: None}))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="did not fill the KV cache"):
+        shared_prompt_hidden(model, ids, attention_mask, completion_mask)
+
+
+def test_shared_prompt_passes_are_chosen_where_they_apply(tokenizer):
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    cpu = torch.device("cpu")
+    choice = select_kernels("auto", cpu, model=model)
+    assert choice.shared_prompt_passes and choice.shared_prompt_update
+    choice = select_kernels("plain", cpu, model=model)
+    assert not choice.shared_prompt_passes and not choice.shared_prompt_update
+    for kwargs, reason in [(dict(sharded=True), "FSDP2"), (dict(fp32_head=True), "kernels are off")]:
+        choice = select_kernels("auto", cpu, model=model, **kwargs)
+        assert not choice.shared_prompt_passes and reason in choice.reasons["shared_prompt_passes"], kwargs
+        assert not choice.shared_prompt_update and reason in choice.reasons["shared_prompt_update"], kwargs
+    choice = select_kernels("auto", cpu, model=model, gradient_checkpointing=True)  # without grad the cache stays on
+    assert choice.shared_prompt_passes and not choice.shared_prompt_update
+    assert "checkpointing" in choice.reasons["shared_prompt_update"]
+    choice = select_kernels("auto", cpu, model=model, entropy_bonus=True)  # the update takes grpo.logprobs
+    assert choice.shared_prompt_passes and not choice.shared_prompt_update
+    model.config._attn_implementation = "flash_attention_2"  # packed rows instead
+    choice = select_kernels("auto", cpu, model=model)
+    assert choice.packed_logprobs and not choice.shared_prompt_passes and not choice.shared_prompt_update
 
 
 def test_packing_is_chosen_where_it_needs_no_dense_mask(tokenizer):

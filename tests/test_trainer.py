@@ -220,6 +220,11 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path):
     params = []
     for checkpointing in (False, True):
         trainer = Trainer(make_config(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing, beta=0.04))
+        # Under checkpointing the update cannot share its prompts (select_kernels): both runs take the same kernels,
+        # so only checkpointing differs (k_proj's bias has a gradient of 0 up to rounding, which AdamW's first step
+        # turns into +-lr: another order of sums would move it).
+        assert not trainer.kernels.shared_prompt_update or not checkpointing
+        trainer.kernels.shared_prompt_update = False
         trainer.train_on_rollout(fixed_rollout(trainer))
         params.append(params_of(trainer.policy))
     for name in params[0]:
@@ -337,23 +342,40 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
     assert sum(cells[True]) < sum(cells[False])  # and less padding (the reference pass is sorted in both runs)
 
 
-@pytest.mark.parametrize("options", [dict(loss_type="grpo", beta=0.04, num_iterations=2, epsilon=1e-3),
-                                     dict(loss_type="dapo", beta=0.0, importance_sampling_level="sequence")])
+_OFF_POLICY = dict(loss_type="grpo", beta=0.04, num_iterations=2, epsilon=1e-3)  # a reference and an old-policy pass
+
+
+@pytest.mark.parametrize("trunk_pass, options", [
+    ("packed", _OFF_POLICY), ("packed", dict(loss_type="dapo", beta=0.0, importance_sampling_level="sequence")),
+    ("shared prompts", _OFF_POLICY), ("shared prompts", dict(loss_type="dr_grpo", beta=0.1)),
+    ("shared prompts", dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence"))])
 @pytest.mark.own_kernels
-def test_packed_logprob_passes_give_the_padded_steps_gradients(tmp_path, options):
+def test_packed_or_shared_prompt_passes_give_the_padded_steps_gradients(tmp_path, monkeypatch, trunk_pass, options):
     # grpo.kernels.packing in the reference, old-policy and update passes (forced on: on CPU with SDPA it is exact
-    # but not chosen, see select_kernels) against the padded passes: the same gradients and metrics.
+    # but not chosen, see select_kernels), and grpo.kernels.prefix in the same passes (chosen here; the update
+    # through the fused loss, or GSPO's through the log-prob kernel), each against the padded passes: the same
+    # gradients and metrics.
+    import grpo.kernels.logprobs as kernel_module
+
+    shared_calls = []
+    shared = kernel_module.shared_prompt_hidden
+    monkeypatch.setattr(kernel_module, "shared_prompt_hidden",
+                        lambda model, ids, *args: (shared_calls.append(torch.is_grad_enabled()), shared(model, ids, *args))[1])
     grads, metrics = {}, {}
-    for packed in (True, False):
-        trainer = Trainer(make_config(tmp_path / str(packed), micro_batch_size=4, max_completion_length=12,
+    for on in (True, False):
+        trainer = Trainer(make_config(tmp_path / str(on), micro_batch_size=4, max_completion_length=12,
                                       adam_epsilon=1e-6, **options))
         assert not trainer.kernels.packed_logprobs and "sdpa" in trainer.kernels.reasons["packed_logprobs"]
-        trainer.kernels.packed_logprobs = packed
-        grads[packed] = record_gradients(trainer)
-        metrics[packed] = trainer.train_on_rollout(fixed_rollout(trainer))
-    for packed_step, padded_step in zip(grads[True], grads[False], strict=True):
+        assert trainer.kernels.shared_prompt_passes and trainer.kernels.shared_prompt_update  # chosen on CPU, SDPA
+        trainer.kernels.packed_logprobs = on and trunk_pass == "packed"
+        trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = on and trunk_pass == "shared prompts"
+        grads[on] = record_gradients(trainer)
+        metrics[on] = trainer.train_on_rollout(fixed_rollout(trainer))
+    if trunk_pass == "shared prompts":  # the passes without grad (if any) and the update's ran shared
+        assert True in shared_calls and (False in shared_calls) == (options.get("beta", 0.04) != 0.0)
+    for on_step, padded_step in zip(grads[True], grads[False], strict=True):
         for name, padded in padded_step.items():
-            torch.testing.assert_close(packed_step[name], padded, rtol=1e-5, atol=1e-5 * padded.abs().max().item(), msg=name)
+            torch.testing.assert_close(on_step[name], padded, rtol=1e-5, atol=1e-5 * padded.abs().max().item(), msg=name)
     for key in ("loss", "kl", "entropy", "grad_norm"):
         if metrics[False].get(key) is not None:
             assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5, abs=1e-6), key

@@ -8,6 +8,7 @@
     grpo.kernels.fused_loss        completion_logprobs -> per_token_loss -> aggregate_loss   token-level ratios
     grpo.kernels.batching          random micro-batches (rows of similar length together)   not bnpo, entropy terms
     grpo.kernels.packing           the padded trunk pass of the log-prob kernels (packed rows)   flash / flex attention
+    grpo.kernels.prefix            the same, each distinct prompt once                  not FSDP2 (update: no checkpointing)
     grpo.kernels.buffers           reused CPU storage, owned by the objects that run the kernels
 
 `--kernels plain` runs the plain path everywhere (the definition a reader checks against the paper);
@@ -42,6 +43,8 @@ class KernelChoice:
     length_grouping: bool = False  # grpo.kernels.batching: update micro-batches of rows of similar length
     length_sorted_passes: bool = False  # the same for the reference and old-policy passes (no loss: always exact)
     packed_logprobs: bool = False  # grpo.kernels.packing: the log-prob kernels' trunk pass on packed real tokens
+    shared_prompt_passes: bool = False  # grpo.kernels.prefix: the reference / old-policy passes run each prompt once
+    shared_prompt_update: bool = False  # the same in the update pass (the kernels' log-probs or the fused loss)
     reasons: dict[str, str] = field(default_factory=dict)  # kernel -> why it is off
 
     def log_reasons(self) -> None:
@@ -50,14 +53,15 @@ class KernelChoice:
 
 
 def select_kernels(kernels: str, device: torch.device, loss_options=None, model=None,
-                   entropy_bonus: bool = False, fp32_head: bool = False) -> KernelChoice:
+                   entropy_bonus: bool = False, fp32_head: bool = False, sharded: bool = False,
+                   gradient_checkpointing: bool = False) -> KernelChoice:
     """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table).
 
     loss_options (grpo.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it needs
     a token's loss to depend on that token's log-prob only. entropy_bonus: the loss differentiates the entropy,
     which the log-prob kernels compute for the logs only, so the update pass takes the plain log-probs.
     fp32_head (cast_lm_head_to_fp32): the kernels run the output projection in the autocast dtype; the plain
-    log-probs run it in fp32.
+    log-probs run it in fp32. sharded (FSDP2): no shared-prompt passes; gradient_checkpointing: none in the update.
     """
     from grpo.loss import LossOptions
 
@@ -110,6 +114,23 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         choice.reasons["packed_logprobs"] = (f"attention implementation {attention!r} would take a packed row's dense "
                                              "block-diagonal mask; padded micro-batches of similar lengths run instead "
                                              "(flash attention and flex attention pack)")
+    unshared = [reason for condition, reason in [
+        (not choice.fast_logprobs, "the log-prob kernels are off"),
+        (choice.packed_logprobs, "the passes run packed rows (no padding) instead"),
+        (sharded, "under FSDP2 each layer's parameters would be gathered twice a micro-batch"),
+    ] if condition]
+    if unshared:
+        choice.reasons["shared_prompt_passes"] = "; ".join(unshared)
+    else:
+        choice.shared_prompt_passes = True
+    unshared_update = unshared + [reason for condition, reason in [
+        (not (choice.fused_loss or choice.update_logprobs), "the update pass takes grpo.logprobs"),
+        (gradient_checkpointing, "gradient checkpointing turns the trunk's KV cache off when grad is on"),
+    ] if condition]
+    if unshared_update:
+        choice.reasons["shared_prompt_update"] = "; ".join(dict.fromkeys(unshared_update))
+    else:
+        choice.shared_prompt_update = True
     if device.type == "cuda":
         choice.compile_decode = True
     else:
