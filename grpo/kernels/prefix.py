@@ -1,5 +1,6 @@
 """Same result as `grpo.logprobs.completion_hidden`, with each distinct prompt's trunk pass run once: the rows of a
-GRPO group share their prompt, so the reference and old-policy passes give it its keys and values once.
+GRPO group share their prompt, so the log-prob passes (reference, old policy, update) give it its keys and values
+once.
 
     padded   (n, P' + T') every row's prompt and completion: a group's prompt runs through the trunk G times
     shared   (u, P') the u distinct prompts of the micro-batch once, with a KV cache; then (n, T') the completions,
