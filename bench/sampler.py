@@ -128,7 +128,8 @@ def decode_phases(model, tokenizer, prompts, group_size: int, new_tokens: int, r
             setattr(owner, name, timed(label, originals[label]))
         for attempt in range(repeats + 1):
             if attempt == 1:  # the first call was warm-up
-                spent.clear(), rows.clear()
+                spent.clear()
+                rows.clear()
                 total = 0.0
             start = time.perf_counter()
             result = sampler.sample_groups(model, prompts, group_size, params, tokenizer.pad_token_id,

@@ -113,9 +113,9 @@ def profiled(trainer, run, path: Path, device: str):
 def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, kernels: str = "auto",
              profile: str | None = None, chunk_size: int | None = None) -> dict:
     """Our trainer's step times, phases, tokens and peak memory; kernels "auto-padded": auto without compaction,
-    length grouping and packing (what they save); "auto-unshared": auto without the shared-prompt passes. `profile`: a path; one more step runs after the `steps`, its
-    reference and update passes profiled into that file (`profiled`), and left out of the results. `chunk_size`:
-    logprob_chunk_size (None: its default)."""
+    length grouping and packing (what they save); "auto-unshared": auto without the shared-prompt passes.
+    `profile`: a path; one more step runs after the `steps`, its reference and update passes profiled into that
+    file (`profiled`), and left out of the results. `chunk_size`: logprob_chunk_size (None: its default)."""
     padded, unshared = kernels == "auto-padded", kernels == "auto-unshared"
     kernels = "auto" if padded or unshared else kernels
     from data import add_prompts, make_synthetic_gsm8k

@@ -128,7 +128,7 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         (gradient_checkpointing, "gradient checkpointing turns the trunk's KV cache off when grad is on"),
     ] if condition]
     if unshared_update:
-        choice.reasons["shared_prompt_update"] = "; ".join(dict.fromkeys(unshared_update))
+        choice.reasons["shared_prompt_update"] = "; ".join(unshared_update)
     else:
         choice.shared_prompt_update = True
     if device.type == "cuda":

@@ -52,19 +52,15 @@ def shared_prompt_hidden(model, input_ids, attention_mask, completion_mask, inpu
     positions = position_ids_from_mask(attention_mask)  # (n, P' + T'), as the padded pass
     first, inverse = distinct_prompts(input_ids[:, :prompt_len], attention_mask[:, :prompt_len])  # (u,), (n,)
     cache, name = DynamicCache(config=model.config), cache_kwarg(trunk)
-    if inputs_embeds is None:
-        prompt_inputs, completion_inputs = {"input_ids": input_ids[first, :prompt_len]}, {"input_ids": input_ids[:, prompt_len:]}
-    else:
-        prompt_inputs = {"inputs_embeds": inputs_embeds[first, :prompt_len]}
-        completion_inputs = {"inputs_embeds": inputs_embeds[:, prompt_len:]}
-    prompts = trunk(**prompt_inputs, attention_mask=attention_mask[first, :prompt_len],
+    key, inputs = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)  # (n, L, ...)
+    prompts = trunk(**{key: inputs[first, :prompt_len]}, attention_mask=attention_mask[first, :prompt_len],
                     position_ids=positions[first, :prompt_len], use_cache=True, **{name: cache}).last_hidden_state
     if cache.get_seq_length() != prompt_len:  # e.g. a trunk that drops its cache in some mode
         raise RuntimeError(f"{type(trunk).__name__} did not fill the KV cache of the prompts ({cache.get_seq_length()} "
                            f"of {prompt_len} positions): shared-prompt passes need one; --kernels plain runs without")
     cache.batch_select_indices(inverse)  # (u, ...) -> (n, ...): each row its prompt's keys and values
-    completions = trunk(**completion_inputs, attention_mask=attention_mask, position_ids=positions[:, prompt_len:],
-                        use_cache=True, **{name: cache}).last_hidden_state
+    completions = trunk(**{key: inputs[:, prompt_len:]}, attention_mask=attention_mask,
+                        position_ids=positions[:, prompt_len:], use_cache=True, **{name: cache}).last_hidden_state
     # Position t - 1 predicts token t: the prompt's last position predicts the first completion token.
     hidden = torch.cat([prompts[inverse, -1:], completions[:, :-1]], dim=1)  # (n, T', H)
     keep = completion_mask.bool()  # (n, T')
