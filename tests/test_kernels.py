@@ -9,6 +9,8 @@
     compaction (sampling)      the tokens of decoding every row, on models whose completions end at a known rate
     grpo.kernels.packing       log-probs and gradients of the padded trunk pass (CPU, SDPA's packed mask)
     grpo.kernels.prefix        hidden states and log-probs of the padded trunk pass, prompts shared by their rows
+    other decoder families     Llama, Qwen3, sliding-window Qwen2 / Mistral, Gemma3, Phi3, OLMo2, GPT-2: the
+                               shared-prompt pass and the sampler give the plain numbers
     grpo.kernels.batching      tests/test_trainer.py: length-grouped micro-batches give the random ones' gradients
 
 Tolerances: fp32 on CPU, rtol 1e-5; gradients atol 1e-6 of the tensor's largest entry (fp32 sums in another order).
@@ -247,6 +249,80 @@ def test_shared_prompt_pass_gives_the_padded_hidden_states_and_logprobs(tokenize
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="choose one"):
         kernel_logprobs(model, ids, attention_mask, completion_mask, packed=True, shared_prompts=True)
+
+
+# Other decoder families than the tiny Qwen2: their own rotary or learned positions, fused projections, post-norms,
+# scaled embeddings, and sliding-window layers whose window (5) is shorter than the prompts, so the KV cache
+# drops positions (transformers' sliding cache layers) in the shared-prompt pass and in the sampler.
+_FAMILY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_FAMILIES = {
+    "llama": lambda t: t.LlamaConfig(**_FAMILY),
+    "qwen3": lambda t: t.Qwen3Config(**_FAMILY, head_dim=8),
+    "qwen2-sliding": lambda t: t.Qwen2Config(**_FAMILY, use_sliding_window=True, sliding_window=5, max_window_layers=0),
+    "mistral-sliding": lambda t: t.MistralConfig(**_FAMILY, sliding_window=5),
+    "gemma3": lambda t: t.Gemma3TextConfig(**_FAMILY, head_dim=8, sliding_window=5),
+    "phi3": lambda t: t.Phi3Config(**_FAMILY),
+    "olmo2": lambda t: t.Olmo2Config(**_FAMILY),
+    "gpt2": lambda t: t.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
+                                   eos_token_id=2),
+}
+
+
+def _family_model(name):
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(_FAMILIES[name](transformers), attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("family", list(_FAMILIES))
+def test_kernels_give_the_plain_numbers_on_other_decoder_families(family, monkeypatch):
+    from transformers import DynamicCache
+
+    from grpo.kernels.prefix import shared_prompt_hidden
+    from grpo.logprobs import completion_hidden
+
+    model = _family_model(family).eval()
+    # Log-prob passes: 2 prompts x 3 rows (the first left-padded), prompts of 9 positions, ragged completions.
+    prompts = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1)).repeat_interleave(3, 0)
+    prompt_mask = torch.ones(6, 9, dtype=torch.long)
+    prompt_mask[:3, :3] = 0
+    completion_mask = torch.ones(6, 7, dtype=torch.long)
+    completion_mask[1, 4:] = completion_mask[4, 2:] = 0
+    ids = torch.cat([prompts, torch.randint(3, 97, (6, 7), generator=torch.Generator().manual_seed(2))], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        shared, padded = (fn(model, ids, attention_mask, completion_mask) for fn in (shared_prompt_hidden, completion_hidden))
+    torch.testing.assert_close(shared[0], padded[0], rtol=1e-5, atol=1e-5)
+    weights = torch.randn(completion_mask.shape, generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for name, run in (("plain", lambda: completion_logprobs(model, ids, attention_mask, completion_mask, 0.8)),
+                      ("shared", lambda: kernel_logprobs(model, ids, attention_mask, completion_mask, 0.8,
+                                                         buffers=Buffers(), shared_prompts=True))):
+        model.zero_grad(set_to_none=True)
+        logps = run()[0]
+        (logps * weights).sum().backward()
+        grads[name] = (logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(grads["shared"][0], grads["plain"][0], rtol=1e-5, atol=1e-5)
+    assert grads["shared"][1].keys() == grads["plain"][1].keys()
+    for name, expected in grads["plain"][1].items():
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(grads["shared"][1][name], expected, rtol=1e-5, atol=1e-6 * scale, msg=name)
+    # Sampler: prompts of 7, 2 and 4 tokens (left padding), many EOS ids so rows end early and compaction runs.
+    params = SamplingParams(max_completion_length=12, eos_token_ids=tuple(range(2, 12)))
+    selections = []
+    select = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices",
+                        lambda cache, indices: (selections.append(indices.numel()), select(cache, indices))[1])
+    runs = {name: sample(model, [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]], 4, params, 0,
+                         generator=torch.Generator().manual_seed(3), return_logprobs=True)
+            for name, sample in (("plain", sample_groups), ("kernel", FastSampler().sample_groups))}
+    lengths = runs["plain"].completion_mask.sum(1)
+    assert lengths.min() < 12 and lengths.max() == 12 and selections  # rows end at different steps, compaction ran
+    assert torch.equal(runs["kernel"].completion_ids, runs["plain"].completion_ids)
+    assert torch.equal(runs["kernel"].completion_mask, runs["plain"].completion_mask)
+    torch.testing.assert_close(runs["kernel"].logprobs, runs["plain"].logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_shared_prompt_pass_refuses_a_trunk_without_its_cache(tokenizer, monkeypatch):
