@@ -101,6 +101,7 @@ class GRPOConfig(ConfigMixin):
     skip_bad_rows: bool = _f(False, "drop dataset rows without a prompt (or a question and a parseable gold answer) with a counted warning instead of stopping")
     long_prompts: str = _f("truncate", "prompts longer than max_prompt_length: `truncate` (keep the last tokens, as trl) or `skip`", choices=("truncate", "skip"))
     trust_remote_code: bool = _f(False, "run model/tokenizer code from the hub (off: safe default)")
+    disable_dropout: bool = _f(True, "set the policy's dropout rates to 0 (its dropout layers and attention dropout; --lora-dropout stays as given): sampling runs in eval mode, so the trained log-probs are then the sampling policy's. trl's option; its default is False")
     output_dir: str = _f("runs/grpo", "run folder: metrics.jsonl, samples.jsonl, checkpoints/, eval/")
     overwrite: bool = _f(False, "allow writing into an output folder that holds another run")
     resume: str | None = _f(None, "continue a run: a run folder or a checkpoint folder; `--resume` alone means --output-dir")

@@ -147,6 +147,29 @@ def cast_head_to_fp32(model) -> None:
     head.forward = types.MethodType(forward, head)  # bound: a deep copy (the reference) uses its own weight
 
 
+def disable_dropout(model) -> list[str]:
+    """Set every dropout rate of `model` to 0: its `nn.Dropout` modules (trl's disable_dropout_in_model) and the
+    rates that attention modules keep as numbers and pass to the attention call in training mode
+    (transformers' `attention_dropout`, and `dropout` in some families), which that function leaves on.
+
+    GRPO samples in eval mode and trains in train mode: with dropout on, the training and old-policy log-probs
+    are those of a randomly thinned network, not of the policy that sampled, and the ratio and the KL carry
+    that noise. Returns the names of the rates that were not 0 (for the log)."""
+    changed = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout):
+            if module.p:
+                changed.append(name)
+            module.p = 0.0
+        for attribute in ("attention_dropout", "dropout"):
+            value = getattr(module, attribute, None)
+            if isinstance(value, float):
+                if value:
+                    changed.append(f"{name}.{attribute}")
+                setattr(module, attribute, 0.0)
+    return changed
+
+
 def make_optimizer(name: str, groups: list[dict], config, device: torch.device) -> torch.optim.Optimizer:
     """AdamW, or bitsandbytes' AdamW8bit (8-bit moments, block-wise quantised; CPU and CUDA)."""
     options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)

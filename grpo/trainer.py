@@ -55,8 +55,8 @@ from grpo.lora import AdaptersOff, add_lora, merged_model
 from grpo.loss import (EntropyControl, LossOptions, aggregate_loss, aggregation_weights, entropy_bonus,
                        high_entropy_mask, loss_statistics, per_token_loss, policy_loss_value)
 from grpo.metrics import MetricsLogger
-from grpo.models import (cast_head_to_fp32, eos_token_ids, load_model, load_tokenizer, make_optimizer, make_scheduler,
-                         resolve_device, resolve_precision)
+from grpo.models import (cast_head_to_fp32, disable_dropout, eos_token_ids, load_model, load_tokenizer, make_optimizer,
+                         make_scheduler, resolve_device, resolve_precision)
 from grpo.rollout import Rollout, encode_prompts
 from grpo.sampler import RowUniforms, SamplingParams
 from rewards import RewardSpec, describe_rewards, parse_reward_specs, score_rows
@@ -148,6 +148,11 @@ class Trainer:
         else:
             self.policy = load_model(source, self.device, weight_dtype, cfg.trust_remote_code, self.tokenizer, setting)
         check_plain_output_head(self.policy.config)  # before any sampling, not at the first update
+        if cfg.disable_dropout:  # before LoRA: the adapters' dropout is --lora-dropout's
+            dropped = disable_dropout(self.policy)
+            if dropped:
+                logger.info("disable_dropout: %d dropout rates of the policy set to 0 (%s%s)", len(dropped),
+                            ", ".join(dropped[:3]), ", ..." if len(dropped) > 3 else "")
         if cfg.cast_lm_head_to_fp32:
             cast_head_to_fp32(self.policy)
         self.peft_model = None

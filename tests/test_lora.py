@@ -191,6 +191,16 @@ def test_settings_that_cannot_work_with_lora_are_named():
         add_lora(build_tiny_model("tiny")[0], GRPOConfig(use_peft=True, lora_target_modules=["nothing_here"]))
 
 
+def test_disable_dropout_leaves_the_adapters_dropout_as_given(tmp_path):
+    from tests.test_trainer import _dropout_models
+
+    tokenizer, models = _dropout_models()
+    trainer = Trainer(make_config(tmp_path, **{**LORA, "lora_dropout": 0.1}), policy=models["qwen2"], tokenizer=tokenizer)
+    lora = [m for name, m in trainer.policy.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in name]
+    assert lora and all(m.p == 0.1 for m in lora)
+    assert all(m.attention_dropout == 0.0 for m in trainer.policy.modules() if hasattr(m, "attention_dropout"))
+
+
 def test_8bit_adamw_runs_on_cpu_and_follows_adamw(tmp_path):
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install -e '.[bnb]'")
     steps = {}

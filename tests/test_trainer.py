@@ -602,3 +602,68 @@ def test_generation_reuse_updates_on_disjoint_slices(tmp_path):
             zip(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, strict=True)]
     assert len(updates) == 2 and all(len(rows_of) == len(rows) // 2 for rows_of in updates)
     assert sorted(updates[0] + updates[1]) == sorted(rows)
+
+
+def _dropout_models():
+    """A GPT-2 (dropout layers: embeddings, attention, residual) and a Qwen2 whose attention dropout is a rate the
+    attention call reads in training mode (no dropout layer), both over the tiny tokenizer's vocabulary."""
+    import transformers
+
+    from grpo.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=256, **ids))
+    qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attention_dropout=0.3, pad_token_id=tokenizer.pad_token_id, **ids))
+    return tokenizer, {"gpt2": gpt2, "qwen2": qwen2}
+
+
+def _train_mode_logits_differ(model) -> bool:
+    model.train()
+    ids = torch.arange(3, 15)[None]
+    with torch.no_grad():
+        return not torch.equal(model(ids).logits, model(ids).logits)
+
+
+@pytest.mark.own_kernels
+def test_disable_dropout_sets_every_rate_to_zero_and_is_the_default(tmp_path):
+    # trl's disable_dropout_in_model zeroes nn.Dropout modules only; transformers' Llama/Qwen2-style attention keeps
+    # its rate as a number (attention_dropout), which must go to 0 too, or the training log-probs stay noisy.
+    from grpo.models import disable_dropout
+
+    tokenizer, models = _dropout_models()
+    for name, model in models.items():
+        assert _train_mode_logits_differ(model), name  # dropout on: two passes of the same input differ
+        dropped = disable_dropout(model)
+        assert dropped and not _train_mode_logits_differ(model), name
+        assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+        assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
+    assert GRPOConfig().disable_dropout
+    for disable in (True, False):
+        _, models = _dropout_models()
+        trainer = Trainer(make_config(tmp_path / str(disable), disable_dropout=disable), policy=models["qwen2"],
+                          tokenizer=tokenizer)
+        assert _train_mode_logits_differ(trainer.policy) != disable
+        assert models["qwen2"].config.attention_dropout == 0.3  # the config (and so an export) is untouched
+
+
+@pytest.mark.own_kernels
+def test_with_dropout_off_both_kernel_paths_train_a_dropout_model_alike(tmp_path):
+    # GPT-2 (learned positions, dropout layers) through the whole loop, two updates a rollout so the old-policy pass
+    # runs: with its dropout off, --kernels auto (shared-prompt passes, fused loss, ...) and --kernels plain give
+    # the same metrics. With dropout on they would not: the paths draw different dropout masks.
+    metrics = {}
+    for kernels in ("auto", "plain"):
+        tokenizer, models = _dropout_models()
+        trainer = Trainer(make_config(tmp_path / kernels, kernels=kernels, max_steps=2, num_iterations=2,
+                                      micro_batch_size=4, max_completion_length=12, beta=0.04),
+                          policy=models["gpt2"], tokenizer=tokenizer)
+        trainer.train()
+        metrics[kernels] = read_jsonl(tmp_path / kernels / "run" / "metrics.jsonl")
+    for auto, plain in zip(metrics["auto"], metrics["plain"], strict=True):
+        for key in ("reward", "loss", "kl", "grad_norm", "entropy"):
+            assert auto[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
