@@ -32,6 +32,7 @@ class EvalConfig(ConfigMixin):
     split: str = _f("test", "dataset split")
     limit: int = _f(0, "evaluate the first N problems (0 = all)")
     system_prompt: str = _f(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (the same as training)")
+    chat_template_kwargs: dict | None = _f(None, "extra keyword arguments of the chat template, a JSON object (the same as training), e.g. '{\"enable_thinking\": false}'")
     scorer: str = _f("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
     reward: list[str] = _f(["correctness"], "reward functions for --scorer rewards (names, module:function or file.py:function)")
     max_prompt_length: int = _f(512, "prompt tokens kept (truncated from the left)")
@@ -51,6 +52,7 @@ class EvalConfig(ConfigMixin):
             problems.append(f"limit must be >= 0, got {self.limit}")
         for model in [self.model, self.compare]:
             problems += self.path_problems(model, self.output_dir) if model else []
+        problems += self.template_kwargs_problems(self.chat_template_kwargs)
         self.raise_problems(problems)
         return self
 
@@ -78,7 +80,7 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> d
     backend = GroupSampler(model, tokenizer.pad_token_id, select_kernels(config.kernels, device, model=model))
     records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
                                 config.max_completion_length, config.batch_size, autocast=autocast, scorer=scorer,
-                                backend=backend)
+                                backend=backend, chat_template_kwargs=config.chat_template_kwargs)
     folder = Path(config.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     stem = output_stem(name)

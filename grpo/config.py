@@ -82,6 +82,13 @@ class ConfigMixin:
         return problems
 
     @staticmethod
+    def template_kwargs_problems(kwargs) -> list[str]:
+        """chat_template_kwargs must be a mapping of names (from a config file it could be anything)."""
+        if kwargs is None or (isinstance(kwargs, dict) and all(isinstance(key, str) for key in kwargs)):
+            return []
+        return [f"chat_template_kwargs must be a JSON object of names to values, got {kwargs!r}"]
+
+    @staticmethod
     def raise_problems(problems: list[str]) -> None:
         if problems:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
@@ -98,6 +105,7 @@ class GRPOConfig(ConfigMixin):
     eval_split: str = _f("test", "dataset split to evaluate on (--eval-steps)")
     system_prompt: str = _f(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (question/answer), asking for <reasoning>/<answer> tags")
     chat_template: str | None = _f(None, "a Jinja chat template file, for tokenizers that have none")
+    chat_template_kwargs: dict | None = _f(None, "extra keyword arguments of the chat template for chat prompts (training and evaluation), a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3; trl's option")
     skip_bad_rows: bool = _f(False, "drop dataset rows without a prompt (or a question and a parseable gold answer) with a counted warning instead of stopping")
     long_prompts: str = _f("truncate", "prompts longer than max_prompt_length: `truncate` (keep the last tokens, as trl) or `skip`", choices=("truncate", "skip"))
     trust_remote_code: bool = _f(False, "run model/tokenizer code from the hub (off: safe default)")
@@ -310,6 +318,7 @@ class GRPOConfig(ConfigMixin):
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         problems += self.path_problems(self.model, self.output_dir, self.chat_template)
+        problems += self.template_kwargs_problems(self.chat_template_kwargs)
         try:
             parse_reward_specs(self.reward)
         except (ValueError, TypeError) as error:
@@ -397,6 +406,22 @@ def _optional(kind):
     return parse
 
 
+def json_object(text: str) -> dict | None:
+    """A flag's JSON object (`none` or an empty string: None); argparse reports the error with the flag's name."""
+    if text.lower() in ("none", "null", ""):
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": true}}', got {text!r}")
+    return value
+
+
+json_object.__name__ = "JSON object"
+
+
 def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one flag per config field (`--micro-batch-size` for `micro_batch_size`)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -417,6 +442,8 @@ def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argpa
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         elif is_list:
             parser.add_argument(flag, nargs="+", type=kind, help=help_text)
+        elif kind is dict:
+            parser.add_argument(flag, type=json_object, help=help_text)
         else:
             optional = type(None) in typing.get_args(hints[f.name])
             parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"), help=help_text)

@@ -91,15 +91,18 @@ def evaluate(
     progress: bool = True,
     scorer=gsm8k_scores,
     backend=None,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[list[dict], dict]:
     """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary of means).
 
-    `backend`: a grpo.generation backend (default: our plain sampler); `scorer`: as `make_scorer` returns.
+    `backend`: a grpo.generation backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
+    `chat_template_kwargs`: as in training (grpo.rollout.encode_prompt).
     """
     backend = backend or GroupSampler(model, tokenizer.pad_token_id, KernelChoice())
     was_training = model.training
     model.eval()
-    prompt_ids, rows, _ = encode_prompts(tokenizer, rows, max_prompt_length, "truncate", where="eval", progress=progress)
+    prompt_ids, rows, _ = encode_prompts(tokenizer, rows, max_prompt_length, "truncate", where="eval", progress=progress,
+                                         chat_template_kwargs=chat_template_kwargs)
     params = SamplingParams(max_completion_length=max_completion_length, temperature=0.0, eos_token_ids=eos_token_ids)
     records = []
     bar = tqdm(total=len(rows), desc="eval", disable=not progress, leave=False)

@@ -131,7 +131,8 @@ class Trainer:
         self.tokenizer = tokenizer or load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template, setting)
         self.train_rows, self.task = self._prepare_rows(train_rows, cfg.train_split, "train")
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
-            self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts, where=f"{cfg.dataset}[{cfg.train_split}]"
+            self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts, where=f"{cfg.dataset}[{cfg.train_split}]",
+            chat_template_kwargs=cfg.chat_template_kwargs,
         )
         self.eval_rows = None
         if cfg.eval_steps:
@@ -701,7 +702,8 @@ class Trainer:
             records, summary = evaluate(self.policy, self.tokenizer, self.eval_rows, self.eos_token_ids,
                                         cfg.max_prompt_length, cfg.eval_max_completion_length or cfg.max_completion_length,
                                         cfg.eval_batch_size, autocast=self.autocast, scorer=self.eval_scorer,
-                                        backend=self.generation, progress=self.world.is_main)
+                                        backend=self.generation, progress=self.world.is_main,
+                                        chat_template_kwargs=cfg.chat_template_kwargs)
         if self.world.is_main:
             folder = self.run_dir / "eval"
             folder.mkdir(parents=True, exist_ok=True)
