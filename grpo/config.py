@@ -117,6 +117,7 @@ class GRPOConfig(ConfigMixin):
     # --- batch sizes (prompts and completions, not trl's per-device count) ---
     max_steps: int = _f(0, "optimisation steps (rollouts); 0 = derive from --epochs")
     epochs: float = _f(1.0, "passes over the training prompts when --max-steps is 0")
+    shuffle_dataset: bool = _f(True, "a fresh seeded order of the training prompts each epoch; off: the dataset's own order every epoch (a curriculum; dynamic sampling's extra rounds still draw at random). trl's option")
     prompts_per_step: int = _f(4, "B: distinct prompts sampled per step")
     num_generations: int = _f(16, "G: completions per prompt (the group); >= 2")
     micro_batch_size: int = _f(16, "completions per forward/backward; B*G must be a multiple")

@@ -362,14 +362,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ data order
     def batch_indices(self, step: int) -> list[int]:
-        """Prompt indices of a step: a fresh seeded permutation per epoch, read k * B at a time (resumable from `step`)."""
+        """Prompt indices of a step: a fresh seeded permutation per epoch (or the dataset's order without
+        shuffle_dataset), read k * B at a time (resumable from `step`)."""
         size, count = len(self.train_rows), self.config.prompts_per_generation
         permutations = {}  # epoch -> its permutation; a step spans at most a few epochs
         indices = []
         for position in range(step * count, (step + 1) * count):
             epoch, offset = divmod(position, size)
             if epoch not in permutations:
-                permutations[epoch] = torch.randperm(size, generator=_seeded(self.config.seed, epoch))
+                permutations[epoch] = (torch.randperm(size, generator=_seeded(self.config.seed, epoch))
+                                       if self.config.shuffle_dataset else range(size))
             indices.append(int(permutations[epoch][offset]))
         return indices
 

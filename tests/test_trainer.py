@@ -460,6 +460,19 @@ def test_one_generation_feeds_several_updates(tmp_path):
     assert make_config(tmp_path, generation_batch_size=24).updates_per_generation == 3
 
 
+@pytest.mark.own_kernels
+def test_data_order_is_a_seeded_permutation_per_epoch_or_the_datasets_own(tmp_path):
+    # 64 prompts, 2 a step: an epoch is 32 steps. Shuffled: every prompt once an epoch, in a new order each epoch.
+    shuffled = Trainer(make_config(tmp_path / "a"))
+    epochs = [sum((shuffled.batch_indices(step) for step in range(e * 32, (e + 1) * 32)), []) for e in (0, 1)]
+    assert all(sorted(order) == list(range(64)) for order in epochs)
+    assert epochs[0] != list(range(64)) and epochs[0] != epochs[1]
+    in_order = Trainer(make_config(tmp_path / "b", shuffle_dataset=False, steps_per_generation=2))  # 4 prompts a step
+    assert [in_order.batch_indices(step) for step in (0, 1, 16)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+    assert [in_order.train_rows[i]["prompt"] for i in in_order.batch_indices(1)] == \
+        [shuffled.train_rows[i]["prompt"] for i in range(4, 8)]  # the dataset's rows in its order
+
+
 def _rewards_tied_for_some_prompts(prompts, completions, **kwargs):
     """Ties (0.5 for every completion) for prompts whose characters' code points sum to an even number;
     a spread of completion lengths otherwise."""
