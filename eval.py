@@ -32,6 +32,7 @@ class EvalConfig(ConfigMixin):
     split: str = _f("test", "dataset split")
     limit: int = _f(0, "evaluate the first N problems (0 = all)")
     system_prompt: str = _f(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (the same as training)")
+    chat_template: str | None = _f(None, "a Jinja chat template file for tokenizers that have none (as train.py's; a checkpoint keeps the one it trained with), used for --model and --compare")
     chat_template_kwargs: dict | None = _f(None, "extra keyword arguments of the chat template, a JSON object (the same as training), e.g. '{\"enable_thinking\": false}'")
     scorer: str = _f("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
     reward: list[str] = _f(["correctness"], "reward functions for --scorer rewards (names, module:function or file.py:function)")
@@ -51,7 +52,7 @@ class EvalConfig(ConfigMixin):
         if self.limit < 0:
             problems.append(f"limit must be >= 0, got {self.limit}")
         for model in [self.model, self.compare]:
-            problems += self.path_problems(model, self.output_dir) if model else []
+            problems += self.path_problems(model, self.output_dir, self.chat_template) if model else []
         problems += self.template_kwargs_problems(self.chat_template_kwargs)
         self.raise_problems(problems)
         return self
@@ -73,7 +74,7 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> d
     device = resolve_device(config.device)
     precision = resolve_precision(config.precision, device)
     setting = "--compare" if name == config.compare and name != config.model else "--model"
-    tokenizer = load_tokenizer(name, config.trust_remote_code, setting=setting)
+    tokenizer = load_tokenizer(name, config.trust_remote_code, config.chat_template, setting)
     dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
     model = load_model(name, device, dtype, config.trust_remote_code, tokenizer, setting).eval()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()

@@ -129,7 +129,7 @@ def test_model_folder_without_weights(tiny_model_dir, tmp_path):
         load_model(str(folder), torch.device("cpu"))
 
 
-def test_tokenizer_without_chat_template(tiny_model_dir, tmp_path):
+def test_tokenizer_without_chat_template(tiny_model_dir, tmp_path, capsys):
     folder = tmp_path / "no_template"
     folder.mkdir()
     config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
@@ -142,6 +142,15 @@ def test_tokenizer_without_chat_template(tiny_model_dir, tmp_path):
     template = tmp_path / "chatml.jinja"
     template.write_text((tiny_model_dir / "chat_template.jinja").read_text())
     assert load_tokenizer(str(folder), chat_template_file=str(template)).chat_template
+    # eval.py takes the same file for a base model without a template (e.g. one trained with --chat-template)
+    import eval as eval_cli
+
+    (folder / "model.safetensors").write_bytes((tiny_model_dir / "model.safetensors").read_bytes())
+    assert eval_cli.main(["--model", str(folder), "--dataset", "synthetic:4", "--max-completion-length", "4",
+                          "--device", "cpu", "--chat-template", str(template), "--output-dir", str(tmp_path / "eval")]) == 0
+    assert eval_cli.main(["--model", str(folder), "--dataset", "synthetic:4", "--device", "cpu",
+                          "--output-dir", str(tmp_path / "eval")]) != 0
+    assert "has no chat template" in capsys.readouterr().err
 
 
 def test_tokenizer_without_pad_token_uses_eos(tiny_model_dir, tmp_path, caplog):
