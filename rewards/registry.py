@@ -135,7 +135,8 @@ def _check_values(name: str, values, num_rows: int) -> list[float]:
             raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for row {row}")
         value = float(value)
         if not math.isfinite(value):
-            raise RewardError(f"reward {name!r} returned a non-finite value {value} for row {row}")
+            raise RewardError(f"reward {name!r} returned a non-finite value {value} for row {row} (return None for a "
+                              "row it cannot score: trl's convention, which leaves it out of the reward)")
         checked.append(value)
     return checked
 
