@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from grpo.kernels.compiled_decode import use_packed_decode_attention
 from grpo.kernels.lean_decode import LeanDecodeStep, unsupported_reason
@@ -22,6 +23,9 @@ def _model(kind: str, heads: int = 4, kv_heads: int = 2, seed: int = 0, **extra)
     if kind == "qwen2":
         config = Qwen2Config(**SMALL, num_attention_heads=heads, num_key_value_heads=kv_heads, **extra)
         model = Qwen2ForCausalLM(config)
+    elif kind == "qwen3":
+        config = Qwen3Config(**SMALL, num_attention_heads=heads, num_key_value_heads=kv_heads, **extra)
+        model = Qwen3ForCausalLM(config)
     else:
         config = LlamaConfig(**SMALL, num_attention_heads=heads, num_key_value_heads=kv_heads, **extra)
         model = LlamaForCausalLM(config)
@@ -48,6 +52,7 @@ CASES = {
     "qwen2 grouped heads": ("qwen2", dict()),
     "qwen2 one key/value head": ("qwen2", dict(kv_heads=1)),
     "qwen2 no grouping": ("qwen2", dict(kv_heads=4)),
+    "qwen3 q/k norms, head_dim apart from hidden / heads": ("qwen3", dict(head_dim=24)),
     "llama grouped, mlp and attention biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "llama 3 rope scaling, no biases": ("llama", dict(
         heads=8, kv_heads=2, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
@@ -140,4 +145,4 @@ def test_other_architectures_are_named():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    assert unsupported_reason(model.transformer) == "GPT2Model is not one of Qwen2Model, LlamaModel"
+    assert unsupported_reason(model.transformer) == "GPT2Model is not one of Qwen2Model, Qwen3Model, LlamaModel"

@@ -2,7 +2,7 @@
 
     module                         replaces (same numbers)                          applies
     grpo.kernels.sampling          grpo.sampler.sample_groups                      every device (FastSampler)
-    grpo.kernels.lean_decode       the trunk's forward in a CPU decode step          Qwen2/Llama, SDPA, eager CPU
+    grpo.kernels.lean_decode       the trunk's forward in a CPU decode step          Qwen2/Qwen3/Llama, SDPA, eager CPU
     grpo.kernels.compiled_decode   the decode step (static cache, CUDA graphs)       CUDA
     grpo.kernels.logprobs          grpo.logprobs.completion_logprobs                 every device
     grpo.kernels.fused_loss        completion_logprobs -> per_token_loss -> aggregate_loss   token-level ratios

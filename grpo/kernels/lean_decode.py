@@ -1,6 +1,6 @@
 """Same result as the trunk of the model's forward in a decode step (the hidden states that
 `grpo.sampler.sample_groups` projects), faster on CPU because it calls the model's own modules on
-(N, H) rows without transformers' per-call framework. A lean decode step for Qwen2 and Llama trunks.
+(N, H) rows without transformers' per-call framework. A lean decode step for Qwen2, Qwen3 and Llama trunks.
 
 Called for one token per row, transformers' decoder forward spends most of a small model's decode step
 outside its arithmetic: each call builds the attention masks anew and passes (N, 1, H) hidden states
@@ -11,7 +11,8 @@ through keyword plumbing, output recording, dtype round trips and the cache's up
     cos, sin = rotary(x, position)                           (N, D): the model's own rotary module
     for each layer:
         h = input_norm(x)
-        q, k = rope(q_proj(h), k_proj(h), cos, sin)          (N, Hq, D), (N, Hkv, D)
+        q, k = rope(q_proj(h), k_proj(h), cos, sin)          (N, Hq, D), (N, Hkv, D); Qwen3 RMS-normalises
+                                                             each head of q and k first (q_norm, k_norm)
         K, V = cache.update(k, v_proj(h))                    (N, Hkv, L, D): the new position written in place
         x = x + o_proj(SDPA(q, K, V, mask))                  query heads packed onto their key/value head
         x = x + mlp(post_attention_norm(x))
@@ -34,14 +35,17 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
 
 from grpo.kernels.compiled_decode import PACKED_DECODE_SDPA
 
-# trunk class -> (its decoder layer class, its rotary function): pre-norm layers with RMSNorm, rotary
-# position embeddings, grouped-query attention and a gated MLP, as in these classes' forward.
+# trunk class -> (its decoder layer class, its rotary function, whether q and k heads are RMS-normalised before
+# the rotary): pre-norm layers with RMSNorm, rotary position embeddings, grouped-query attention and a gated MLP,
+# as in these classes' forward.
 _FAMILIES = {
-    modeling_qwen2.Qwen2Model: (modeling_qwen2.Qwen2DecoderLayer, modeling_qwen2.apply_rotary_pos_emb),
-    modeling_llama.LlamaModel: (modeling_llama.LlamaDecoderLayer, modeling_llama.apply_rotary_pos_emb),
+    modeling_qwen2.Qwen2Model: (modeling_qwen2.Qwen2DecoderLayer, modeling_qwen2.apply_rotary_pos_emb, False),
+    modeling_qwen3.Qwen3Model: (modeling_qwen3.Qwen3DecoderLayer, modeling_qwen3.apply_rotary_pos_emb, True),
+    modeling_llama.LlamaModel: (modeling_llama.LlamaDecoderLayer, modeling_llama.apply_rotary_pos_emb, False),
 }
 _SDPA = ("sdpa", PACKED_DECODE_SDPA)
 
@@ -81,7 +85,7 @@ class LeanDecodeStep:
             raise ValueError(f"LeanDecodeStep cannot run this model: {reason}")
         self.trunk, self.cache = trunk, cache
         self.layers = trunk.layers[: trunk.config.num_hidden_layers]
-        self.apply_rotary = _FAMILIES[type(trunk)][1]
+        _, self.apply_rotary, self.qk_norm = _FAMILIES[type(trunk)]
         attention = self.layers[0].self_attn
         self.heads, self.head_dim = trunk.config.num_attention_heads, attention.head_dim
         self.kv_heads = trunk.config.num_key_value_heads
@@ -107,6 +111,8 @@ class LeanDecodeStep:
             q = attention.q_proj(h).view(num_rows, heads, head_dim)  # (N, Hq, D)
             k = attention.k_proj(h).view(num_rows, kv_heads, head_dim)  # (N, Hkv, D)
             v = attention.v_proj(h).view(num_rows, kv_heads, head_dim)
+            if self.qk_norm:  # Qwen3: over each head's D values
+                q, k = attention.q_norm(q), attention.k_norm(k)
             q, k = self.apply_rotary(q, k, cos, sin)
             keys, values = self.cache.update(k[:, :, None], v[:, :, None], index)  # (N, Hkv, L, D)
             if mask is None:

@@ -12,7 +12,7 @@ What it does beyond the plain loop (docs/design.md has the why of each):
   inverse-CDF search; rows whose sum leaves a safe range are redone with their max (`_sample_base2`).
 - Reserved KV room: each layer's cache has room for the whole completion, so a step writes its position
   in place instead of concatenating (`_ReservedLayer`).
-- The lean CPU decode step of Qwen2/Llama trunks (grpo.kernels.lean_decode) and, on CUDA, the static
+- The lean CPU decode step of Qwen2/Qwen3/Llama trunks (grpo.kernels.lean_decode) and, on CUDA, the static
   cache + compiled decode step (grpo.kernels.compiled_decode).
 - On CPU it runs in inference mode (autograd bookkeeping skipped; results are copied out).
 - Compaction (eager decoding): finished rows leave the KV cache, the masks and the buffers once they are an
@@ -349,7 +349,7 @@ class FastSampler:
         compiled decode step is captured once per run instead of once per prompt length.
         `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
         (tests use it to check that sharing the prefill changes no logit).
-        `lean_decode`: eager CPU decoding of Qwen2/Llama trunks runs `grpo.kernels.lean_decode.LeanDecodeStep` (the same
+        `lean_decode`: eager CPU decoding of Qwen2/Qwen3/Llama trunks runs `grpo.kernels.lean_decode.LeanDecodeStep` (the same
         hidden states bit for bit, fewer operations); False keeps transformers' forward (tests compare the two).
         On CPU it runs in inference mode (`_inference_mode_on_cpu`); the tensors it returns are ordinary ones.
         """
@@ -381,7 +381,7 @@ class FastSampler:
         if not static:
             _reserve(cache, max_new)
         attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
-        # Eager buffered decoding of a Qwen2/Llama trunk: the model's modules without transformers' per-call framework.
+        # Eager buffered decoding of a Qwen2/Qwen3/Llama trunk: the model's modules without transformers' per-call framework.
         lean = None
         if lean_decode and head.buffered and not static and unsupported_reason(head.trunk) is None:
             lean = LeanDecodeStep(head.trunk, cache, attention_mask, max_new)
