@@ -1,4 +1,4 @@
-"""One process of the distributed tests (tests/test_distributed.py): torchrun starts 1 or 2 of these.
+"""One process of the distributed tests (tests/test_distributed.py): torchrun starts 1, 2 or 4 of these.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed_worker.py OUT SCENARIO [JSON overrides]
 

@@ -1,4 +1,4 @@
-"""torchrun with 2 CPU processes on gloo against one process: the same prompts, completions, advantages,
+"""torchrun with 2 (and 4) CPU processes on gloo against one process: the same prompts, completions, advantages,
 metrics, gradients and weights (tests/distributed_worker.py is each process).
 
 Every launch uses a free port, torch.set_num_threads(1) in the workers, a 30 s collective timeout
@@ -61,8 +61,8 @@ def _compare_steps(single, ranks):
     for step, expected in enumerate(single["steps"]):
         parts = [record["steps"][step] for record in ranks]
         # 1. disjoint prompts whose union, in rank order, is the single process's list; each group on one rank
-        assert not set(parts[0]["indices"]) & set(parts[1]["indices"])
-        assert parts[0]["indices"] + parts[1]["indices"] == expected["indices"]
+        assert sum((part["indices"] for part in parts), []) == expected["indices"]
+        assert len(set(expected["indices"])) == len(expected["indices"])
         # 2. each prompt's completions are token-identical
         for part in parts:
             assert set(part["completions"]) == set(part["indices"])
@@ -80,7 +80,7 @@ def _compare_steps(single, ranks):
         scale = max(g.abs().max().item() for g in expected["grads"].values())
         for name, grad in expected["grads"].items():
             torch.testing.assert_close(parts[0]["grads"][name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
-            assert torch.equal(parts[0]["grads"][name], parts[1]["grads"][name]), name
+            assert all(torch.equal(parts[0]["grads"][name], part["grads"][name]) for part in parts[1:]), name
         # 5. reference log-probs: each rank's rows are its slice of the single process's
         width = expected["ref_logps"].shape[1]
         rows = torch.cat([torch.nn.functional.pad(p["ref_logps"], (0, width - p["ref_logps"].shape[1]))[:, :width]
@@ -89,7 +89,7 @@ def _compare_steps(single, ranks):
     # 4. weights after the AdamW steps: close to one process's, identical across ranks; 5. the reference unchanged
     for name, value in single["params"].items():
         torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=2e-2 * LR, msg=name)
-        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+        assert all(torch.equal(ranks[0]["params"][name], record["params"][name]) for record in ranks[1:]), name
     assert all(record.get("ref_unchanged", True) for record in ranks)  # LoRA: no reference copy to change
 
 
@@ -106,6 +106,14 @@ def test_two_ranks_compute_what_one_process_computes(single, tmp_path, mode):
         torch.testing.assert_close(value, ranks[0]["params"][name], rtol=0, atol=0, msg=name)
     assert (tmp_path / "run" / "checkpoints" / "step-000003" / "sharded").is_dir()
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3  # written once, by rank 0
+
+
+def test_four_ranks_compute_what_one_process_computes(single, tmp_path):
+    # One prompt (its whole group) per rank: the same prompts, completions, advantages, metrics and gradients.
+    done, ranks = launch(tmp_path, 4, distributed="fsdp")
+    assert [record["world_size"] for record in ranks] == [4] * 4
+    assert all(len(record["steps"][0]["indices"]) == 1 for record in ranks)
+    _compare_steps(single, ranks)
 
 
 def test_auto_means_fsdp_under_torchrun_and_dapo_counts_global_tokens(single, tmp_path):
