@@ -15,7 +15,8 @@
 #   5. memory and step time of the full fine-tune, 8-bit AdamW and LoRA r=16 at the 0.5B shape (bench/memory.py;
 #      peft and bitsandbytes travel as wheels in .whl/ too).
 # trl, datasets and their missing dependencies travel as wheels in .whl/ when the machine lacks them (see the
-# device README; transformers travels too, so both sides run the version the CPU tests use).
+# device README; transformers travels too, so both sides run the version the CPU tests use): `bash
+# bench/gpu_wheels.sh` here writes them, and the device call carries `.whl`.
 set -uo pipefail
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 TOKENIZERS_PARALLELISM=false TRL_EXPERIMENTAL_SILENCE=1
 OUT="${OUT:-/tmp/gpu_check}"
