@@ -407,10 +407,8 @@ def _optional(kind):
     return parse
 
 
-def json_object(text: str) -> dict | None:
-    """A flag's JSON object (`none` or an empty string: None); argparse reports the error with the flag's name."""
-    if text.lower() in ("none", "null", ""):
-        return None
+def json_object(text: str) -> dict:
+    """A flag's JSON object; argparse reports an error with the flag's name."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -418,9 +416,6 @@ def json_object(text: str) -> dict | None:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": true}}', got {text!r}")
     return value
-
-
-json_object.__name__ = "JSON object"
 
 
 def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argparse.ArgumentParser:
@@ -443,8 +438,8 @@ def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argpa
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         elif is_list:
             parser.add_argument(flag, nargs="+", type=kind, help=help_text)
-        elif kind is dict:
-            parser.add_argument(flag, type=json_object, help=help_text)
+        elif kind is dict:  # `none` clears it, as for the other optional flags
+            parser.add_argument(flag, type=_optional(json_object), help=help_text)
         else:
             optional = type(None) in typing.get_args(hints[f.name])
             parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"), help=help_text)
