@@ -52,6 +52,11 @@ class KernelChoice:
             logger.info("kernel %s is off: %s", name, reason)
 
 
+def _holding(*pairs: tuple[bool, str]) -> list[str]:
+    """The reasons of the (condition, reason) pairs whose condition holds, in order."""
+    return [reason for condition, reason in pairs if condition]
+
+
 def select_kernels(kernels: str, device: torch.device, loss_options=None, model=None,
                    entropy_bonus: bool = False, fp32_head: bool = False, sharded: bool = False,
                    gradient_checkpointing: bool = False) -> KernelChoice:
@@ -72,22 +77,22 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     options = loss_options or LossOptions()
     choice = KernelChoice(fast_sampler=True, fast_logprobs=True, fused_loss=True, update_logprobs=True,
                           length_grouping=True, length_sorted_passes=True)
-    grouping_dependent = [reason for condition, reason in [
+    grouping_dependent = _holding(
         (options.loss_type == "bnpo", "bnpo divides each micro-batch's loss by that micro-batch's token count"),
         (options.top_entropy_quantile < 1.0, "the entropy mask's quantile is taken over each micro-batch"),
         (entropy_bonus, "the entropy bonus is a mean over each micro-batch's tokens"),
-    ] if condition]
+    )
     if grouping_dependent:
         choice.length_grouping = False
         choice.reasons["length_grouping"] = "; ".join(grouping_dependent) + ": regrouping would change the loss, so " \
             "the update keeps the random micro-batches"
-    coupled = [reason for condition, reason in [
+    coupled = _holding(
         (options.importance_sampling_level != "token", "sequence-level ratios couple a completion's tokens"),
         (options.loss_type == "vespo", "vespo weighs each token by its completion's ratio"),
         (options.off_policy_mask_threshold is not None, "the off-policy mask reads a completion's mean log-ratio"),
         (options.top_entropy_quantile < 1.0, "the entropy mask needs every token's entropy before the loss"),
         (entropy_bonus, "the entropy bonus differentiates the entropy"),
-    ] if condition]
+    )
     if fp32_head:
         choice.fast_logprobs = choice.update_logprobs = False
         choice.reasons["fast_logprobs"] = "cast_lm_head_to_fp32: the plain log-probs run the output projection in fp32"
@@ -95,13 +100,13 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     if coupled:
         choice.fused_loss = False
         choice.reasons["fused_loss"] = "; ".join(coupled) + ": the plain log-probs -> per_token_loss -> aggregate_loss path runs"
-    plain_update = [reason for condition, reason in [
+    plain_update = _holding(
         (entropy_bonus, "the entropy bonus differentiates the entropy, which the log-prob kernel computes for the "
                         "logs only"),
         (options.top_entropy_quantile < 1.0, "the entropy mask thresholds the entropies: the kernel's agree with the "
                                              "plain path's to rounding, which can move a near-tied token across the "
                                              "threshold, so the mask is taken from the plain path's"),
-    ] if condition]
+    )
     if plain_update:
         choice.update_logprobs = False
         choice.reasons["update_logprobs"] = "; ".join(plain_update) + ": the update pass takes grpo.logprobs"
@@ -114,23 +119,21 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         choice.reasons["packed_logprobs"] = (f"attention implementation {attention!r} would take a packed row's dense "
                                              "block-diagonal mask; padded micro-batches of similar lengths run instead "
                                              "(flash attention and flex attention pack)")
-    unshared = [reason for condition, reason in [
+    unshared = _holding(
         (not choice.fast_logprobs, "the log-prob kernels are off"),
         (choice.packed_logprobs, "the passes run packed rows (no padding) instead"),
         (sharded, "under FSDP2 each layer's parameters would be gathered twice a micro-batch"),
-    ] if condition]
+    )
+    choice.shared_prompt_passes = not unshared
     if unshared:
         choice.reasons["shared_prompt_passes"] = "; ".join(unshared)
-    else:
-        choice.shared_prompt_passes = True
-    unshared_update = unshared + [reason for condition, reason in [
+    unshared_update = unshared + _holding(
         (not (choice.fused_loss or choice.update_logprobs), "the update pass takes grpo.logprobs"),
         (gradient_checkpointing, "gradient checkpointing turns the trunk's KV cache off when grad is on"),
-    ] if condition]
+    )
+    choice.shared_prompt_update = not unshared_update
     if unshared_update:
         choice.reasons["shared_prompt_update"] = "; ".join(unshared_update)
-    else:
-        choice.shared_prompt_update = True
     if device.type == "cuda":
         choice.compile_decode = True
     else:
