@@ -2,7 +2,7 @@
 # The wheels bench/gpu_check.sh needs on the lent GPU machine, which has torch, accelerate, peft and pandas but no
 # package registry, trl, datasets or bitsandbytes, and an older transformers. Run here (where pip reaches the
 # registries), from the repository root; then run the check with `.whl` carried:
-#   bash bench/gpu_wheels.sh            # writes .whl/ (ignored by git), about 58 MB
+#   bash bench/gpu_wheels.sh            # writes .whl/ (ignored by git; it must stay under the 64 MiB a call carries)
 #   device run: bash bench/gpu_check.sh   with carry [".whl"], timeout 600 s
 # The versions are the ones the CPU tests install (pyproject.toml's parity extra and this venv): both sides of the
 # benchmark then run the code the parity suite checks. huggingface_hub stays the machine's (transformers needs
