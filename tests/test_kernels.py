@@ -284,14 +284,8 @@ def test_kernels_give_the_plain_numbers_on_other_decoder_families(family, monkey
     from grpo.logprobs import completion_hidden
 
     model = _family_model(family).eval()
-    # Log-prob passes: 2 prompts x 3 rows (the first left-padded), prompts of 9 positions, ragged completions.
-    prompts = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1)).repeat_interleave(3, 0)
-    prompt_mask = torch.ones(6, 9, dtype=torch.long)
-    prompt_mask[:3, :3] = 0
-    completion_mask = torch.ones(6, 7, dtype=torch.long)
-    completion_mask[1, 4:] = completion_mask[4, 2:] = 0
-    ids = torch.cat([prompts, torch.randint(3, 97, (6, 7), generator=torch.Generator().manual_seed(2))], 1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    # Log-prob passes: 2 prompts x 3 rows, prompts of 9 positions (past the sliding window), ragged completions.
+    ids, attention_mask, completion_mask = _grouped_batch(97, torch.Generator().manual_seed(1), prompt=9, completion=7)
     with torch.no_grad():
         shared, padded = (fn(model, ids, attention_mask, completion_mask) for fn in (shared_prompt_hidden, completion_hidden))
     torch.testing.assert_close(shared[0], padded[0], rtol=1e-5, atol=1e-5)
