@@ -32,6 +32,7 @@ class EvalConfig(ConfigMixin):
     split: str = _f("test", "dataset split")
     limit: int = _f(0, "evaluate the first N problems (0 = all)")
     system_prompt: str = _f(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (the same as training)")
+    one_shot: bool = _f(False, "GSM8K-style rows: a worked example before the question (the same as training)")
     chat_template: str | None = _f(None, "a Jinja chat template file for tokenizers that have none (as train.py's; a checkpoint keeps the one it trained with), used for --model and --compare")
     chat_template_kwargs: dict | None = _f(None, "extra keyword arguments of the chat template, a JSON object (the same as training), e.g. '{\"enable_thinking\": false}'")
     scorer: str = _f("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
     from rewards import RewardError, parse_reward_specs
 
     try:
-        rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt)
+        rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt,
+                                    config.one_shot)
         rows = rows[: config.limit] if config.limit else rows
         scorer = make_scorer(config.scorer, task, parse_reward_specs(config.reward))
         summaries = [evaluate_model(config, name, rows, scorer) for name in [config.model, config.compare] if name]

@@ -1,5 +1,6 @@
-"""R1-style prompts: a system prompt asking for tagged reasoning and answer, the question as user turn; and a
-GSM8K worked solution written as the completion that prompt asks for (for supervised warm starts)."""
+"""R1-style prompts: a system prompt asking for tagged reasoning and answer, the question as user turn (with
+`one_shot`, after one worked example as a user/assistant exchange); and a GSM8K worked solution written as the
+completion that prompt asks for (for supervised warm starts and the worked example)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,25 @@ SYSTEM_PROMPT = """Respond in the following format:
 </answer>"""
 
 
-def build_prompt(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
-    """Chat messages for one question: [system, user]."""
-    return [
-        {"role": "system", "content": system_prompt},
-        {"role": "user", "content": question},
-    ]
+# GSM8K's first train problem and its solution: the worked example of `one_shot` prompts.
+EXAMPLE_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                    "How many clips did Natalia sell altogether in April and May?")
+EXAMPLE_SOLUTION = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
 
 
-def add_prompts(rows: list[dict], system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
+def build_prompt(question: str, system_prompt: str = SYSTEM_PROMPT, one_shot: bool = False) -> list[dict[str, str]]:
+    """Chat messages for one question: [system, user], or with `one_shot` [system, user, assistant, user], the
+    first exchange a worked example answered in the format (`r1_completion`). Small instruct models that ignore
+    the system prompt's format copy the example's; its question is a GSM8K train problem."""
+    example = [{"role": "user", "content": EXAMPLE_QUESTION},
+               {"role": "assistant", "content": r1_completion(EXAMPLE_SOLUTION)}] if one_shot else []
+    return [{"role": "system", "content": system_prompt}, *example, {"role": "user", "content": question}]
+
+
+def add_prompts(rows: list[dict], system_prompt: str = SYSTEM_PROMPT, one_shot: bool = False) -> list[dict]:
     """Return new rows with a `prompt` column (chat messages); all other columns are kept as they are."""
-    return [{**row, "prompt": build_prompt(row["question"], system_prompt)} for row in rows]
+    return [{**row, "prompt": build_prompt(row["question"], system_prompt, one_shot)} for row in rows]
 
 
 def r1_completion(solution: str, final_answer: str | None = None) -> str:

@@ -47,16 +47,16 @@ def validate_prompt_rows(rows: list[dict], where: str, skip_bad_rows: bool = Fal
 
 
 def prepare_rows(rows: list[dict], where: str, skip_bad_rows: bool = False,
-                 system_prompt: str = SYSTEM_PROMPT) -> tuple[list[dict], str]:
+                 system_prompt: str = SYSTEM_PROMPT, one_shot: bool = False) -> tuple[list[dict], str]:
     """Rows checked for their task and given a `prompt`; returns (rows, task)."""
     task = detect_task(rows)
     if task == "prompt":
         return validate_prompt_rows(rows, where, skip_bad_rows), task
-    return add_prompts(validate_rows(rows, where, skip_bad_rows), system_prompt), task
+    return add_prompts(validate_rows(rows, where, skip_bad_rows), system_prompt, one_shot), task
 
 
 def load_task_rows(source: str, split: str, skip_bad_rows: bool = False,
-                   system_prompt: str = SYSTEM_PROMPT) -> tuple[list[dict], str]:
+                   system_prompt: str = SYSTEM_PROMPT, one_shot: bool = False) -> tuple[list[dict], str]:
     """Load a split (hub id, local file or folder, `synthetic[:N]`), check it for its task; returns (rows, task)."""
     parts = read_rows(source, split)
     tasks = {detect_task(rows) for _, rows in parts if rows}
@@ -64,5 +64,5 @@ def load_task_rows(source: str, split: str, skip_bad_rows: bool = False,
         raise DataError(f"{source}[{split}]: some files have a prompt column and some do not")
     kept = []
     for where, rows in parts:
-        kept.extend(prepare_rows(rows, where, skip_bad_rows, system_prompt)[0])
+        kept.extend(prepare_rows(rows, where, skip_bad_rows, system_prompt, one_shot)[0])
     return kept, tasks.pop() if tasks else "gsm8k"

@@ -104,6 +104,7 @@ class GRPOConfig(ConfigMixin):
     train_split: str = _f("train", "dataset split to train on")
     eval_split: str = _f("test", "dataset split to evaluate on (--eval-steps)")
     system_prompt: str = _f(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (question/answer), asking for <reasoning>/<answer> tags")
+    one_shot: bool = _f(False, "GSM8K-style rows: one worked example (a train problem answered in the format) as a user/assistant exchange before the question; for small instruct models that ignore the system prompt's format (docs/real-model.md)")
     chat_template: str | None = _f(None, "a Jinja chat template file, for tokenizers that have none")
     chat_template_kwargs: dict | None = _f(None, "extra keyword arguments of the chat template for chat prompts (training and evaluation), a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3; trl's option")
     skip_bad_rows: bool = _f(False, "drop dataset rows without a prompt (or a question and a parseable gold answer) with a counted warning instead of stopping")

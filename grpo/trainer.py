@@ -278,9 +278,9 @@ class Trainer:
         """(rows with a `prompt`, task): loaded from --dataset, or the rows given, checked for their task (data/tasks.py)."""
         cfg = self.config
         if rows is None:
-            rows, task = load_task_rows(cfg.dataset, split, cfg.skip_bad_rows, cfg.system_prompt)
+            rows, task = load_task_rows(cfg.dataset, split, cfg.skip_bad_rows, cfg.system_prompt, cfg.one_shot)
         elif rows and "prompt" not in rows[0]:  # GSM8K rows given from Python get their chat prompts
-            rows, task = add_prompts(rows, cfg.system_prompt), "gsm8k"
+            rows, task = add_prompts(rows, cfg.system_prompt, cfg.one_shot), "gsm8k"
         else:
             task = "prompt"
         if not rows:

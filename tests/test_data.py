@@ -125,3 +125,25 @@ def test_prompts_keep_every_column():
         {"role": "user", "content": "Q?"},
     ]
     assert "<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>" in SYSTEM_PROMPT
+
+
+def test_one_shot_prompts_put_a_worked_example_in_the_format_before_the_question(tmp_path):
+    from data import load_task_rows
+    from data.prompts import EXAMPLE_QUESTION, EXAMPLE_SOLUTION
+    from rewards.gsm8k import correctness, strict_format
+
+    rows = add_prompts([{"question": "Q?", "answer": "#### 1"}], one_shot=True)
+    system, example_question, example_answer, question = rows[0]["prompt"]
+    assert system == {"role": "system", "content": SYSTEM_PROMPT} and question == {"role": "user", "content": "Q?"}
+    assert example_question == {"role": "user", "content": EXAMPLE_QUESTION}
+    assert example_answer["role"] == "assistant"
+    # The example is itself a completion the recipe's rewards pay in full: the layout, and the right number (72).
+    assert strict_format(None, [example_answer["content"]]) == [0.5]
+    assert correctness(None, [example_answer["content"]], ["#### 72"]) == [2.0]
+    if gsm8k_dir() is not None:  # it is GSM8K's first train problem
+        first = json.loads((gsm8k_dir() / "train.jsonl").read_text().splitlines()[0])
+        assert (first["question"], first["answer"]) == (EXAMPLE_QUESTION, EXAMPLE_SOLUTION)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "Q?", "answer": "#### 1"}) + "\n")
+    loaded, task = load_task_rows(str(tmp_path), "train", one_shot=True)
+    assert task == "gsm8k" and loaded[0]["prompt"] == rows[0]["prompt"]
+    assert len(load_task_rows(str(tmp_path), "train")[0][0]["prompt"]) == 2  # off by default
