@@ -58,7 +58,7 @@ def models_dir() -> Path:
     return Path(os.environ.get(MODELS_DIR_VARIABLE) or "models").expanduser()
 
 
-def resolve_model_name(name: str) -> str:
+def resolve_model_name(name: str, setting: str = "--model") -> str:
     """A name from OFFLINE_MODELS -> the folder it was fetched into ($GRPO_MODELS_DIR/NAME, default ./models/NAME),
     or a ModelError with the command that fetches it; any other name unchanged."""
     if name not in OFFLINE_MODELS:
@@ -66,7 +66,7 @@ def resolve_model_name(name: str) -> str:
     folder = models_dir() / name
     if not (folder / "config.json").exists():
         raise ModelError(
-            f"--model {name}: not fetched yet ({folder} holds no model). Make it once with "
+            f"{setting} {name}: not fetched yet ({folder} holds no model). Make it once with "
             f"`python -m grpo.models fetch {name} --out {folder}` (the [real] extra: pip install -e '.[real]'), "
             f"or set {MODELS_DIR_VARIABLE} to the folder that holds {name}/"
         )
@@ -178,7 +178,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_fil
     if name == "tiny" or name.startswith("tiny:"):
         tokenizer = build_tokenizer()  # the tiny models' tokenizer, without building a model for it
     else:
-        name = resolve_model_name(name)
+        name = resolve_model_name(name, setting)
         tokenizer = _from_pretrained(AutoTokenizer, name, setting, trust_remote_code=trust_remote_code)
     if chat_template_file:
         path = Path(chat_template_file).expanduser()
@@ -218,7 +218,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
         shape = name.split(":", 1)[1] if ":" in name else "tiny"
         model, _ = build_tiny_model(shape, seed=0, tokenizer=tokenizer)
     elif name in OFFLINE_MODELS:
-        model = load_model(resolve_model_name(name), device, dtype, trust_remote_code, tokenizer, setting)
+        model = load_model(resolve_model_name(name, setting), device, dtype, trust_remote_code, tokenizer, setting)
     elif is_adapter_folder(name):  # a LoRA checkpoint: its base (as the adapter names it) with the adapter merged
         model = load_merged(name, lambda base: load_model(base, device, dtype, trust_remote_code, tokenizer, setting))
     else:

@@ -70,9 +70,11 @@ def test_the_fetched_folder_is_the_model_the_issue_describes(real):
 
 
 def _greedy_generate(model, prompts, pad, eos, max_new):
-    from grpo.sampler import left_pad
-
-    ids, mask = left_pad(prompts, pad, "cpu")
+    """model.generate on the prompts left-padded here, the mask from each prompt's length (not from the ids: the
+    pad id is also the EOS that stands inside every prompt)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, P)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
                          pad_token_id=pad, eos_token_id=list(eos))
     return out[:, ids.shape[1]:]
