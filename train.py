@@ -39,6 +39,7 @@ def main(argv=None) -> int:
                   f"({trainer.distributed}) micro-batches/update/process={trainer.local_micro_batches}"
                   + (f" (resumed at step {trainer.step})" if trainer.resume_from else ""))
         result = trainer.train()
+        trainer.world.close()
     except (ValueError, DataError, ModelError, RewardError, TrainingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

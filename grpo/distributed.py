@@ -43,6 +43,13 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def close(self) -> None:
+        """Leave the process group, once the run is done: PyTorch asks for destroy_process_group before exit, and
+        without it a rank's communication threads can be torn down while the interpreter exits, which aborts that
+        rank (`terminate called without an active exception`) and makes torchrun report a finished run as failed."""
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
     def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (a copy; the input is unchanged)."""
         tensor = tensor.clone()

@@ -86,6 +86,8 @@ def main():
         after = full_params_of(trainer.ref_call)
         record["ref_unchanged"] = all(torch.equal(ref_before[k], after[k]) for k in ref_before)
     torch.save(record, out / f"rank-{rank}.pt")
+    trainer.world.close()  # as train.py does: the process group is gone before the interpreter exits
+    assert not torch.distributed.is_initialized()
 
 
 def full_params_of(call) -> dict:
