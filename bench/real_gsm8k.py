@@ -204,7 +204,7 @@ def run_side(args, side: str, model: Path, seed: int, out: Path) -> dict:
     run_dir = out / f"{side}-seed{seed}"
     result_file = run_dir / "result.json"
     command = [sys.executable, __file__, "--child", side, "--child-model", str(model), "--child-seed", str(seed),
-               "--child-dir", str(run_dir), *sys.argv[1:]]
+               "--child-dir", str(run_dir), *args.argv]
     started = time.perf_counter()
     subprocess.run(command, check=True)
     result = json.loads(result_file.read_text())
@@ -322,6 +322,7 @@ def parse_args(argv=None):
     parser.add_argument("--child-seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the children get the same settings
     args.rewards = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]  # train.py's default
     return args
 
@@ -335,7 +336,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     model = warm_start(args, out)
     results = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                            if not k.startswith("child")},
+                            if not k.startswith("child") and k != "argv"},
                "before": evaluate(args, model, out / "eval-before"), "runs": []}
     for side, seeds in (("ours", args.seeds), ("trl", args.trl_seeds)):
         for seed in seeds:

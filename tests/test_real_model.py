@@ -53,7 +53,7 @@ def gsm8k_rows(split: str, count: int, start: int = 0, one_shot: bool = False) -
     return add_prompts(rows, one_shot=one_shot)
 
 
-def test_the_fetched_folder_is_the_model_the_issue_describes(real):
+def test_the_fetched_folder_is_smollm2_135m_instruct_with_pad_equal_to_eos(real):
     model, tokenizer = real
     config = model.config
     assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576, 49152)
@@ -262,3 +262,23 @@ def test_fp32_rounding_floor_of_the_real_model(real, parity_rows, real_completio
     one_by_one = torch.cat([logps(slice(row, row + 1)) for row in range(ids.shape[0])])
     difference = (batched - one_by_one).abs().max().item()
     assert 1e-6 < difference < 1e-6 * REAL_FLOOR, difference
+
+
+@pytest.mark.parity
+def test_the_real_gsm8k_benchmark_runs_end_to_end(real_dir, tmp_path, monkeypatch):
+    """bench/real_gsm8k.py with tiny settings: cold start, evaluation, one step of each side, the report."""
+    from bench import real_gsm8k
+
+    monkeypatch.setenv("GRPO_MODELS_DIR", str(Path(real_dir).parent))  # the children resolve the name the same way
+    out = tmp_path / "bench"
+    assert real_gsm8k.main(["--out", str(out), "--seeds", "0", "--trl-seeds", "0", "--steps", "1", "--heldout", "2",
+                            "--max-completion-length", "8", "--warm-start-steps", "1", "--prompts-per-step", "1",
+                            "--micro-batch-size", "8"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [(run["side"], run["seed"]) for run in results["runs"]] == [("ours", 0), ("trl", 0)]
+    for run in results["runs"]:
+        (step,) = run["steps"]
+        assert 0 < step["sample"] < step["time"] and 0 < step["reference"] < step["time"] and step["length"] <= 8
+        assert {"xmlcount", "soft_format", "strict_format", "int", "correctness"} <= set(step)  # trl's int_answer too
+        assert run["after"]["num_samples"] == 2 and run["peak_rss_mib"] > 0
+    assert results["ratios"][0]["step"] > 0 and (out / "real_gsm8k.png").is_file()
