@@ -113,11 +113,12 @@ def profiled(trainer, run, path: Path, device: str):
 def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, kernels: str = "auto",
              profile: str | None = None, chunk_size: int | None = None) -> dict:
     """Our trainer's step times, phases, tokens and peak memory; kernels "auto-padded": auto without compaction,
-    length grouping and packing (what they save); "auto-unshared": auto without the shared-prompt passes.
+    length grouping, packing and the real-token trunk passes (what they save); "auto-unshared": auto without the
+    shared-prompt passes; "auto-padded-trunk": auto with the shared-prompt passes on the padded layout.
     `profile`: a path; one more step runs after the `steps`, its reference and update passes profiled into that
     file (`profiled`), and left out of the results. `chunk_size`: logprob_chunk_size (None: its default)."""
-    padded, unshared = kernels == "auto-padded", kernels == "auto-unshared"
-    kernels = "auto" if padded or unshared else kernels
+    padded, unshared, padded_trunk = (kernels == name for name in ("auto-padded", "auto-unshared", "auto-padded-trunk"))
+    kernels = "auto" if padded or unshared or padded_trunk else kernels
     from data import add_prompts, make_synthetic_gsm8k
     from grpo.config import GRPOConfig
     from grpo.metrics import read_jsonl
@@ -137,8 +138,11 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
 
         fast_sampling._COMPACT_SHARE = 10**9
         trainer.kernels.length_grouping = trainer.kernels.length_sorted_passes = trainer.kernels.packed_logprobs = False
+        trainer.kernels.unpadded_trunk = False
     if unshared:  # every row's prompt through the trunk, as the plain path
         trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = False
+    if padded_trunk or unshared:  # the trunk's projections and MLPs on every position, padding included
+        trainer.kernels.unpadded_trunk = False
     lengths, train_on_rollout = [], trainer.train_on_rollout
 
     def recording(rollout, **kwargs):  # each step's real prompt and completion tokens per row, for the floor
@@ -351,10 +355,11 @@ def real_token_floor(timer: Products, work: dict, prompt_lengths: list[int], com
 
 
 # ours: our defaults (--kernels auto: the compiled decode step on CUDA, the fused loss, ...); ours-plain: --kernels plain;
-# ours-padded: --kernels auto without the real-length kernels (compaction, length grouping, packing); ours-unshared:
-# --kernels auto without the shared-prompt passes (grpo.kernels.prefix).
+# ours-padded: --kernels auto without the real-length kernels (compaction, length grouping, packing, real-token
+# trunk passes); ours-unshared: --kernels auto without the shared-prompt passes (grpo.kernels.prefix);
+# ours-padded-trunk: --kernels auto with the shared-prompt passes on the padded layout (no grpo.kernels.unpadded).
 SIDES = {"ours": "auto", "ours-plain": "plain", "ours-padded": "auto-padded", "ours-unshared": "auto-unshared",
-         "trl": None}
+         "ours-padded-trunk": "auto-padded-trunk", "trl": None}
 
 
 def child(args):

@@ -469,11 +469,12 @@ class Trainer:
         update: the pass whose loss is differentiated (its kernel may step aside, see select_kernels)."""
         args = (ids, attention_mask, completion_mask, self.config.temperature, with_entropy,
                 self.config.logprob_chunk_size)
+        shared = self.kernels.shared_prompt_update if update else self.kernels.shared_prompt_passes
         with self.autocast:
             if self.kernels.update_logprobs if update else self.kernels.fast_logprobs:  # the same numbers, faster
                 return call(fast_completion_logprobs, *args, buffers=self.logprob_buffers,
                             packed=self.kernels.packed_logprobs,
-                            shared_prompts=self.kernels.shared_prompt_update if update else self.kernels.shared_prompt_passes)
+                            shared_prompts=shared, unpadded=shared and self.kernels.unpadded_trunk)
             return call(completion_logprobs, *args, fp32_head=self.config.cast_lm_head_to_fp32)
 
     @torch.no_grad()
@@ -507,7 +508,8 @@ class Trainer:
                 loss, logps, entropy = self.policy_call(
                     fused_completion_loss, ids, attention_mask, cm, advantages, old_logps, ref_logps, weights, options,
                     cfg.temperature, cfg.logprob_chunk_size, self.logprob_buffers, packed=self.kernels.packed_logprobs,
-                    shared_prompts=self.kernels.shared_prompt_update)
+                    shared_prompts=self.kernels.shared_prompt_update,
+                    unpadded=self.kernels.shared_prompt_update and self.kernels.unpadded_trunk)
         else:
             logps, entropy = self._logprobs(self.policy_call, ids, attention_mask, cm, with_entropy=True, update=True)
             old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1

@@ -9,6 +9,8 @@
     compaction (sampling)      the tokens of decoding every row, on models whose completions end at a known rate
     grpo.kernels.packing       log-probs and gradients of the padded trunk pass (CPU, SDPA's packed mask)
     grpo.kernels.prefix        hidden states and log-probs of the padded trunk pass, prompts shared by their rows
+    grpo.kernels.unpadded      the same, and the gradients, with the per-token work on real tokens only (Qwen2,
+                               Llama, Qwen3)
     other decoder families     Llama, Qwen3, sliding-window Qwen2 / Mistral, Gemma3, Phi3, OLMo2, GPT-2: the
                                shared-prompt pass and the sampler give the plain numbers
     grpo.kernels.batching      tests/test_trainer.py: length-grouped micro-batches give the random ones' gradients
@@ -18,6 +20,7 @@ Tolerances: fp32 on CPU, rtol 1e-5; gradients atol 1e-6 of the tensor's largest 
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from grpo.kernels import select_kernels
 from grpo.kernels.buffers import Buffers
@@ -169,12 +172,13 @@ def test_fused_loss_matches_logprobs_then_loss_then_aggregation(tokenizer, loss_
         assert ((ratio < 0.99) | (ratio > 1.02)).any() and ((ratio > 0.99) & (ratio < 1.02)).any()
 
 
-@pytest.mark.parametrize("trunk_pass", ["packed", "shared prompts"])
+@pytest.mark.parametrize("trunk_pass", ["packed", "shared prompts", "unpadded"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_or_shared_prompt_trunk_pass_gives_the_padded_logprobs_and_gradients(tokenizer, tied, trunk_pass):
     # grpo.kernels.packing on CPU with SDPA (transformers gives the packed row a block-diagonal mask), and
-    # grpo.kernels.prefix (two prompts, three rows each, the prompt's activations shared): the same log-probs,
-    # entropies, fused loss and gradients as the padded micro-batch, left and right padding included.
+    # grpo.kernels.prefix (two prompts, three rows each, the prompt's activations shared) and grpo.kernels.unpadded
+    # (the same on real tokens only): the same log-probs, entropies, fused loss and gradients as the padded
+    # micro-batch, left and right padding included.
     model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
     if not tied:  # an untied output projection: the fused loss's plain embedding backward
         model.config.tie_word_embeddings = False
@@ -192,7 +196,8 @@ def test_packed_or_shared_prompt_trunk_pass_gives_the_padded_logprobs_and_gradie
     options = LossOptions(beta=0.0, loss_type="dapo")
     results = {}
     for on in (False, True):
-        chosen = dict(packed=on and trunk_pass == "packed", shared_prompts=on and trunk_pass == "shared prompts")
+        chosen = dict(packed=on and trunk_pass == "packed", shared_prompts=on and trunk_pass != "packed",
+                      unpadded=on and trunk_pass == "unpadded")
         model.zero_grad()
         logps, entropy = kernel_logprobs(model, ids, attention_mask, completion_mask, 0.8, True, **chosen)
         (logps * weights).sum().backward()
@@ -249,6 +254,65 @@ def test_shared_prompt_pass_gives_the_padded_hidden_states_and_logprobs(tokenize
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="choose one"):
         kernel_logprobs(model, ids, attention_mask, completion_mask, packed=True, shared_prompts=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_unpadded_pass_gives_the_padded_hidden_states_logprobs_and_gradients(tokenizer, family):
+    # grpo.kernels.unpadded: the shared-prompt pass with projections, norms and MLPs on the real tokens only and
+    # the attention on the padded layout. Prompts of different lengths (left padding), completions of 1 to 6
+    # tokens and one that is all padding (mask_truncated_completions), in training mode with grad.
+    from grpo.kernels.unpadded import unpadded_shared_prompt_hidden
+    from grpo.logprobs import completion_hidden
+
+    if family == "qwen2":
+        model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+        vocab = model.config.vocab_size
+    else:
+        model, vocab = _family_model(family), 97
+    model.train()
+    ids, attention_mask, completion_mask = _grouped_batch(vocab, torch.Generator().manual_seed(5), prompt=8)
+    completion_mask[4] = 0  # a row whose completion is masked out entirely
+    attention_mask[4, 8:] = 0
+    with torch.no_grad():
+        unpadded, padded = (fn(model, ids, attention_mask, completion_mask)
+                            for fn in (unpadded_shared_prompt_hidden, completion_hidden))
+    torch.testing.assert_close(unpadded[0], padded[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(unpadded[1], padded[1]) and torch.equal(unpadded[2], padded[2])
+    weights = torch.randn(completion_mask.shape, generator=torch.Generator().manual_seed(6))
+    results = {}
+
+    def unpadded_logprobs():
+        return kernel_logprobs(model, ids, attention_mask, completion_mask, 0.8, True, buffers=Buffers(),
+                               shared_prompts=True, unpadded=True)
+
+    def math_attention():  # SDPA's reference backend, on the padding queries whose mask row is empty
+        with sdpa_kernel(SDPBackend.MATH):
+            return unpadded_logprobs()
+
+    for name, run in (("plain", lambda: completion_logprobs(model, ids, attention_mask, completion_mask, 0.8, True)),
+                      ("unpadded", unpadded_logprobs), ("unpadded, math attention", math_attention)):
+        model.zero_grad(set_to_none=True)
+        logps, entropy = run()
+        (logps * weights).sum().backward()
+        results[name] = (logps.detach(), entropy.detach(), _grads(model))
+    for name in ("unpadded", "unpadded, math attention"):
+        for got, expected in zip(results[name][:2], results["plain"][:2], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
+        _assert_same_grads(results[name][2], results["plain"][2])
+
+
+def test_unpadded_pass_refuses_what_it_cannot_run(tokenizer):
+    from grpo.kernels.unpadded import unpadded_shared_prompt_hidden
+
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    ids, attention_mask, completion_mask = _grouped_batch(model.config.vocab_size, torch.Generator().manual_seed(9))
+    holed = completion_mask.clone()
+    holed[0, 2] = 0  # a hole inside a completion: its next token would be predicted from a padding position
+    attention_mask[0, -completion_mask.shape[1] :] = holed[0]
+    with pytest.raises(ValueError, match="real tokens first"):
+        unpadded_shared_prompt_hidden(model, ids, attention_mask, holed)
+    with pytest.raises(ValueError, match="needs shared_prompts"):
+        kernel_logprobs(model, ids, attention_mask, completion_mask, unpadded=True)
 
 
 # Other decoder families than the tiny Qwen2: their own rotary or learned positions, fused projections, post-norms,
@@ -356,6 +420,22 @@ def test_shared_prompt_passes_are_chosen_where_they_apply(tokenizer):
     model.config._attn_implementation = "flash_attention_2"  # packed rows instead
     choice = select_kernels("auto", cpu, model=model)
     assert choice.packed_logprobs and not choice.shared_prompt_passes and not choice.shared_prompt_update
+
+
+def test_the_unpadded_pass_is_chosen_with_the_shared_prompt_passes_on_the_trunks_it_runs(tokenizer):
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    cpu = torch.device("cpu")
+    assert select_kernels("auto", cpu, model=model).unpadded_trunk
+    assert not select_kernels("plain", cpu, model=model).unpadded_trunk
+    assert select_kernels("auto", cpu, model=model, gradient_checkpointing=True).unpadded_trunk  # the reference's
+    for kwargs, reason in [(dict(sharded=True), "no shared-prompt pass"), (dict(), "no model to check")]:
+        choice = select_kernels("auto", cpu, model=model if kwargs else None, **kwargs)
+        assert not choice.unpadded_trunk and reason in choice.reasons["unpadded_trunk"], kwargs
+    choice = select_kernels("auto", cpu, model=_family_model("gpt2"))
+    assert not choice.unpadded_trunk and "GPT2Model is not one of" in choice.reasons["unpadded_trunk"]
+    model.config._attn_implementation = "eager"
+    choice = select_kernels("auto", cpu, model=model)
+    assert not choice.unpadded_trunk and "'eager'" in choice.reasons["unpadded_trunk"]
 
 
 def test_packing_is_chosen_where_it_needs_no_dense_mask(tokenizer):

@@ -348,31 +348,37 @@ _OFF_POLICY = dict(loss_type="grpo", beta=0.04, num_iterations=2, epsilon=1e-3) 
 @pytest.mark.parametrize("trunk_pass, options", [
     ("packed", _OFF_POLICY), ("packed", dict(loss_type="dapo", beta=0.0, importance_sampling_level="sequence")),
     ("shared prompts", _OFF_POLICY), ("shared prompts", dict(loss_type="dr_grpo", beta=0.1)),
-    ("shared prompts", dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence"))])
+    ("shared prompts", dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence")),
+    ("unpadded", _OFF_POLICY), ("unpadded", dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence"))])
 @pytest.mark.own_kernels
 def test_packed_or_shared_prompt_passes_give_the_padded_steps_gradients(tmp_path, monkeypatch, trunk_pass, options):
     # grpo.kernels.packing in the reference, old-policy and update passes (forced on: on CPU with SDPA it is exact
-    # but not chosen, see select_kernels), and grpo.kernels.prefix in the same passes (chosen here; the update
-    # through the fused loss, or GSPO's through the log-prob kernel), each against the padded passes: the same
-    # gradients and metrics.
+    # but not chosen, see select_kernels), grpo.kernels.prefix in the same passes (the update through the fused
+    # loss, or GSPO's through the log-prob kernel) and grpo.kernels.unpadded (both chosen here), each against the
+    # padded passes: the same gradients and metrics.
     import grpo.kernels.logprobs as kernel_module
 
-    shared_calls = []
-    shared = kernel_module.shared_prompt_hidden
-    monkeypatch.setattr(kernel_module, "shared_prompt_hidden",
-                        lambda model, ids, *args: (shared_calls.append(torch.is_grad_enabled()), shared(model, ids, *args))[1])
+    calls = {"shared prompts": [], "unpadded": []}  # whether grad was on, at each call of that trunk pass
+    for name, attribute in (("shared prompts", "shared_prompt_hidden"), ("unpadded", "unpadded_shared_prompt_hidden")):
+        original = getattr(kernel_module, attribute)
+        monkeypatch.setattr(kernel_module, attribute, lambda model, ids, *args, _name=name, _run=original:
+                            (calls[_name].append(torch.is_grad_enabled()), _run(model, ids, *args))[1])
     grads, metrics = {}, {}
     for on in (True, False):
         trainer = Trainer(make_config(tmp_path / str(on), micro_batch_size=4, max_completion_length=12,
                                       adam_epsilon=1e-6, **options))
         assert not trainer.kernels.packed_logprobs and "sdpa" in trainer.kernels.reasons["packed_logprobs"]
         assert trainer.kernels.shared_prompt_passes and trainer.kernels.shared_prompt_update  # chosen on CPU, SDPA
+        assert trainer.kernels.unpadded_trunk
         trainer.kernels.packed_logprobs = on and trunk_pass == "packed"
-        trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = on and trunk_pass == "shared prompts"
+        trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = on and trunk_pass != "packed"
+        trainer.kernels.unpadded_trunk = on and trunk_pass == "unpadded"
         grads[on] = record_gradients(trainer)
         metrics[on] = trainer.train_on_rollout(fixed_rollout(trainer))
-    if trunk_pass == "shared prompts":  # the passes without grad (if any) and the update's ran shared
-        assert True in shared_calls and (False in shared_calls) == (options.get("beta", 0.04) != 0.0)
+    if trunk_pass != "packed":  # the passes without grad (if any) and the update's ran through this one, only
+        ran = calls[trunk_pass]
+        assert True in ran and (False in ran) == (options.get("beta", 0.04) != 0.0)
+        assert not calls["unpadded" if trunk_pass == "shared prompts" else "shared prompts"]
     for on_step, padded_step in zip(grads[True], grads[False], strict=True):
         for name, padded in padded_step.items():
             torch.testing.assert_close(on_step[name], padded, rtol=1e-5, atol=1e-5 * padded.abs().max().item(), msg=name)

@@ -9,6 +9,7 @@
     grpo.kernels.batching          random micro-batches (rows of similar length together)   not bnpo, entropy terms
     grpo.kernels.packing           the padded trunk pass of the log-prob kernels (packed rows)   flash / flex attention
     grpo.kernels.prefix            the same, each distinct prompt once                  not FSDP2 (update: no checkpointing)
+    grpo.kernels.unpadded          the shared-prompt pass, per-token work on real tokens only   with it; lean_decode's trunks
     grpo.kernels.buffers           reused CPU storage, owned by the objects that run the kernels
 
 `--kernels plain` runs the plain path everywhere (the definition a reader checks against the paper);
@@ -45,6 +46,7 @@ class KernelChoice:
     packed_logprobs: bool = False  # grpo.kernels.packing: the log-prob kernels' trunk pass on packed real tokens
     shared_prompt_passes: bool = False  # grpo.kernels.prefix: the reference / old-policy passes run each prompt once
     shared_prompt_update: bool = False  # the same in the update pass (the kernels' log-probs or the fused loss)
+    unpadded_trunk: bool = False  # grpo.kernels.unpadded: those shared-prompt passes on the real tokens only
     reasons: dict[str, str] = field(default_factory=dict)  # kernel -> why it is off
 
     def log_reasons(self) -> None:
@@ -134,14 +136,23 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     choice.shared_prompt_update = not unshared_update
     if unshared_update:
         choice.reasons["shared_prompt_update"] = "; ".join(unshared_update)
+    from grpo.kernels.lean_decode import unsupported_reason
+
+    trunk = None if model is None else getattr(model, model.base_model_prefix, model)
+    trunk_reason = "no model to check" if trunk is None else unsupported_reason(trunk)
+    padded_only = _holding(
+        (not (choice.shared_prompt_passes or choice.shared_prompt_update), "no shared-prompt pass runs"),
+        (trunk_reason is not None, f"{trunk_reason}: its layers run only through the model's own forward"),
+    )
+    choice.unpadded_trunk = not padded_only
+    if padded_only:
+        choice.reasons["unpadded_trunk"] = "; ".join(padded_only)
     if device.type == "cuda":
         choice.compile_decode = True
     else:
         choice.reasons["compile_decode"] = "CUDA graphs pay on CUDA only; CPU decoding stays eager"
         if model is not None:
-            from grpo.kernels.lean_decode import unsupported_reason
-
-            reason = unsupported_reason(getattr(model, model.base_model_prefix, model))
+            reason = unsupported_reason(trunk)
             if reason is not None:
                 choice.reasons["lean_decode"] = reason
     return choice

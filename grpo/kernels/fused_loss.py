@@ -158,14 +158,14 @@ class _FusedTokenLoss(torch.autograd.Function):
 
 def completion_token_loss(model, input_ids, attention_mask, completion_mask, loss_fn, temperature: float = 1.0,
                           with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None,
-                          packed: bool = False, shared_prompts: bool = False):
+                          packed: bool = False, shared_prompts: bool = False, unpadded: bool = False):
     """loss = sum over real completion tokens of loss_fn(logp, index): the log-probs and the loss in one pass.
 
     `loss_fn(logps (c,), index)` gets a chunk of log-probs (with grad) and `index`, the slice of those tokens
     in row-major order of the real tokens (`completion_mask.bool()`), and returns that chunk's scalar loss.
     Gradients are formed chunk by chunk in the forward pass (`_FusedTokenLoss`); `loss.backward()` sends them
     into the trunk and the output projection. Returns (loss scalar, logps (N, T) detached, entropy (N, T) or
-    None); the other inputs as `grpo.logprobs.completion_logprobs`; packed, shared_prompts: the trunk pass
+    None); the other inputs as `grpo.logprobs.completion_logprobs`; packed, shared_prompts, unpadded: the trunk pass
     (grpo.kernels.logprobs.choose_trunk_pass).
     """
     check_temperature(temperature)
@@ -175,7 +175,7 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
     embeds = None
     if tied is not None:  # the trunk gets embeddings whose backward completes the tied matrix's gradient
         embeds = _TiedEmbedding.apply(embedding.weight, input_ids, embedding.padding_idx, tied)
-    trunk_pass = choose_trunk_pass(packed, shared_prompts)
+    trunk_pass = choose_trunk_pass(packed, shared_prompts, unpadded)
     hidden, targets, keep, weight = trunk_pass(model, input_ids, attention_mask, completion_mask, embeds)
     loss, token_logps, token_entropy = _FusedTokenLoss.apply(
         hidden, weight, targets, float(temperature), chunk_size or default_chunk_size(weight.shape[0]), with_entropy,
@@ -185,7 +185,8 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
 
 def fused_completion_loss(model, input_ids, attention_mask, completion_mask, advantages, old_logps, ref_logps,
                           weights, options: LossOptions, temperature: float = 1.0, chunk_size: int | None = None,
-                          buffers: Buffers | None = None, packed: bool = False, shared_prompts: bool = False):
+                          buffers: Buffers | None = None, packed: bool = False, shared_prompts: bool = False,
+                          unpadded: bool = False):
     """The micro-batch loss sum(weights * per_token_loss(logps, ...)) for token-level ratios, in one pass.
 
     weights (n, T): `grpo.loss.aggregation_weights(mask, loss_type, ...)`, so the loss equals
@@ -207,4 +208,4 @@ def fused_completion_loss(model, input_ids, attention_mask, completion_mask, adv
 
     return completion_token_loss(model, input_ids, attention_mask, completion_mask, chunk_loss, temperature,
                                  with_entropy=True, chunk_size=chunk_size, buffers=buffers, packed=packed,
-                                 shared_prompts=shared_prompts)
+                                 shared_prompts=shared_prompts, unpadded=unpadded)

@@ -25,6 +25,7 @@ import torch
 from grpo.kernels.buffers import Buffers
 from grpo.kernels.packing import packed_completion_hidden
 from grpo.kernels.prefix import shared_prompt_hidden
+from grpo.kernels.unpadded import unpadded_shared_prompt_hidden
 from grpo.logprobs import check_temperature, completion_hidden, default_chunk_size, scatter_rows
 
 
@@ -317,22 +318,28 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def choose_trunk_pass(packed: bool = False, shared_prompts: bool = False):
+def choose_trunk_pass(packed: bool = False, shared_prompts: bool = False, unpadded: bool = False):
     """The log-prob kernels' trunk pass: padded rows (grpo.logprobs.completion_hidden), packed rows
-    (grpo.kernels.packing) or each distinct prompt once (grpo.kernels.prefix)."""
+    (grpo.kernels.packing) or each distinct prompt once (grpo.kernels.prefix), with unpadded its per-token work on
+    the real tokens only (grpo.kernels.unpadded)."""
     if packed and shared_prompts:
         raise ValueError("a packed trunk pass and shared prompts are two different trunk passes: choose one")
+    if unpadded and not shared_prompts:
+        raise ValueError("the unpadded trunk pass is the shared-prompt pass on real tokens: it needs shared_prompts")
+    if unpadded:
+        return unpadded_shared_prompt_hidden
     return packed_completion_hidden if packed else shared_prompt_hidden if shared_prompts else completion_hidden
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
                         with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None,
-                        packed: bool = False, shared_prompts: bool = False):
+                        packed: bool = False, shared_prompts: bool = False, unpadded: bool = False):
     """Same inputs and result as `grpo.logprobs.completion_logprobs`; `buffers` holds the reused chunk storage.
     packed: the trunk runs on the real tokens packed into one row (grpo.kernels.packing). shared_prompts: each
-    distinct prompt's trunk pass runs once (grpo.kernels.prefix)."""
+    distinct prompt's trunk pass runs once (grpo.kernels.prefix); unpadded: on its real tokens only
+    (grpo.kernels.unpadded)."""
     check_temperature(temperature)
-    trunk_pass = choose_trunk_pass(packed, shared_prompts)
+    trunk_pass = choose_trunk_pass(packed, shared_prompts, unpadded)
     hidden, targets, keep, weight = trunk_pass(model, input_ids, attention_mask, completion_mask)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
     token_logps, token_entropy = _ChunkedTokenLogProbs.apply(
