@@ -43,7 +43,7 @@ from grpo.kernels.lean_decode import _FAMILIES, unsupported_reason
 from grpo.kernels.prefix import distinct_prompts
 from grpo.logprobs import plain_output_weight, position_ids_from_mask
 
-__all__ = ["real_token_layers", "unpadded_shared_prompt_hidden", "unsupported_reason"]
+__all__ = ["real_token_layers", "unpadded_shared_prompt_hidden"]
 
 
 def _grid(values: torch.Tensor, index: torch.Tensor, rows: int, length: int) -> torch.Tensor:
