@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from grpo.config import config_from_args
+from grpo.cli import config_from_args
 
 
 def main(argv=None) -> int:

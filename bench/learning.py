@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from data import KINDS, build_prompt, make_synthetic_problems, r1_completion  # noqa: E402
 from grpo.metrics import read_jsonl  # noqa: E402
-from grpo.rollout import encode_prompt  # noqa: E402
+from grpo.prompts import encode_prompt  # noqa: E402
 
 SLIP_KINDS = ("subtract", "two_step")
 

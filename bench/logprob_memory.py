@@ -26,7 +26,8 @@ def _rss_mib() -> float:
 def measure(method: str, shape: str, rows: int, prompt_length: int, completion_length: int, device: str) -> dict:
     import torch
 
-    from grpo.logprobs import completion_logprobs, naive_completion_logprobs
+    from grpo.logprobs import completion_logprobs
+    from tests.references import naive_completion_logprobs
     from grpo.tiny_model import build_tiny_model
 
     model, _ = build_tiny_model(shape, seed=0)

@@ -84,8 +84,10 @@ def profiled(trainer, run, path: Path, device: str):
                 return method(*args, **kwargs)
         return call
 
-    passes = {(trainer, "_logprobs_no_grad"): "reference/old log-probs",
-              (trainer, "_micro_batch_loss"): "micro-batch loss forward",
+    import grpo.update
+
+    passes = {(grpo.update, "no_grad_logprobs"): "reference/old log-probs",
+              (grpo.update, "micro_batch_loss"): "micro-batch loss forward",
               (torch.Tensor, "backward"): "micro-batch backward", (trainer.optimizer, "step"): "optimizer step"}
     cuda = device == "cuda"
     with contextlib.ExitStack() as stack:
@@ -143,6 +145,8 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = False
     if padded_trunk or unshared:  # the trunk's projections and MLPs on every position, padding included
         trainer.kernels.unpadded_trunk = False
+    trainer.step_functions = trainer.kernels.step_functions(  # the update's functions, from the flags as set here
+        trainer.loss_options, config.temperature, config.logprob_chunk_size, config.cast_lm_head_to_fp32)
     lengths, train_on_rollout = [], trainer.train_on_rollout
 
     def recording(rollout, **kwargs):  # each step's real prompt and completion tokens per row, for the floor
@@ -446,7 +450,7 @@ def main(argv=None):
         from transformers import AutoTokenizer
 
         from data import add_prompts, make_synthetic_gsm8k
-        from grpo.rollout import encode_prompt
+        from grpo.prompts import encode_prompt
 
         model_dirs = {}
         for name in settings:

@@ -1,4 +1,5 @@
-"""GRPOConfig: the single source of truth for every hyperparameter. The command line is generated from it.
+"""GRPOConfig: the single source of truth for every hyperparameter, and its validation. The command line
+(grpo/cli.py) is generated from it.
 
 Batch sizes are counted in prompts and completions, not in trl's per-device completions:
     prompts_per_step (B) x num_generations (G) = N completions per step,
@@ -6,35 +7,31 @@ Batch sizes are counted in prompts and completions, not in trl's per-device comp
 One step = one rollout of N completions, followed by `num_iterations` optimizer updates on it; with
 steps_per_generation = k x the accumulation steps, one rollout of k * B prompts feeds k updates over
 disjoint slices, num_iterations times (trl's generation reuse).
-
-Precedence when the CLI builds a config: field defaults < --preset < --config FILE < explicit flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.prompts import SYSTEM_PROMPT
 
-from grpo.advantages import MULTI_OBJECTIVE_AGGREGATIONS
-from grpo.loss import CLIPPED_LOSS_TYPES, LOSS_TYPES
+from grpo.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from grpo.distributed import DISTRIBUTED_CHOICES
+from grpo.generation import GENERATION_BACKENDS
+from grpo.kernels import KERNEL_CHOICES
+from grpo.loss import CLIPPED_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpo.metrics import REPORT_TO
+from grpo.models import LR_SCHEDULERS, OPTIMIZERS, PRECISIONS
+from grpo.prompts import LONG_PROMPTS
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-OPTIMIZERS = ("adamw", "adamw_8bit")
 GSM8K_RECIPE_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
-KERNEL_CHOICES = ("auto", "plain")  # grpo.kernels.select_kernels
-GENERATION_BACKENDS = ("sampler", "transformers")  # grpo.generation
 
 
-def _f(default, help: str, **kwargs):
+def option(default, help: str, **kwargs):
     """A field with its help text, shown by --help and kept next to the value it documents."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kwargs})
@@ -99,120 +96,120 @@ class GRPOConfig(ConfigMixin):
     """Every knob of a run. Names follow trl's GRPOConfig where the concept is the same."""
 
     # --- model and data ---
-    model: str = _f("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder; `tiny` or `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py)")
-    dataset: str = _f("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, or `synthetic[:N]` (seeded GSM8K-shaped problems). Rows with a `prompt` column (a string or chat messages) train as they are, every other column reaching the rewards; rows with GSM8K's `question` and `answer` are checked and get --system-prompt")
-    train_split: str = _f("train", "dataset split to train on")
-    eval_split: str = _f("test", "dataset split to evaluate on (--eval-steps)")
-    system_prompt: str = _f(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (question/answer), asking for <reasoning>/<answer> tags")
-    one_shot: bool = _f(False, "GSM8K-style rows: one worked example (a train problem answered in the format) as a user/assistant exchange before the question; for small instruct models that ignore the system prompt's format (docs/real-model.md)")
-    chat_template: str | None = _f(None, "a Jinja chat template file, for tokenizers that have none")
-    chat_template_kwargs: dict | None = _f(None, "extra keyword arguments of the chat template for chat prompts (training and evaluation), a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3; trl's option")
-    skip_bad_rows: bool = _f(False, "drop dataset rows without a prompt (or a question and a parseable gold answer) with a counted warning instead of stopping")
-    long_prompts: str = _f("truncate", "prompts longer than max_prompt_length: `truncate` (keep the last tokens, as trl) or `skip`", choices=("truncate", "skip"))
-    trust_remote_code: bool = _f(False, "run model/tokenizer code from the hub (off: safe default)")
-    disable_dropout: bool = _f(True, "set the policy's dropout rates to 0 (its dropout layers and attention dropout; --lora-dropout stays as given): sampling runs in eval mode, so the trained log-probs are then the sampling policy's. trl's option; its default is False")
-    output_dir: str = _f("runs/grpo", "run folder: metrics.jsonl, samples.jsonl, checkpoints/, eval/")
-    overwrite: bool = _f(False, "allow writing into an output folder that holds another run")
-    resume: str | None = _f(None, "continue a run: a run folder or a checkpoint folder; `--resume` alone means --output-dir")
+    model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder; `tiny` or `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py)")
+    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, or `synthetic[:N]` (seeded GSM8K-shaped problems). Rows with a `prompt` column (a string or chat messages) train as they are, every other column reaching the rewards; rows with GSM8K's `question` and `answer` are checked and get --system-prompt")
+    train_split: str = option("train", "dataset split to train on")
+    eval_split: str = option("test", "dataset split to evaluate on (--eval-steps)")
+    system_prompt: str = option(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (question/answer), asking for <reasoning>/<answer> tags")
+    one_shot: bool = option(False, "GSM8K-style rows: one worked example (a train problem answered in the format) as a user/assistant exchange before the question; for small instruct models that ignore the system prompt's format (docs/real-model.md)")
+    chat_template: str | None = option(None, "a Jinja chat template file, for tokenizers that have none")
+    chat_template_kwargs: dict | None = option(None, "extra keyword arguments of the chat template for chat prompts (training and evaluation), a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3; trl's option")
+    skip_bad_rows: bool = option(False, "drop dataset rows without a prompt (or a question and a parseable gold answer) with a counted warning instead of stopping")
+    long_prompts: str = option("truncate", "prompts longer than max_prompt_length: `truncate` (keep the last tokens, as trl) or `skip`", choices=LONG_PROMPTS)
+    trust_remote_code: bool = option(False, "run model/tokenizer code from the hub (off: safe default)")
+    disable_dropout: bool = option(True, "set the policy's dropout rates to 0 (its dropout layers and attention dropout; --lora-dropout stays as given): sampling runs in eval mode, so the trained log-probs are then the sampling policy's. trl's option; its default is False")
+    output_dir: str = option("runs/grpo", "run folder: metrics.jsonl, samples.jsonl, checkpoints/, eval/")
+    overwrite: bool = option(False, "allow writing into an output folder that holds another run")
+    resume: str | None = option(None, "continue a run: a run folder or a checkpoint folder; `--resume` alone means --output-dir")
 
     # --- batch sizes (prompts and completions, not trl's per-device count) ---
-    max_steps: int = _f(0, "optimisation steps (rollouts); 0 = derive from --epochs")
-    epochs: float = _f(1.0, "passes over the training prompts when --max-steps is 0")
-    shuffle_dataset: bool = _f(True, "a fresh seeded order of the training prompts each epoch; off: the dataset's own order every epoch (a curriculum; dynamic sampling's extra rounds still draw at random). trl's option")
-    prompts_per_step: int = _f(4, "B: distinct prompts sampled per step")
-    num_generations: int = _f(16, "G: completions per prompt (the group); >= 2")
-    micro_batch_size: int = _f(16, "completions per forward/backward; B*G must be a multiple")
-    max_prompt_length: int = _f(256, "prompt tokens kept (see --long-prompts)")
-    max_completion_length: int = _f(512, "T: completion token budget")
-    steps_per_generation: int | None = _f(None, "micro-batches each generation feeds, as trl: a multiple k of the accumulation steps makes one rollout of k * prompts_per_step prompts feed k optimizer updates over disjoint slices (old log-probs taken at generation time); default: the accumulation steps (k = 1)")
-    generation_batch_size: int | None = _f(None, "completions per generation, as trl (micro_batch_size * steps_per_generation); set this or --steps-per-generation, not both")
+    max_steps: int = option(0, "optimisation steps (rollouts); 0 = derive from --epochs")
+    epochs: float = option(1.0, "passes over the training prompts when --max-steps is 0")
+    shuffle_dataset: bool = option(True, "a fresh seeded order of the training prompts each epoch; off: the dataset's own order every epoch (a curriculum; dynamic sampling's extra rounds still draw at random). trl's option")
+    prompts_per_step: int = option(4, "B: distinct prompts sampled per step")
+    num_generations: int = option(16, "G: completions per prompt (the group); >= 2")
+    micro_batch_size: int = option(16, "completions per forward/backward; B*G must be a multiple")
+    max_prompt_length: int = option(256, "prompt tokens kept (see --long-prompts)")
+    max_completion_length: int = option(512, "T: completion token budget")
+    steps_per_generation: int | None = option(None, "micro-batches each generation feeds, as trl: a multiple k of the accumulation steps makes one rollout of k * prompts_per_step prompts feed k optimizer updates over disjoint slices (old log-probs taken at generation time); default: the accumulation steps (k = 1)")
+    generation_batch_size: int | None = option(None, "completions per generation, as trl (micro_batch_size * steps_per_generation); set this or --steps-per-generation, not both")
 
     # --- sampling ---
-    temperature: float = _f(1.0, "sampling temperature; log-probs use logits / temperature, as trl")
-    top_p: float = _f(1.0, "nucleus sampling mass (1.0 = off)")
-    top_k: int = _f(0, "top-k sampling (0 = off)")
-    min_p: float = _f(0.0, "min-p sampling (0.0 = off)")
-    generation_backend: str = _f("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
+    temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature, as trl")
+    top_p: float = option(1.0, "nucleus sampling mass (1.0 = off)")
+    top_k: int = option(0, "top-k sampling (0 = off)")
+    min_p: float = option(0.0, "min-p sampling (0.0 = off)")
+    generation_backend: str = option("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
 
     # --- the objective ---
-    reward: list[str] = _f(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)")
-    scale_rewards: str = _f("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=("group", "batch", "none"))
-    loss_type: str = _f("grpo", "the objective and its token aggregation (grpo/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES)
-    multi_objective_aggregation: str = _f("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)
-    beta: float = _f(0.04, "KL coefficient; 0 loads no reference model")
-    use_bias_correction_kl: bool = _f(False, "multiply the k3 KL by the importance ratio (trl 1.16's default; ours is the paper's plain k3)")
-    epsilon: float = _f(0.2, "lower clip range: ratio >= 1 - epsilon")
-    epsilon_high: float | None = _f(None, "upper clip range (DAPO clip-higher, e.g. 0.28); default: epsilon")
-    delta: float | None = _f(None, "cap on the unclipped ratio (two-sided clipping); default: off")
-    importance_sampling_level: str = _f("token", "ratio per token, or one per completion (GSPO)", choices=("token", "sequence"))
-    num_iterations: int = _f(1, "optimizer updates per rollout (old log-probs are computed when > 1)")
-    mask_truncated_completions: bool = _f(False, "exclude completions without EOS from the loss")
-    sapo_temperature_pos: float = _f(1.0, "sapo: gate temperature for tokens with a positive advantage")
-    sapo_temperature_neg: float = _f(1.05, "sapo: gate temperature for tokens with a non-positive advantage")
-    vespo_k_pos: float = _f(2.0, "vespo: power k of the Gamma weight for A >= 0 (down-weights ratios < 1)")
-    vespo_lambda_pos: float = _f(3.0, "vespo: decay lambda of the Gamma weight for A >= 0 (down-weights ratios > 1)")
-    vespo_k_neg: float = _f(3.0, "vespo: power k for A < 0")
-    vespo_lambda_neg: float = _f(2.0, "vespo: decay lambda for A < 0")
-    top_entropy_quantile: float = _f(1.0, "keep the policy loss only on the top quantile of tokens by entropy, per micro-batch (0.2 in 'Beyond the 80/20 rule'); 1.0 = every token")
-    off_policy_mask_threshold: float | None = _f(None, "drop completions with a negative advantage whose mean log-ratio log(pi_old / pi) exceeds this (DeepSeek-V3.2; e.g. 0.5); default: off")
-    entropy_coef: float = _f(0.0, "entropy bonus: loss - coef * mean token entropy (the same meaning for every loss type); the starting value with --use-adaptive-entropy")
-    use_adaptive_entropy: bool = _f(False, "Skywork-OR1 adaptive entropy: after each optimizer update, raise the coefficient by --entropy-coef-delta when the entropy is <= --entropy-target, lower it otherwise; the bonus applies only while the entropy is <= the target")
-    entropy_coef_min: float = _f(0.0, "adaptive entropy: lowest coefficient")
-    entropy_coef_max: float = _f(1.0, "adaptive entropy: highest coefficient")
-    entropy_coef_delta: float = _f(0.005, "adaptive entropy: change of the coefficient per optimizer update")
-    entropy_target: float = _f(0.2, "adaptive entropy: target mean token entropy (nats), over the tokens the policy loss keeps")
-    sync_ref_model: bool = _f(False, "TR-DPO: every --ref-model-sync-steps optimizer updates, ref = alpha * policy + (1 - alpha) * ref (needs beta > 0)")
-    ref_model_mixup_alpha: float = _f(0.6, "TR-DPO's alpha: the policy's share in the mixed reference")
-    ref_model_sync_steps: int = _f(512, "TR-DPO's tau: optimizer updates between reference syncs")
-    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards all tie and sample more prompts until the step has prompts_per_step informative groups")
-    dynamic_sampling_max_rounds: int = _f(4, "dynamic sampling: most sampling rounds per step (the first included); when they do not find enough informative groups, tied ones fill the step (counted in dynamic_sampling/filled)")
-    overlong_buffer_len: int = _f(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
-    overlong_penalty_factor: float = _f(1.0, "overlong reward shaping: the penalty at the full budget")
+    reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)")
+    scale_rewards: str = option("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=SCALE_REWARDS)
+    loss_type: str = option("grpo", "the objective and its token aggregation (grpo/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES)
+    multi_objective_aggregation: str = option("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)
+    beta: float = option(0.04, "KL coefficient; 0 loads no reference model")
+    use_bias_correction_kl: bool = option(False, "multiply the k3 KL by the importance ratio (trl 1.16's default; ours is the paper's plain k3)")
+    epsilon: float = option(0.2, "lower clip range: ratio >= 1 - epsilon")
+    epsilon_high: float | None = option(None, "upper clip range (DAPO clip-higher, e.g. 0.28); default: epsilon")
+    delta: float | None = option(None, "cap on the unclipped ratio (two-sided clipping); default: off")
+    importance_sampling_level: str = option("token", "ratio per token, or one per completion (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
+    num_iterations: int = option(1, "optimizer updates per rollout (old log-probs are computed when > 1)")
+    mask_truncated_completions: bool = option(False, "exclude completions without EOS from the loss")
+    sapo_temperature_pos: float = option(1.0, "sapo: gate temperature for tokens with a positive advantage")
+    sapo_temperature_neg: float = option(1.05, "sapo: gate temperature for tokens with a non-positive advantage")
+    vespo_k_pos: float = option(2.0, "vespo: power k of the Gamma weight for A >= 0 (down-weights ratios < 1)")
+    vespo_lambda_pos: float = option(3.0, "vespo: decay lambda of the Gamma weight for A >= 0 (down-weights ratios > 1)")
+    vespo_k_neg: float = option(3.0, "vespo: power k for A < 0")
+    vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for A < 0")
+    top_entropy_quantile: float = option(1.0, "keep the policy loss only on the top quantile of tokens by entropy, per micro-batch (0.2 in 'Beyond the 80/20 rule'); 1.0 = every token")
+    off_policy_mask_threshold: float | None = option(None, "drop completions with a negative advantage whose mean log-ratio log(pi_old / pi) exceeds this (DeepSeek-V3.2; e.g. 0.5); default: off")
+    entropy_coef: float = option(0.0, "entropy bonus: loss - coef * mean token entropy (the same meaning for every loss type); the starting value with --use-adaptive-entropy")
+    use_adaptive_entropy: bool = option(False, "Skywork-OR1 adaptive entropy: after each optimizer update, raise the coefficient by --entropy-coef-delta when the entropy is <= --entropy-target, lower it otherwise; the bonus applies only while the entropy is <= the target")
+    entropy_coef_min: float = option(0.0, "adaptive entropy: lowest coefficient")
+    entropy_coef_max: float = option(1.0, "adaptive entropy: highest coefficient")
+    entropy_coef_delta: float = option(0.005, "adaptive entropy: change of the coefficient per optimizer update")
+    entropy_target: float = option(0.2, "adaptive entropy: target mean token entropy (nats), over the tokens the policy loss keeps")
+    sync_ref_model: bool = option(False, "TR-DPO: every --ref-model-sync-steps optimizer updates, ref = alpha * policy + (1 - alpha) * ref (needs beta > 0)")
+    ref_model_mixup_alpha: float = option(0.6, "TR-DPO's alpha: the policy's share in the mixed reference")
+    ref_model_sync_steps: int = option(512, "TR-DPO's tau: optimizer updates between reference syncs")
+    dynamic_sampling: bool = option(False, "DAPO dynamic sampling: drop groups whose rewards all tie and sample more prompts until the step has prompts_per_step informative groups")
+    dynamic_sampling_max_rounds: int = option(4, "dynamic sampling: most sampling rounds per step (the first included); when they do not find enough informative groups, tied ones fill the step (counted in dynamic_sampling/filled)")
+    overlong_buffer_len: int = option(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
+    overlong_penalty_factor: float = option(1.0, "overlong reward shaping: the penalty at the full budget")
 
     # --- LoRA (peft, the [peft] extra; trl's names) ---
-    use_peft: bool = _f(False, "train LoRA adapters instead of every weight (peft); with beta > 0 the reference is the same model with its adapters off, so no second copy is held")
-    lora_r: int = _f(16, "LoRA rank")
-    lora_alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r)")
-    lora_dropout: float = _f(0.0, "dropout on the LoRA branch's input (training only; trl's default is 0.05): 0 keeps the training log-probs those of the sampling policy and saves a copy of every adapted input")
-    lora_target_modules: list[str] = _f(LORA_TARGETS, "module names that get adapters (default: the attention and MLP projections); the output head cannot (our log-probs read its weight)")
-    peft_adapter: str | None = _f(None, "start from this LoRA adapter (a peft folder or hub id) instead of a fresh one; the reference is the model with this starting adapter")
-    save_merged: bool = _f(False, "with --use-peft, checkpoints also hold merged/: the base weights with the adapter folded in, loadable by AutoModelForCausalLM.from_pretrained")
+    use_peft: bool = option(False, "train LoRA adapters instead of every weight (peft); with beta > 0 the reference is the same model with its adapters off, so no second copy is held")
+    lora_r: int = option(16, "LoRA rank")
+    lora_alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = option(0.0, "dropout on the LoRA branch's input (training only; trl's default is 0.05): 0 keeps the training log-probs those of the sampling policy and saves a copy of every adapted input")
+    lora_target_modules: list[str] = option(LORA_TARGETS, "module names that get adapters (default: the attention and MLP projections); the output head cannot (our log-probs read its weight)")
+    peft_adapter: str | None = option(None, "start from this LoRA adapter (a peft folder or hub id) instead of a fresh one; the reference is the model with this starting adapter")
+    save_merged: bool = option(False, "with --use-peft, checkpoints also hold merged/: the base weights with the adapter folded in, loadable by AutoModelForCausalLM.from_pretrained")
 
     # --- optimisation ---
-    optim: str = _f("adamw", "optimizer: adamw (torch's fused AdamW) or adamw_8bit (bitsandbytes' AdamW8bit: 8-bit moments, runs on CPU and CUDA; the [bnb] extra)", choices=OPTIMIZERS)
-    learning_rate: float = _f(5e-6, "AdamW peak learning rate")
-    adam_beta1: float = _f(0.9, "AdamW beta1")
-    adam_beta2: float = _f(0.99, "AdamW beta2")
-    adam_epsilon: float = _f(1e-8, "AdamW epsilon (the denominator's floor)")
-    weight_decay: float = _f(0.1, "AdamW weight decay")
-    max_grad_norm: float = _f(0.1, "gradient norm clip (0 = off)")
-    lr_scheduler_type: str = _f("cosine", "learning-rate schedule after warmup", choices=("cosine", "constant", "linear"))
-    warmup_ratio: float = _f(0.1, "fraction of the optimizer updates spent warming up linearly")
-    max_bad_steps: int = _f(3, "stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
+    optim: str = option("adamw", "optimizer: adamw (torch's fused AdamW) or adamw_8bit (bitsandbytes' AdamW8bit: 8-bit moments, runs on CPU and CUDA; the [bnb] extra)", choices=OPTIMIZERS)
+    learning_rate: float = option(5e-6, "AdamW peak learning rate")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.99, "AdamW beta2")
+    adam_epsilon: float = option(1e-8, "AdamW epsilon (the denominator's floor)")
+    weight_decay: float = option(0.1, "AdamW weight decay")
+    max_grad_norm: float = option(0.1, "gradient norm clip (0 = off)")
+    lr_scheduler_type: str = option("cosine", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
+    warmup_ratio: float = option(0.1, "fraction of the optimizer updates spent warming up linearly")
+    max_bad_steps: int = option(3, "stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
 
     # --- hardware and precision ---
-    device: str = _f("auto", "cuda, cpu, or auto (cuda when available)")
-    precision: str = _f("auto", "fp32; bf16 (autocast, fp32 master weights and optimizer state); bf16-pure (bf16 weights); auto = bf16 on CUDA, fp32 on CPU", choices=("auto", "fp32", "bf16", "bf16-pure"))
-    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
-    cast_lm_head_to_fp32: bool = _f(False, "run the output projection (policy and reference) in fp32 outside autocast, as trl (ScaleRL); needs an untied output head")
-    logprob_chunk_size: int | None = _f(None, "rows of logits per chunk in the log-prob projection (default: up to 128 MiB worth, a multiple of 64 rows: 192 at a 151,936-token vocabulary)")
-    kernels: str = _f("auto", "fast paths (grpo/kernels/, docs/design.md): auto = each kernel where it applies (the tuned sampler, which drops finished rows, compiled decoding on CUDA, the fused log-prob + loss pass for token-level ratios, CPU log-prob layouts, micro-batches of rows of similar length, log-prob passes that run each group's prompt once, packed log-prob passes with flash or flex attention); plain = the readable path everywhere (the same numbers)", choices=KERNEL_CHOICES)
-    distributed: str = _f("auto", "under torchrun (docs/distributed.md): fsdp (FSDP2, fully_shard per decoder layer), ddp, or auto = fsdp when there is more than one process; a single process trains unwrapped", choices=("auto", "ddp", "fsdp"))
-    fsdp_cpu_offload: bool = _f(False, "FSDP2: keep the sharded parameters, gradients and optimizer state in CPU memory")
-    distributed_timeout: float = _f(600.0, "seconds any collective may wait for the other ranks before the run stops with an error (a dead or hung rank)")
-    seed: int = _f(42, "seeds sampling, data order and micro-batch shuffling")
+    device: str = option("auto", "cuda, cpu, or auto (cuda when available)")
+    precision: str = option("auto", "fp32; bf16 (autocast, fp32 master weights and optimizer state); bf16-pure (bf16 weights); auto = bf16 on CUDA, fp32 on CPU", choices=PRECISIONS)
+    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    cast_lm_head_to_fp32: bool = option(False, "run the output projection (policy and reference) in fp32 outside autocast, as trl (ScaleRL); needs an untied output head")
+    logprob_chunk_size: int | None = option(None, "rows of logits per chunk in the log-prob projection (default: up to 128 MiB worth, a multiple of 64 rows: 192 at a 151,936-token vocabulary)")
+    kernels: str = option("auto", "fast paths (grpo/kernels/, docs/design.md): auto = each kernel where it applies (the tuned sampler, which drops finished rows, compiled decoding on CUDA, the fused log-prob + loss pass for token-level ratios, CPU log-prob layouts, micro-batches of rows of similar length, log-prob passes that run each group's prompt once, packed log-prob passes with flash or flex attention); plain = the readable path everywhere (the same numbers)", choices=KERNEL_CHOICES)
+    distributed: str = option("auto", "under torchrun (docs/distributed.md): fsdp (FSDP2, fully_shard per decoder layer), ddp, or auto = fsdp when there is more than one process; a single process trains unwrapped", choices=DISTRIBUTED_CHOICES)
+    fsdp_cpu_offload: bool = option(False, "FSDP2: keep the sharded parameters, gradients and optimizer state in CPU memory")
+    distributed_timeout: float = option(600.0, "seconds any collective may wait for the other ranks before the run stops with an error (a dead or hung rank)")
+    seed: int = option(42, "seeds sampling, data order and micro-batch shuffling")
 
     # --- logging, checkpoints, evaluation ---
-    logging_steps: int = _f(1, "console line every N steps (metrics.jsonl gets every step)")
-    log_completions_steps: int = _f(10, "append sample completions with rewards to samples.jsonl every N steps (0 = off)")
-    report_to: str = _f("none", "extra metrics back end: tensorboard (RUN_DIR/tensorboard) or wandb (offline into RUN_DIR/wandb unless an API key is configured; WANDB_MODE and WANDB_PROJECT are read)", choices=("none", "tensorboard", "wandb"))
-    save_steps: int = _f(100, "checkpoint every N steps (and at the end); 0 = only at the end")
-    save_total_limit: int = _f(2, "checkpoints kept (oldest deleted first); 0 = keep all")
-    eval_steps: int = _f(0, "evaluate on a held-out slice every N steps and at the end (0 = off)")
-    eval_limit: int = _f(100, "problems in the held-out evaluation slice")
-    eval_batch_size: int = _f(32, "prompts decoded together during evaluation")
-    eval_max_completion_length: int | None = _f(None, "token budget for evaluation (default: max_completion_length)")
-    eval_scorer: str = _f("auto", "how evaluation scores greedy completions: gsm8k (strict/lenient accuracy, format), rewards (the mean of each training reward), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
+    logging_steps: int = option(1, "console line every N steps (metrics.jsonl gets every step)")
+    log_completions_steps: int = option(10, "append sample completions with rewards to samples.jsonl every N steps (0 = off)")
+    report_to: str = option("none", "extra metrics back end: tensorboard (RUN_DIR/tensorboard) or wandb (offline into RUN_DIR/wandb unless an API key is configured; WANDB_MODE and WANDB_PROJECT are read)", choices=REPORT_TO)
+    save_steps: int = option(100, "checkpoint every N steps (and at the end); 0 = only at the end")
+    save_total_limit: int = option(2, "checkpoints kept (oldest deleted first); 0 = keep all")
+    eval_steps: int = option(0, "evaluate on a held-out slice every N steps and at the end (0 = off)")
+    eval_limit: int = option(100, "problems in the held-out evaluation slice")
+    eval_batch_size: int = option(32, "prompts decoded together during evaluation")
+    eval_max_completion_length: int | None = option(None, "token budget for evaluation (default: max_completion_length)")
+    eval_scorer: str = option("auto", "how evaluation scores greedy completions: gsm8k (strict/lenient accuracy, format), rewards (the mean of each training reward), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
 
     # ----- derived sizes, computed once and checked -----
     @property
@@ -376,148 +373,3 @@ class GRPOConfig(ConfigMixin):
 
 
 # Presets: named sets of overrides, applied before --config and the flags.
-PRESETS: dict[str, dict] = {
-    # The whole loop on CPU in about a minute: a tiny random-init model learns to write the format tags
-    # (single tokens of the tiny tokenizer) that the dense `tags` reward pays for; reward rises visibly.
-    "smoke": dict(
-        model="tiny", dataset="synthetic:256", output_dir="runs/smoke", overwrite=True, max_steps=30, prompts_per_step=4,
-        num_generations=8, micro_batch_size=16, max_prompt_length=128, max_completion_length=24,
-        learning_rate=3e-3, warmup_ratio=0.0, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.04,
-        weight_decay=0.0, reward=["tags"], save_steps=15, eval_steps=30, eval_limit=16, eval_batch_size=16,
-        log_completions_steps=5, logging_steps=5, device="cpu", precision="fp32",
-    ),
-}
-
-
-def _flag_type(annotation):
-    """(python type, is_list) for a field annotation such as `float | None` or `list[str]`."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _flag_type(inner)
-    if origin is list:
-        return typing.get_args(annotation)[0], True
-    return annotation, False
-
-
-def _optional(kind):
-    def parse(text: str):
-        return None if text.lower() in ("none", "null", "") else kind(text)
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def json_object(text: str) -> dict:
-    """A flag's JSON object; argparse reports an error with the flag's name."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON ({error.msg}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": true}}', got {text!r}")
-    return value
-
-
-def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per config field (`--micro-batch-size` for `micro_batch_size`)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                     argument_default=argparse.SUPPRESS)
-    if config_cls is GRPOConfig:
-        parser.add_argument("--preset", choices=sorted(PRESETS), help="a named set of settings (e.g. smoke: tiny model, CPU, ~1 min)")
-    parser.add_argument("--config", help="a YAML or JSON file whose keys are the field names; flags override it")
-    hints = typing.get_type_hints(config_cls)
-    for f in dataclasses.fields(config_cls):
-        kind, is_list = _flag_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        help_text = f.metadata.get("help", "") + f" (default: {default!r})"
-        help_text = help_text.replace("%", "%%")
-        if f.name == "resume":
-            parser.add_argument(flag, nargs="?", const="", help=help_text)
-        elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        elif is_list:
-            parser.add_argument(flag, nargs="+", type=kind, help=help_text)
-        elif kind is dict:  # `none` clears it, as for the other optional flags
-            parser.add_argument(flag, type=_optional(json_object), help=help_text)
-        else:
-            optional = type(None) in typing.get_args(hints[f.name])
-            parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"), help=help_text)
-    return parser
-
-
-def load_config_file(path: str) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--config {path}: no such file")
-    text = file.read_text()
-    if file.suffix in (".yaml", ".yml"):
-        import yaml
-
-        values = yaml.safe_load(text) or {}
-    else:
-        values = json.loads(text)
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a mapping of field names to values")
-    return {key.replace("-", "_"): value for key, value in values.items()}
-
-
-def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None = None) -> GRPOConfig:
-    """Parse flags into a validated config: defaults < --preset < --config FILE < explicit flags."""
-    for arg in sys.argv[1:] if argv is None else argv:
-        name = arg.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_")
-        if arg.startswith("--") and name in REPLACED:
-            raise ValueError(f"{arg.split('=', 1)[0]} was replaced by {REPLACED[name]}")
-    args = vars(build_parser(config_cls, description).parse_args(argv))
-    values = dict(PRESETS[args.pop("preset")]) if "preset" in args else {}
-    if "config" in args:
-        values.update(load_config_file(args.pop("config")))
-    values.update(args)
-    config = config_cls.from_dict(values, where="settings")
-    if getattr(config, "resume", None) == "":  # `--resume` without a folder: this run's own output folder
-        config.resume = config.output_dir
-    return config.validate()
-
-
-def cli_reference() -> str:
-    """docs/cli.md: every flag of train.py with its default and help, in the config's order (`python -m grpo.config`)."""
-    import eval as eval_program  # the evaluation program's settings, generated the same way
-
-    def table(config_cls) -> list[str]:
-        lines = ["| flag | default | meaning |", "|---|---|---|"]
-        for f in dataclasses.fields(config_cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            shown = "(R1 format prompt, data/prompts.py)" if f.name == "system_prompt" else repr(default)
-            help_text = f.metadata.get("help", "").replace("|", "\\|")
-            lines.append(f"| `--{f.name.replace('_', '-')}` | `{shown}` | {help_text} |")
-        return lines
-
-    smoke = " ".join(f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
-                     for k, v in PRESETS["smoke"].items())
-    return "\n".join([
-        "# Command-line reference",
-        "",
-        "Generated from `grpo/config.py` by `python -m grpo.config > docs/cli.md` (tests/test_docs.py keeps it",
-        "current). `python train.py --help` prints the same list. Flags can also come from `--config FILE` (YAML or",
-        "JSON, keys are the field names); precedence: defaults < `--preset` < `--config` < flags. A boolean flag `--x`",
-        "has its `--no-x`. Batch sizes count prompts and completions, not trl's per-device completions (README).",
-        "",
-        f"`--preset smoke` sets: `{smoke}`.",
-        "",
-        "## train.py",
-        "",
-        *table(GRPOConfig),
-        "",
-        "Replaced options (they fail with a message that names their replacement): "
-        + "; ".join(f"`--{k.replace('_', '-')}` by {v}" for k, v in REPLACED.items()) + ".",
-        "",
-        "## eval.py",
-        "",
-        *table(eval_program.EvalConfig),
-        "",
-    ])
-
-
-if __name__ == "__main__":
-    print(cli_reference())

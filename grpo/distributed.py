@@ -71,6 +71,11 @@ class World:
         dist.all_gather(parts, tensor.to(self.device).contiguous())
         return torch.cat(parts).to(tensor.device)
 
+    def local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's equal share of rows gathered by `gather_rows` (all of them at size 1)."""
+        rows = tensor.shape[0] // self.size
+        return tensor[self.rank * rows : (self.rank + 1) * rows]
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
@@ -128,6 +133,19 @@ class ModelCall(torch.nn.Module):
 
     def forward(self, fn, *args, **kwargs):
         return fn(self.model, *args, **kwargs)
+
+
+def accumulating(call, last: bool):
+    """DDP: no gradient all-reduce until an update's last micro-batch (the same sum, one all-reduce); other
+    wrappers reduce in their own hooks."""
+    if isinstance(call, torch.nn.parallel.DistributedDataParallel) and not last:
+        return call.no_sync()
+    return contextlib.nullcontext()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP2's gradient norm), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

@@ -12,19 +12,62 @@ Scorers (`--eval-scorer`), each giving numbers per completion whose means are th
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from data.answers import canonical_number, extract_last_number, gold_from_column
-from grpo.rollout import encode_prompts
+from data.prompts import SYSTEM_PROMPT
+from grpo.config import ConfigMixin, option
+from grpo.distributed import gathered
+from grpo.kernels import KERNEL_CHOICES
+from grpo.models import PRECISIONS
+from grpo.prompts import encode_prompts
 from grpo.sampler import SamplingParams
 from grpo.advantages import weighted_rewards
 from grpo.generation import GroupSampler
-from grpo.kernels import KernelChoice
 from rewards import load_function, score_rows
 from rewards.gsm8k import extract_xml_answer, strict_format
+
+@dataclass
+class EvalConfig(ConfigMixin):
+    """Every setting of an evaluation run (the flags are generated from these fields)."""
+
+    model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder or checkpoint, or `tiny`")
+    compare: str | None = option(None, "a second model evaluated on the same problems, printed side by side")
+    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, or `synthetic[:N]`; rows with a `prompt` column, or GSM8K's question/answer")
+    split: str = option("test", "dataset split")
+    limit: int = option(0, "evaluate the first N problems (0 = all)")
+    system_prompt: str = option(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (the same as training)")
+    one_shot: bool = option(False, "GSM8K-style rows: a worked example before the question (the same as training)")
+    chat_template: str | None = option(None, "a Jinja chat template file for tokenizers that have none (as train.py's; a checkpoint keeps the one it trained with), used for --model and --compare")
+    chat_template_kwargs: dict | None = option(None, "extra keyword arguments of the chat template, a JSON object (the same as training), e.g. '{\"enable_thinking\": false}'")
+    scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
+    reward: list[str] = option(["correctness"], "reward functions for --scorer rewards (names, module:function or file.py:function)")
+    max_prompt_length: int = option(512, "prompt tokens kept (truncated from the left)")
+    max_completion_length: int = option(512, "completion token budget")
+    batch_size: int = option(32, "prompts decoded together")
+    device: str = option("auto", "cuda, cpu, or auto")
+    kernels: str = option("auto", "fast paths (as train.py): auto or plain", choices=KERNEL_CHOICES)
+    precision: str = option("auto", "fp32, bf16 (autocast) or bf16-pure; auto = bf16 on CUDA", choices=PRECISIONS)
+    trust_remote_code: bool = option(False, "run model/tokenizer code from the hub")
+    skip_bad_rows: bool = option(False, "drop rows without a prompt (or a question and a parseable gold answer)")
+    output_dir: str = option("runs/eval", "where the per-sample JSONL and summary JSON go")
+
+    def validate(self) -> "EvalConfig":
+        problems = [f"{name} must be >= 1, got {getattr(self, name)}"
+                    for name in ("max_prompt_length", "max_completion_length", "batch_size") if getattr(self, name) < 1]
+        if self.limit < 0:
+            problems.append(f"limit must be >= 0, got {self.limit}")
+        for model in [self.model, self.compare]:
+            problems += self.path_problems(model, self.output_dir, self.chat_template) if model else []
+        problems += self.template_kwargs_problems(self.chat_template_kwargs)
+        self.raise_problems(problems)
+        return self
+
 
 def score_answer(completion: str, gold: str) -> dict:
     """Strict, lenient and format scores (booleans) of one completion against a gold answer column."""
@@ -96,9 +139,9 @@ def evaluate(
     """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary of means).
 
     `backend`: a grpo.generation backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
-    `chat_template_kwargs`: as in training (grpo.rollout.encode_prompt).
+    `chat_template_kwargs`: as in training (grpo.prompts.encode_prompt).
     """
-    backend = backend or GroupSampler(model, tokenizer.pad_token_id, KernelChoice())
+    backend = backend or GroupSampler(model, tokenizer.pad_token_id)
     was_training = model.training
     model.eval()
     prompt_ids, rows, _ = encode_prompts(tokenizer, rows, max_prompt_length, "truncate", where="eval", progress=progress,
@@ -137,3 +180,22 @@ def summarize(records: list[dict]) -> dict:
         summary[key] = sum(values) / len(values) if values else math.nan
     summary["mean_length"] = sum(r["length"] for r in records) / max(len(records), 1)
     return summary
+
+
+def evaluate_run(run) -> dict:
+    """A training run's evaluation (grpo.trainer.Trainer.run_eval): greedy completions of the held-out slice,
+    scored; every rank evaluates it (FSDP2 gathers the weights for it), rank 0 writes eval/step-*.json and the
+    samples. Returns the summary as eval/* metrics."""
+    cfg = run.config
+    with gathered(run.policy_call):
+        records, summary = evaluate(run.policy, run.tokenizer, run.eval_rows, run.eos_token_ids, cfg.max_prompt_length,
+                                    cfg.eval_max_completion_length or cfg.max_completion_length, cfg.eval_batch_size,
+                                    autocast=run.autocast, scorer=run.eval_scorer, backend=run.generation,
+                                    progress=run.world.is_main, chat_template_kwargs=cfg.chat_template_kwargs)
+    if run.world.is_main:
+        folder = run.run_dir / "eval"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"step-{run.step:06d}.json").write_text(json.dumps(summary, indent=2))
+        with (folder / f"step-{run.step:06d}.samples.jsonl").open("w") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in records)
+    return {f"eval/{key}": value for key, value in summary.items()}

@@ -7,7 +7,7 @@
 Backends (`--generation-backend`):
     sampler        ours: grpo.sampler.sample_groups, or grpo.kernels.sampling.FastSampler with --kernels auto
                    (on CUDA with the compiled decode step; if compiling fails it says so once and decodes
-                   eagerly from then on)
+                   eagerly from then on); grpo.kernels.KernelChoice.sampler() says which
     transformers   `model.generate`, for models our sampler does not support; the prompt is prefilled G
                    times, as trl does without vLLM
 
@@ -23,11 +23,11 @@ from typing import Protocol
 
 import torch
 
-from grpo.config import GENERATION_BACKENDS
-from grpo.kernels import KernelChoice
 from grpo.sampler import GroupSample, RowUniforms, SamplingParams, left_pad, sample_groups, token_logprobs
 
 logger = logging.getLogger("grpo")
+
+GENERATION_BACKENDS = ("sampler", "transformers")
 
 
 class GenerationBackend(Protocol):
@@ -38,35 +38,15 @@ class GenerationBackend(Protocol):
 
 
 class GroupSampler:
-    """Our group sampler (one prefill per prompt): the plain loop, or the fast kernel when chosen."""
+    """Our group sampler (one prefill per prompt): `sample` is grpo.sampler.sample_groups, or the kernel the
+    run's KernelChoice hands over (grpo.kernels.sampling.FastSampler), called the same way."""
 
-    def __init__(self, model, pad_token_id: int, kernels: KernelChoice, max_prompt_length: int | None = None):
-        self.model, self.pad_token_id, self.max_prompt_length = model, pad_token_id, max_prompt_length
-        self.compile_decode = kernels.compile_decode
-        self.fast = None
-        if kernels.fast_sampler:
-            from grpo.kernels.compiled_decode import use_packed_decode_attention
-            from grpo.kernels.sampling import FastSampler
-
-            self.fast = FastSampler()
-            if self.compile_decode:  # the compiled step copies K and V per query head unless they are packed
-                use_packed_decode_attention(model)
+    def __init__(self, model, pad_token_id: int, sample=sample_groups):
+        self.model, self.pad_token_id, self.sample = model, pad_token_id, sample
 
     def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False) -> GroupSample:
-        if self.fast is None:
-            return sample_groups(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
-                                 return_logprobs)
-        try:
-            return self.fast.sample_groups(self.model, prompt_ids, num_generations, params, self.pad_token_id,
-                                           generator, return_logprobs, compile_decode=self.compile_decode,
-                                           max_prompt_length=self.max_prompt_length)
-        except Exception as error:
-            if not self.compile_decode:
-                raise
-            logger.warning("the compiled decode step failed (%s: %s); decoding eagerly from now on "
-                           "(--kernels plain skips every kernel)", type(error).__name__, error)
-            self.compile_decode = False
-            return self.generate(prompt_ids, num_generations, params, generator, return_logprobs)
+        return self.sample(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
+                           return_logprobs)
 
     def after_update(self) -> None:
         """Nothing to refresh: the sampler reads the live model."""
@@ -119,10 +99,10 @@ class TransformersGenerate:
         """Nothing to refresh: generate reads the live model."""
 
 
-def make_generation_backend(name: str, model, pad_token_id: int, kernels: KernelChoice,
-                            max_prompt_length: int | None = None) -> GenerationBackend:
+def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups) -> GenerationBackend:
+    """`sample`: the group sampler our backend calls (KernelChoice.sampler())."""
     if name == "sampler":
-        return GroupSampler(model, pad_token_id, kernels, max_prompt_length)
+        return GroupSampler(model, pad_token_id, sample)
     if name == "transformers":
         return TransformersGenerate(model, pad_token_id)
     raise ValueError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {name!r}")

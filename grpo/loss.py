@@ -30,10 +30,8 @@ A micro-batch's loss is built from four separate choices (trl 1.16's flag names 
     luspo          mean over rows of sum_t l m,               / num_micro_batches   (LUSPO arXiv 2602.05261)
     dapo, cispo,   sum l m / (completion tokens of the optimizer step)              (DAPO arXiv 2503.14476)
     vespo
-An entropy bonus - coef * mean_t H_t (over the tokens the masks keep, / num_micro_batches) is added last;
-`EntropyControl` holds its coefficient, constant or adapted each optimizer step (Skywork-OR1 arXiv 2505.22312).
-
-`LossOptions` carries these settings; `loss_statistics` computes what is logged, once per micro-batch.
+An entropy bonus - coef * mean_t H_t (over the tokens the masks keep, / num_micro_batches) is added last
+(grpo.entropy). `LossOptions` carries these settings; grpo.loss_stats computes what is logged.
 Notation: n rows in the micro-batch, T completion tokens; m the completion mask; sg() stops the gradient.
 """
 
@@ -44,6 +42,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from grpo.entropy import EntropyControl, entropy_bonus, high_entropy_mask  # noqa: F401 (the first two re-exported)
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO clipped surrogate
 LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo")
@@ -90,32 +90,6 @@ class LossOptions:
     @classmethod
     def from_config(cls, config) -> "LossOptions":
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
-
-
-@dataclass
-class LossStats:
-    """Detached statistics of one micro-batch, as trl logs them (means over real completion tokens)."""
-
-    kl: float | None
-    clip_low: float | None  # clipped loss types only
-    clip_high: float | None
-    clip_region: float | None
-    entropy: float | None = None
-    cispo_clip: float | None = None  # cispo: share of tokens whose weight was capped (A > 0)
-    vespo_phi: float | None = None  # vespo: mean phi(w) over completions
-    policy_loss: float | None = None  # the aggregated loss before the entropy bonus, not divided by micro-batches
-    entropy_sum: float | None = None  # sum and count of the entropies the bonus acts on (adaptive control)
-    entropy_count: float | None = None
-    tokens: float = 0.0  # what the means are over: real tokens, and rows (for one-per-completion values)
-    rows: float = 0.0
-    per_row: bool = False  # the ratio statistics are one per completion (sequence-level ratios)
-
-    def weights(self) -> dict[str, float]:
-        """Each logged statistic's weight, so that sum(value * weight) / sum(weight) over micro-batches (and
-        ranks) is the mean over the step's tokens or rows, whatever the micro-batches hold."""
-        ratio_weight = self.rows if self.per_row else self.tokens
-        return {"kl": self.tokens, "entropy": self.tokens, "clip_low": ratio_weight, "clip_high": ratio_weight,
-                "clip_region": ratio_weight, "cispo_clip": ratio_weight, "vespo_phi": self.rows, "policy_loss": 1.0}
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -165,19 +139,6 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, old_logps: to
     return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """(n, T) bool: real tokens whose entropy is at least the (1 - quantile) quantile of the real tokens' entropies.
-
-    quantile = 0.2 keeps the 20% highest-entropy tokens ("Beyond the 80/20 rule"); 0 keeps the highest one(s).
-    """
-    real = mask.bool()
-    values = entropy.detach()[real].float()  # (M,)
-    if values.numel() == 0:
-        return torch.zeros_like(real)
-    threshold = torch.quantile(values, 1.0 - quantile)
-    return (entropy.detach() * mask >= threshold) & real
-
-
 def _objective(logps, log_ratio, token_log_ratio, advantages, mask, options: LossOptions):
     """The policy term p (n, T) or (n, 1) and what its statistics need: (p, rho after the cap, vespo's phi or None).
 
@@ -201,7 +162,7 @@ def _objective(logps, log_ratio, token_log_ratio, advantages, mask, options: Los
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {options.loss_type!r}")
 
 
-def _loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptions, entropy=None):
+def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptions, entropy=None):
     """l = p * masks + beta kl (differentiable), and (rho, kl, phi, entropy mask) for the statistics."""
     token_log_ratio = logps - old_logps  # (n, T)
     log_ratio = log_importance_weights(logps, old_logps, mask, options.importance_sampling_level)
@@ -236,7 +197,7 @@ def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.T
     if options.loss_type == "vespo" or options.off_policy_mask_threshold is not None or options.needs_entropy:
         raise ValueError("token_loss is elementwise: vespo and the token masks need per_token_loss")
     options = dataclasses.replace(options, importance_sampling_level="token")
-    loss, _, _, _, _ = _loss_terms(logps, old_logps, advantages, torch.ones_like(logps), ref_logps, options)
+    loss, _, _, _, _ = loss_terms(logps, old_logps, advantages, torch.ones_like(logps), ref_logps, options)
     return loss
 
 
@@ -249,49 +210,9 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: tor
     rho = 1 and the REINFORCE gradient); advantages (n,); mask (n, T); ref_logps (n, T) if beta != 0;
     entropy (n, T) if top_entropy_quantile < 1.
     """
-    loss, _, _, _, _ = _loss_terms(logps, old_logps, advantages[:, None], mask.to(logps.dtype), ref_logps, options,
+    loss, _, _, _, _ = loss_terms(logps, old_logps, advantages[:, None], mask.to(logps.dtype), ref_logps, options,
                                    entropy)  # advantages (n, 1)
     return loss
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean over real tokens, or over rows when `values` is one value per row (n, 1)."""
-    if values.shape[-1] == 1:
-        return values.float().mean().item()
-    return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
-
-
-@torch.no_grad()
-def loss_statistics(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                    ref_logps: torch.Tensor | None = None, options: LossOptions = LossOptions(),
-                    entropy: torch.Tensor | None = None) -> LossStats:
-    """What trl logs of one micro-batch: mean KL, the clipped fractions (low, high, either), the entropy, and
-    the statistics of cispo (capped weights) and vespo (mean phi).
-
-    A token counts as clipped low when rho < 1 - epsilon with A < 0 (the clip removes its gradient), high
-    when rho > 1 + epsilon_high with A > 0; rho after the `delta` cap, as trl. entropy_sum / entropy_count
-    are over the tokens the entropy bonus acts on (the completion mask, times the entropy mask if any).
-    """
-    mask = mask.to(logps.dtype)
-    advantages = advantages[:, None]  # (n, 1)
-    _, ratio, kl, phi, entropy_mask = _loss_terms(logps, old_logps, advantages, mask, ref_logps, options, entropy)
-    stats = LossStats(kl=None if kl is None else _masked_mean(kl, mask), clip_low=None, clip_high=None,
-                      clip_region=None, entropy=None if entropy is None else _masked_mean(entropy, mask),
-                      tokens=mask.sum().item(), rows=float(mask.shape[0]), per_row=ratio.shape[-1] == 1)
-    if options.loss_type in CLIPPED_LOSS_TYPES:
-        is_low = (ratio < 1 - options.epsilon) & (advantages < 0)
-        is_high = (ratio > 1 + options.clip_high) & (advantages > 0)
-        stats.clip_low = _masked_mean(is_low.float(), mask)
-        stats.clip_high = _masked_mean(is_high.float(), mask)
-        stats.clip_region = _masked_mean((is_low | is_high).float(), mask)
-    elif options.loss_type == "cispo":
-        stats.cispo_clip = _masked_mean(((ratio > options.clip_high) & (advantages > 0)).float(), mask)
-    elif options.loss_type == "vespo":
-        stats.vespo_phi = _masked_mean(phi, mask)
-    if entropy is not None:
-        acting = mask if entropy_mask is None else mask * entropy_mask
-        stats.entropy_sum, stats.entropy_count = (entropy * acting).sum().item(), acting.sum().item()
-    return stats
 
 
 def aggregate_loss(
@@ -337,11 +258,6 @@ def aggregate_loss(
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
-def policy_loss_value(aggregated: float, loss_type: str, num_micro_batches: int) -> float:
-    """trl's logged `policy_loss`: the micro-batch's aggregated loss before the division for accumulation."""
-    return aggregated if loss_type in ("dapo", "cispo", "vespo") else aggregated * num_micro_batches
-
-
 def aggregation_weights(mask: torch.Tensor, loss_type: str, **kwargs) -> torch.Tensor:
     """w (n, T) with aggregate_loss(l, mask, loss_type, **kwargs) == sum(w * l) for every l.
 
@@ -351,64 +267,3 @@ def aggregation_weights(mask: torch.Tensor, loss_type: str, **kwargs) -> torch.T
     with torch.enable_grad():
         (weights,) = torch.autograd.grad(aggregate_loss(probe, mask, loss_type, **kwargs), probe)
     return weights
-
-
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, num_micro_batches: int = 1) -> torch.Tensor:
-    """mean_t H_t over the tokens in `mask` (the completion mask times the entropy mask), / num_micro_batches.
-
-    The trainer subtracts coef * this from the loss (trl 1.16): the same meaning for every loss type.
-    entropy (n, T) with grad.
-    """
-    mask = mask.to(entropy.dtype)
-    return (entropy * mask).sum() / mask.sum().clamp(min=1.0) / num_micro_batches
-
-
-@dataclass
-class EntropyControl:
-    """The entropy bonus's coefficient: constant, or adapted once per optimizer step (Skywork-OR1).
-
-    Adaptive: the bonus applies only while the last step's entropy was <= target; after each step the
-    coefficient moves by `delta` towards more bonus when the step's token-mean entropy was <= target and
-    towards less otherwise, within [coef_min, coef_max]. `last_entropy` starts at +inf (no bonus until
-    a step has been measured), as trl. `state_dict` is saved in checkpoints.
-    """
-
-    coef: float = 0.0
-    adaptive: bool = False
-    coef_min: float = 0.0
-    coef_max: float = 1.0
-    delta: float = 0.005
-    target: float = 0.2
-    last_entropy: float = math.inf
-
-    @classmethod
-    def from_config(cls, config) -> "EntropyControl":
-        return cls(config.entropy_coef, config.use_adaptive_entropy, config.entropy_coef_min, config.entropy_coef_max,
-                   config.entropy_coef_delta, config.entropy_target)
-
-    @property
-    def enabled(self) -> bool:
-        return self.coef != 0.0 or self.adaptive
-
-    def applied(self) -> float:
-        """The coefficient every micro-batch of the coming optimizer step uses."""
-        if self.adaptive:
-            return self.coef if self.last_entropy <= self.target else 0.0
-        return self.coef
-
-    def update(self, entropy_sum: float, token_count: float) -> None:
-        """After an optimizer step: the step's entropy (sum and count over its micro-batches) moves the coefficient."""
-        if not self.adaptive:
-            return
-        entropy = entropy_sum / max(token_count, 1.0)
-        if entropy <= self.target:
-            self.coef = min(self.coef + self.delta, self.coef_max)
-        else:
-            self.coef = max(self.coef - self.delta, self.coef_min)
-        self.last_entropy = entropy
-
-    def state_dict(self) -> dict:
-        return {"coef": self.coef, "last_entropy": self.last_entropy}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from grpo.advantages import reward_function_stats
+
 
 def _truncate_after(path: Path, step: int) -> None:
     """Keep only the lines of a JSONL file whose `step` is <= step (and drop a torn last line)."""
@@ -138,3 +140,53 @@ class MetricsLogger:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def group_samples(prompts: list, texts: list[str], rewards_per_func, names: list[str], group: int) -> list[dict]:
+    """samples.jsonl's records of a step: its first group's prompt, each completion and its rewards (None where
+    a reward function could not score)."""
+    question = prompts[0][-1]["content"] if isinstance(prompts[0], list) else str(prompts[0])
+    return [{"prompt": question, "completion": texts[row],
+             "rewards": {name: (None if math.isnan(value) else value)
+                         for name, value in zip(names, rewards_per_func[row].tolist(), strict=True)}}
+            for row in range(group)]
+
+
+def step_metrics(run, rollout, completion_mask, all_rewards, all_advantages, record) -> dict:
+    """A step's logged metrics, with trl's names, over every rank: rewards, advantages, the loss statistics of
+    every micro-batch weighted by the tokens (or rows) they are over, lengths. `record`: grpo.update's."""
+    world, device = run.world, run.device
+    lengths = world.gather_rows(completion_mask.sum(-1).float())  # after mask_truncated_completions
+    raw_lengths = world.gather_rows(rollout.completion_mask.sum(-1).float().to(device))
+    stats = record["micro_batch_stats"]
+
+    def mean_of(name):
+        """Over the step's tokens (or rows) on every rank, whatever the micro-batches held."""
+        pairs = [(getattr(s, name), s.weights()[name]) for s in stats if getattr(s, name) is not None]
+        total = world.sum(sum(value * weight for value, weight in pairs))
+        count = world.sum(sum(weight for _, weight in pairs))
+        return total / count if count > 0 else None
+
+    metrics = {
+        **reward_function_stats(all_rewards, [spec.name for spec in run.rewards]),
+        "advantages/abs_mean": all_advantages.abs().mean().item(),
+        "loss": sum(record["step_losses"]) / len(record["step_losses"]),
+        "grad_norm": record["grad_norms"][-1],
+        "learning_rate": run.scheduler.get_last_lr()[0],
+        "entropy": mean_of("entropy"),
+        "clip_ratio/low_mean": mean_of("clip_low"),
+        "clip_ratio/high_mean": mean_of("clip_high"),
+        "clip_ratio/region_mean": mean_of("clip_region"),
+        "cispo_clip_ratio": mean_of("cispo_clip"),
+        "vespo/phi_seq_mean": mean_of("vespo_phi"),
+        "policy_loss": mean_of("policy_loss"),
+        "entropy_coef": record["entropy_coefs"][-1] if record["entropy_coefs"] else None,
+        "kl": mean_of("kl") if run.config.beta != 0.0 else None,
+        "completions/mean_length": raw_lengths.mean().item(),
+        "completions/min_length": raw_lengths.min().item(),
+        "completions/max_length": raw_lengths.max().item(),
+        "completions/clipped_ratio": world.gather_rows(rollout.truncated.float().to(device)).mean().item(),
+        "num_tokens": int(lengths.sum().item()),
+        "skipped_updates": run.skipped_updates,
+    }
+    return {key: value for key, value in metrics.items() if value is not None}  # what this loss type logs

@@ -135,6 +135,11 @@ def _dequantized_model(folder: Path, gguf_file: str):
     return plain.to(torch.bfloat16)
 
 
+OPTIMIZERS = ("adamw", "adamw_8bit")
+LR_SCHEDULERS = ("cosine", "constant", "linear")
+PRECISIONS = ("auto", "fp32", "bf16", "bf16-pure")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -296,7 +301,7 @@ def make_optimizer(name: str, groups: list[dict], config, device: torch.device) 
         except ImportError as error:
             raise ValueError("--optim adamw_8bit needs bitsandbytes: pip install -e '.[bnb]'") from error
         return bitsandbytes.optim.AdamW8bit(groups, **options)
-    raise ValueError(f"optim must be one of adamw, adamw_8bit, got {name!r}")
+    raise ValueError(f"optim must be one of {OPTIMIZERS}, got {name!r}")
 
 
 def make_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup: int, total: int):
@@ -312,7 +317,7 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup: int, tot
             return max(0.0, (total - step) / max(1, total - warmup))
         if name == "cosine":
             return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-        raise ValueError(f"lr_scheduler_type must be constant, linear or cosine, got {name!r}")
+        raise ValueError(f"lr_scheduler_type must be one of {LR_SCHEDULERS}, got {name!r}")
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -1,4 +1,4 @@
-"""What one step trains on (`Rollout`), and turning chat prompts into token ids.
+"""What one step trains on (`Rollout`), and how the loop makes one (`sample_rollout`: sample, then reward).
 
 A Rollout is the seam between sampling and learning: the trainer builds one from its own sampler,
 and tests or users can build one from any prompts, completions and rewards (`from_token_lists`)
@@ -7,13 +7,12 @@ and hand it to `Trainer.train_on_rollout`, skipping sampling. The trl parity sui
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
-logger = logging.getLogger("grpo")
+from grpo.prompts import encode_prompt, encode_prompts  # noqa: F401 (re-exported: their earlier home)
+from rewards import score_rows
 
 
 @dataclass
@@ -108,45 +107,20 @@ class Rollout:
         return cls(prompts, prompt_mask, completions, completion_mask, truncated, rewards)
 
 
-def encode_prompt(tokenizer, messages: list[dict] | str, chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a chat prompt with the assistant header appended (`add_generation_prompt`).
-
-    A plain-string prompt (trl's "standard" format) is tokenized as it is, without a chat template.
-    `chat_template_kwargs` reach the template (e.g. Qwen3's `enable_thinking`), as trl's option of that name.
-    """
-    if isinstance(messages, str):
-        return list(tokenizer(messages, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                        **(chat_template_kwargs or {}))
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older transformers return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def encode_prompts(tokenizer, rows: list[dict], max_prompt_length: int, long_prompts: str = "truncate", where: str = "dataset",
-                   progress: bool = True, chat_template_kwargs: dict | None = None):
-    """Token ids for each row's `prompt`; long prompts are truncated from the left or skipped (counted).
-
-    Returns (token id lists, the rows kept, number of prompts truncated or skipped). Raises
-    ValueError when nothing is left.
-    """
-    encoded, kept, too_long = [], [], 0
-    for row in tqdm(rows, desc=f"tokenizing {where}", disable=not progress or len(rows) < 500, leave=False):
-        ids = encode_prompt(tokenizer, row["prompt"], chat_template_kwargs)
-        if len(ids) > max_prompt_length:
-            too_long += 1
-            if long_prompts == "skip":
-                continue
-            ids = ids[-max_prompt_length:]  # keep the end: the question and the assistant header (as trl)
-        encoded.append(ids)
-        kept.append(row)
-    if too_long:
-        action = "skipped" if long_prompts == "skip" else "truncated from the left"
-        logger.warning("%s: %d of %d prompts are longer than max_prompt_length=%d and were %s",
-                       where, too_long, len(rows), max_prompt_length, action)
-    if not encoded:
-        raise ValueError(
-            f"{where}: no prompts left after filtering ({len(rows)} rows, {too_long} longer than "
-            f"max_prompt_length={max_prompt_length}); raise --max-prompt-length or use --long-prompts truncate"
-        )
-    return encoded, kept, too_long
+def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt_ids: list[list[int]], group: int,
+                   params, noise) -> tuple[Rollout, list, list]:
+    """G completions for each of the B rows' prompts from the generation backend (grpo.generation), decoded and
+    scored by every reward function (rewards.score_rows). Returns (rollout, prompts, texts), N = B * G rows."""
+    sample = generation.generate(prompt_ids, group, params, noise)  # rows [prompt 0 x G, prompt 1 x G, ...]
+    completion_ids = [ids[mask].tolist() for ids, mask in
+                      zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    rewards_per_func = score_rows(reward_specs, rows, texts, completion_ids, group)  # (N, K)
+    prompts = [row["prompt"] for row in rows for _ in range(group)]
+    rollout = Rollout(
+        prompt_ids=sample.prompt_ids.repeat_interleave(group, 0),  # (N, P)
+        prompt_mask=sample.prompt_mask.repeat_interleave(group, 0),
+        completion_ids=sample.completion_ids, completion_mask=sample.completion_mask,  # (N, T)
+        truncated=sample.truncated, rewards_per_func=rewards_per_func, sampler_logprobs=sample.logprobs,
+    )
+    return rollout, prompts, texts

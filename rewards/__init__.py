@@ -18,15 +18,13 @@ from rewards.gsm8k import (
 )
 from rewards.registry import (
     REWARD_FUNCTIONS,
-    RewardError,
     RewardSpec,
     completion_text,
     describe_rewards,
     load_function,
     parse_reward_specs,
-    score_completions,
-    score_rows,
 )
+from rewards.scoring import RewardError, score_completions, score_rows
 
 __all__ = [
     "GSM8K_REWARDS",

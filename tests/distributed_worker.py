@@ -26,7 +26,8 @@ torch.set_num_threads(1)
 
 from grpo.config import GRPOConfig  # noqa: E402
 from grpo.distributed import unwrap  # noqa: E402
-from grpo.trainer import Trainer, _full  # noqa: E402
+from grpo.distributed import full_tensor as _full  # noqa: E402
+from grpo.trainer import Trainer  # noqa: E402
 
 BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_generations=4, micro_batch_size=4,
             max_prompt_length=128, max_completion_length=8, learning_rate=1e-3, reward=["tags"], device="cpu",
@@ -50,6 +51,8 @@ def main():
 
     collect, train_on_rollout, step_fn = trainer.collect_rollout, trainer.train_on_rollout, trainer.optimizer.step
     current = {}
+    updates = []  # each update's intermediate values (grpo.update.train_on_rollout's observers)
+    trainer.observers.append(updates.append)
 
     def collecting(step):
         rollout, prompts, texts, metrics = collect(step)
@@ -67,7 +70,7 @@ def main():
 
     def training(rollout, shuffle=True):
         metrics = train_on_rollout(rollout, shuffle)
-        last = trainer.last_step
+        last = updates[-1]
         record["steps"].append({**current, "metrics": metrics,
                                 "advantages": trainer.world.gather_rows(last["advantages"].cpu()),
                                 "ref_logps": None if last["ref_logps"] is None else last["ref_logps"].cpu()})

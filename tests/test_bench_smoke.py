@@ -27,8 +27,8 @@ def test_sampler_phases_cover_the_call():
     split = sampler.decode_phases(model, tokenizer, prompts, 4, 24, rate=6.4, repeats=2)
     assert split["tokens"] < 2 * 4 * 24 and 0 < split["mean_rows"] < 8  # rows ended early and left the loop
     assert split["ms"]["decode trunk (lean step)"] > 0 and split["ms"]["head product"] > 0
+    # "rest" is the call's time less the timed phases: negative if a phase were timed twice or outside the call
     assert split["ms"]["compaction (KV cache)"] > 0 and split["ms"]["rest"] >= 0
-    assert sum(split["ms"].values()) == pytest.approx(split["total_ms"])
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())  # a copy got the rate
 
 

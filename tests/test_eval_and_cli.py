@@ -3,7 +3,8 @@ import json
 import pytest
 
 import eval as eval_cli
-from grpo.config import GRPOConfig, build_parser, config_from_args
+from grpo.cli import build_parser, config_from_args
+from grpo.config import GRPOConfig
 from grpo.evaluation import score_answer
 from tests.conftest import gsm8k_dir
 
@@ -74,7 +75,7 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 
 def test_chat_template_kwargs_reach_the_template_in_training_and_evaluation(tmp_path, monkeypatch, capsys):
     from grpo import evaluation
-    from grpo.rollout import encode_prompt
+    from grpo.prompts import encode_prompt
     from grpo.tiny_model import build_tokenizer
     from grpo.trainer import Trainer
     from tests.test_trainer import make_config

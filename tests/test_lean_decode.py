@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+
+import grpo.kernels.sampling
 from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
@@ -12,8 +14,14 @@ from grpo.logprobs import position_ids_from_mask
 from grpo.sampler import SamplingParams, left_pad
 
 
-def sample_groups(*args, **kwargs):
-    return FastSampler().sample_groups(*args, **kwargs)
+def sample_groups(*args, lean_decode=True, **kwargs):
+    """FastSampler's sample_groups; lean_decode=False: as for a trunk the lean step does not support (the model's
+    own forward decodes)."""
+    if lean_decode:
+        return FastSampler().sample_groups(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo.kernels.sampling, "unsupported_reason", lambda trunk: "turned off by the test")
+        return FastSampler().sample_groups(*args, **kwargs)
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=512)
 
@@ -103,8 +111,6 @@ def test_sampler_draws_the_same_tokens_with_the_lean_step():
 
 
 def test_sampler_uses_the_lean_step_only_where_it_applies(monkeypatch):
-    import grpo.kernels.sampling
-
     calls = []
 
     class Counting(LeanDecodeStep):

@@ -4,7 +4,7 @@ import torch
 import grpo.kernels.logprobs
 import grpo.logprobs
 from grpo.kernels.buffers import Buffers
-from grpo.logprobs import naive_completion_logprobs
+from references import naive_completion_logprobs
 
 # The plain chunked log-probs and the kernel that replaces them (--kernels auto) must pass the same tests.
 IMPLEMENTATIONS = {"plain": grpo.logprobs.completion_logprobs, "kernel": grpo.kernels.logprobs.completion_logprobs}

@@ -150,10 +150,12 @@ def test_starting_adapter_is_trained_and_is_the_reference(tmp_path):
     for name, value in params_of(first.policy).items():  # starts where the adapter left off
         assert torch.equal(value, dict(second.policy.named_parameters())[name]), name
     rollout, _, _, _ = second.collect_rollout(0)
+    records = []
+    second.observers.append(records.append)
     second.train_on_rollout(rollout)
-    assert second.last_step["ref_logps"] is not None
+    assert records[-1]["ref_logps"] is not None
     # Its reference is that starting adapter (frozen), not the bare base: on-policy, the first KL is 0.
-    assert second.last_step["micro_batch_stats"][0].kl == pytest.approx(0.0, abs=1e-7)
+    assert records[-1]["micro_batch_stats"][0].kl == pytest.approx(0.0, abs=1e-7)
     trainable = [n for n, p in second.policy.named_parameters() if p.requires_grad]
     assert trainable and all(".default." in n for n in trainable)
 

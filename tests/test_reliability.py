@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from grpo.config import GRPOConfig, config_from_args
+from grpo.cli import config_from_args
+from grpo.config import GRPOConfig
 from grpo.metrics import read_jsonl
 from grpo.models import ModelError, load_model, load_tokenizer
 from grpo.trainer import Trainer, TrainingError

@@ -112,7 +112,6 @@ def test_transformers_generate_backend_behind_the_seam(tiny_model_and_tokenizer)
     # Greedy decoding has one answer: model.generate behind the seam must give our sampler's tokens, mask and
     # truncation flags, grouped the same way, and the log-probs of the tokens it drew.
     from grpo.generation import GroupSampler, TransformersGenerate
-    from grpo.kernels import KernelChoice
     from grpo.sampler import SamplingParams
 
     model, tokenizer = tiny_model_and_tokenizer
@@ -120,7 +119,7 @@ def test_transformers_generate_backend_behind_the_seam(tiny_model_and_tokenizer)
                                              return_dict=False) for q in ("What is 2 + 3?", "Hi")]
     eos = tokenizer.convert_tokens_to_ids("<answer>")  # a token the tiny model emits, so some rows stop early
     params = SamplingParams(max_completion_length=12, temperature=0.0, eos_token_ids=(eos,))
-    ours = GroupSampler(model, tokenizer.pad_token_id, KernelChoice()).generate(prompts, 2, params, return_logprobs=True)
+    ours = GroupSampler(model, tokenizer.pad_token_id).generate(prompts, 2, params, return_logprobs=True)
     theirs = TransformersGenerate(model, tokenizer.pad_token_id).generate(prompts, 2, params, return_logprobs=True)
     width = ours.completion_ids.shape[1]
     assert torch.equal(theirs.completion_ids[:, :width], ours.completion_ids)

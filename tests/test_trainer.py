@@ -42,6 +42,13 @@ def params_of(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def refresh_kernels(trainer: Trainer) -> None:
+    """After a test changed trainer.kernels' flags: the functions the update calls, built again from them."""
+    cfg = trainer.config
+    trainer.step_functions = trainer.kernels.step_functions(trainer.loss_options, cfg.temperature,
+                                                            cfg.logprob_chunk_size, cfg.cast_lm_head_to_fp32)
+
+
 def record_gradients(trainer: Trainer) -> list[dict]:
     """The gradients of every optimizer update the trainer makes from now on, one dict per update."""
     updates, step = [], trainer.optimizer.step
@@ -225,6 +232,7 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path):
         # turns into +-lr: another order of sums would move it).
         assert not trainer.kernels.shared_prompt_update or not checkpointing
         trainer.kernels.shared_prompt_update = False
+        refresh_kernels(trainer)
         trainer.train_on_rollout(fixed_rollout(trainer))
         params.append(params_of(trainer.policy))
     for name in params[0]:
@@ -309,15 +317,16 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
     # grpo.kernels.batching: each update's rows sorted by completion length before the split into micro-batches.
     # Against the random micro-batches of the same rows (everything else the same kernels): the same loss and
     # gradient at every update, other micro-batches, and fewer padded positions.
-    import grpo.trainer as trainer_module
+    import grpo.update as update_module
 
     cells, grads, metrics, losses = {}, {}, {}, {}
-    original = trainer_module._micro_batch
+    original = update_module.micro_batch
     for grouping in (True, False):
         trainer = Trainer(make_config(tmp_path / str(grouping), micro_batch_size=2, prompts_per_step=4,
                                       max_completion_length=16, adam_epsilon=1e-6, **options))
         assert trainer.kernels.length_grouping
         trainer.kernels.length_grouping = grouping
+        refresh_kernels(trainer)
         cells[grouping] = []
 
         def recording(tensors, completion_mask, rows, out=cells[grouping]):
@@ -325,11 +334,13 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
             out.append(ids.numel())
             return ids, attention_mask, cm
 
-        monkeypatch.setattr(trainer_module, "_micro_batch", recording)
+        monkeypatch.setattr(update_module, "micro_batch", recording)
         grads[grouping] = record_gradients(trainer)
         rollout = fixed_rollout(trainer, num_prompts=trainer.config.prompts_per_generation)
+        records = []
+        trainer.observers.append(records.append)
         metrics[grouping] = trainer.train_on_rollout(rollout)
-        losses[grouping] = trainer.last_step["micro_batch_losses"]
+        losses[grouping] = records[-1]["micro_batch_losses"]
     assert len(grads[True]) == len(grads[False]) == options.get("num_iterations", 1) * options.get("steps_per_generation", 8) // 8
     for grouped_step, random_step in zip(grads[True], grads[False], strict=True):
         for name, random_grad in random_step.items():
@@ -373,6 +384,7 @@ def test_packed_or_shared_prompt_passes_give_the_padded_steps_gradients(tmp_path
         trainer.kernels.packed_logprobs = on and trunk_pass == "packed"
         trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = on and trunk_pass != "packed"
         trainer.kernels.unpadded_trunk = on and trunk_pass == "unpadded"
+        refresh_kernels(trainer)
         grads[on] = record_gradients(trainer)
         metrics[on] = trainer.train_on_rollout(fixed_rollout(trainer))
     if trunk_pass != "packed":  # the passes without grad (if any) and the update's ran through this one, only
@@ -405,16 +417,23 @@ def test_length_grouping_steps_aside_where_the_grouping_changes_the_loss(tmp_pat
 
 @pytest.mark.own_kernels
 def test_kernels_setting_and_the_options_it_replaced(tmp_path):
-    from grpo.config import config_from_args
+    from grpo.cli import config_from_args
     from grpo.generation import GroupSampler
+    from grpo.kernels.sampling import FastSampler
+    from grpo.sampler import sample_groups
+    from grpo.update import plain_step_functions
 
-    assert make_config(tmp_path).kernels == "auto"
-    trainer = Trainer(make_config(tmp_path))
-    assert isinstance(trainer.generation, GroupSampler) and trainer.generation.fast is not None
+    trainer = Trainer(make_config(tmp_path))  # the default: auto
+    assert isinstance(trainer.generation, GroupSampler) and isinstance(trainer.generation.sample, FastSampler)
     assert trainer.kernels.fused_loss and trainer.kernels.fast_logprobs
     assert not trainer.kernels.compile_decode and "CUDA" in trainer.kernels.reasons["compile_decode"]  # CPU: eager
     plain = Trainer(make_config(tmp_path, kernels="plain", overwrite=True))
-    assert plain.generation.fast is None and not (plain.kernels.fused_loss or plain.kernels.fast_logprobs)
+    assert plain.generation.sample is sample_groups and not (plain.kernels.fused_loss or plain.kernels.fast_logprobs)
+    # under plain the update calls grpo/'s own functions
+    own = plain_step_functions(plain.loss_options, plain.config.temperature)
+    assert plain.step_functions.batches is own.batches and plain.step_functions.update_batches is own.update_batches
+    assert plain.step_functions.logprobs.func is own.logprobs.func  # grpo.logprobs.completion_logprobs
+    assert trainer.step_functions.logprobs.func is not own.logprobs.func  # auto: the kernel's
     with pytest.raises(ValueError, match="kernels must be one of"):
         make_config(tmp_path, kernels="fast").validate()
     for old in ("fused_loss", "compile_decode", "static_cache"):  # a config file with an old key
@@ -440,7 +459,7 @@ def test_failing_compiled_decode_falls_back_to_eager(tmp_path, monkeypatch, capl
 
     monkeypatch.setattr(FastSampler, "sample_groups", compile_fails)
     trainer = Trainer(make_config(tmp_path, max_steps=2))
-    trainer.generation.compile_decode = True  # as --kernels auto chooses on a CUDA machine
+    trainer.generation.sample.compile_decode = True  # as --kernels auto chooses on a CUDA machine
     with caplog.at_level("WARNING", logger="grpo"):
         assert trainer.train()["status"] == "finished"
     assert calls == [True, False, False]  # one failed attempt, then eager for the rest of the run
@@ -456,9 +475,11 @@ def test_one_generation_feeds_several_updates(tmp_path):
     assert trainer.total_steps == 64 // 4 and len(trainer.batch_indices(0)) == 4
     with pytest.raises(ValueError, match="a rollout needs 4 prompts x num_generations = 16 rows"):
         trainer.train_on_rollout(fixed_rollout(trainer))
+    records = []
+    trainer.observers.append(records.append)
     metrics = trainer.train()
     assert trainer.updates == 2 * trainer.total_steps and metrics["status"] == "finished"
-    assert trainer.last_step["old_logps"] is not None  # the second update is off-policy
+    assert records[-1]["old_logps"] is not None  # the second update is off-policy
     with pytest.raises(ValueError, match="steps_per_generation must be a positive multiple of the accumulation steps"):
         make_config(tmp_path, steps_per_generation=3, micro_batch_size=4).validate()
     with pytest.raises(ValueError, match="set steps_per_generation or generation_batch_size, not both"):
@@ -598,23 +619,26 @@ def test_reference_sync_mixes_the_policy_in_every_sync_steps_updates(tmp_path):
     assert moved > 0
 
 
-def test_generation_reuse_updates_on_disjoint_slices(tmp_path):
+def test_generation_reuse_updates_on_disjoint_slices(tmp_path, monkeypatch):
+    import grpo.update as update_module
+
     # steps_per_generation 2: the rollout's rows are split between the two updates, each row trained on once.
     trainer = Trainer(make_config(tmp_path, steps_per_generation=4, micro_batch_size=4))  # 2 micro-batches an update
     pad = trainer.tokenizer.pad_token_id
     updates, trained = [], []
-    original_loss, original_step = trainer._micro_batch_loss, trainer.optimizer.step
+    original_loss, original_step = update_module.micro_batch_loss, trainer.optimizer.step
 
-    def spy_loss(ids, *args, **kwargs):
+    def spy_loss(run, ids, *args, **kwargs):
         trained.extend(tuple(row[row != pad].tolist()) for row in ids)
-        return original_loss(ids, *args, **kwargs)
+        return original_loss(run, ids, *args, **kwargs)
 
     def spy_step(*args, **kwargs):
         updates.append(list(trained))
         trained.clear()
         return original_step(*args, **kwargs)
 
-    trainer._micro_batch_loss, trainer.optimizer.step = spy_loss, spy_step
+    monkeypatch.setattr(update_module, "micro_batch_loss", spy_loss)
+    trainer.optimizer.step = spy_step
     rollout = fixed_rollout(trainer, num_prompts=trainer.config.prompts_per_generation)
     trainer.train_on_rollout(rollout)
     rows = [tuple(torch.cat([p[m.bool()], c[cm.bool()]]).tolist()) for p, m, c, cm in
@@ -661,7 +685,6 @@ def test_disable_dropout_sets_every_rate_to_zero_and_is_the_default(tmp_path):
         assert dropped and not _train_mode_logits_differ(model), name
         assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
         assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
-    assert GRPOConfig().disable_dropout
     for disable in (True, False):
         _, models = _dropout_models()
         trainer = Trainer(make_config(tmp_path / str(disable), disable_dropout=disable), policy=models["qwen2"],

@@ -36,7 +36,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from data import add_prompts, make_synthetic_gsm8k  # noqa: E402
 from grpo.config import GRPOConfig  # noqa: E402
 from grpo.loss import CLIPPED_LOSS_TYPES  # noqa: E402
-from grpo.rollout import Rollout, encode_prompt  # noqa: E402
+from grpo.prompts import encode_prompt  # noqa: E402
+from grpo.rollout import Rollout  # noqa: E402
 from grpo.tiny_model import save_tiny_model  # noqa: E402
 from grpo.trainer import Trainer  # noqa: E402
 from rewards import RewardSpec, completion_text, score_completions  # noqa: E402
@@ -358,6 +359,8 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
     trl_trainer, trl_state = make_trl(model_dir, rows, settings, completions_for, max_len, tmp_path / "trl", lr)
     ours = make_ours(model_dir, rows, settings, tmp_path, kernels, max_len, lr)
     ours_named = dict(ours.policy.named_parameters())
+    records = []  # each update's intermediate values (grpo.update.train_on_rollout's observers)
+    ours.observers.append(records.append)
     if "lora" in settings:  # the adapters' random init differs: start ours from trl's A and B
         with torch.no_grad():
             for name, param in trl_trainer.model.named_parameters():
@@ -377,7 +380,7 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
         metrics_before = {key: list(values) for key, values in trl_trainer._metrics["train"].items()}
         our_grads = []
         rollout = our_step(ours, inputs, trl_state["completions"], our_grads)
-        batch, last = trl_record["batch"], ours.last_step
+        batch, last = trl_record["batch"], records[-1]
 
         # Advantages (weighted rewards with None rows, group/batch/none scaling, or GDPO's per-reward normalisation).
         torch.testing.assert_close(last["advantages"], batch["advantages"], rtol=1e-5, atol=1e-6)

@@ -14,9 +14,11 @@
 
 `--kernels plain` runs the plain path everywhere (the definition a reader checks against the paper);
 `--kernels auto` (the default) takes each kernel where it applies. `select_kernels` is the only place
-that decides; the trainer asks the fields of the `KernelChoice` it returns at its call sites, and logs
-once why a kernel does not apply. tests/test_kernels.py pins every kernel to the plain path.
-Importing this package changes nothing outside it; `use_cpu_huge_pages` is an explicit call.
+that decides. The `KernelChoice` it returns says which kernels apply (and why the others do not), and
+hands the run the functions it calls: `step_functions()` for the update (grpo.update.StepFunctions) and
+`sampler()` for the generation seam; under `plain` these are grpo/'s own functions, and the loop never
+asks which. tests/test_kernels.py pins every kernel to the plain path. Importing this package changes
+nothing outside it; `use_cpu_huge_pages` and `prepare_model` are explicit calls.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from grpo.config import KERNEL_CHOICES
+from grpo.kernels.buffers import Buffers
+from grpo.update import StepFunctions, logprob_loss, plain_step_functions
 
 logger = logging.getLogger("grpo")
+
+KERNEL_CHOICES = ("auto", "plain")
 
 
 @dataclass
@@ -48,10 +54,77 @@ class KernelChoice:
     shared_prompt_update: bool = False  # the same in the update pass (the kernels' log-probs or the fused loss)
     unpadded_trunk: bool = False  # grpo.kernels.unpadded: those shared-prompt passes on the real tokens only
     reasons: dict[str, str] = field(default_factory=dict)  # kernel -> why it is off
+    buffers: Buffers = field(default_factory=Buffers, repr=False)  # the log-prob kernels' reused storage
 
     def log_reasons(self) -> None:
         for name, reason in self.reasons.items():
             logger.info("kernel %s is off: %s", name, reason)
+
+    def used(self) -> dict[str, bool]:
+        """Each kernel's on/off flag (run_config.json's `kernels_used`)."""
+        return {name: value for name, value in vars(self).items() if isinstance(value, bool)}
+
+    def step_functions(self, options=None, temperature: float = 1.0, chunk_size: int | None = None,
+                       fp32_head: bool = False) -> StepFunctions:
+        """The update's log-prob, loss and micro-batch functions: grpo.update.plain_step_functions where no
+        kernel applies, each kernel's same-number version where one does."""
+        from grpo.kernels.batching import length_grouped, length_sorted
+        from grpo.kernels.logprobs import completion_logprobs
+        from grpo.loss import LossOptions
+
+        options = options or LossOptions()
+        plain = plain_step_functions(options, temperature, chunk_size, fp32_head)
+
+        def kernel_logprobs(shared: bool):
+            return partial(completion_logprobs, temperature=temperature, chunk_size=chunk_size, buffers=self.buffers,
+                           packed=self.packed_logprobs, shared_prompts=shared, unpadded=shared and self.unpadded_trunk)
+
+        update_logprobs = kernel_logprobs(self.shared_prompt_update) if self.update_logprobs else plain.logprobs
+        update_loss = logprob_loss(update_logprobs, options)
+        if self.fused_loss:
+            update_loss = partial(_fused_update_loss, options=options, temperature=temperature, chunk_size=chunk_size,
+                                  buffers=self.buffers, packed=self.packed_logprobs,
+                                  shared_prompts=self.shared_prompt_update,
+                                  unpadded=self.shared_prompt_update and self.unpadded_trunk)
+        return StepFunctions(
+            logprobs=kernel_logprobs(self.shared_prompt_passes) if self.fast_logprobs else plain.logprobs,
+            update_loss=update_loss,
+            batches=length_sorted if self.length_sorted_passes else plain.batches,
+            update_batches=length_grouped if self.length_grouping else plain.update_batches,
+        )
+
+    def sampler(self, max_prompt_length: int | None = None):
+        """The group sampler, called as grpo.sampler.sample_groups is: that function itself, or the kernel."""
+        if not self.fast_sampler:
+            from grpo.sampler import sample_groups
+
+            return sample_groups
+        from grpo.kernels.sampling import FastSampler
+
+        return FastSampler(compile_decode=self.compile_decode, max_prompt_length=max_prompt_length)
+
+    def prepare_model(self, model) -> None:
+        """What the chosen kernels need of the policy, done once where it is loaded: the compiled decode step
+        reads K and V through its packed attention function (registered with transformers here, logged)."""
+        if self.compile_decode:
+            from grpo.kernels.compiled_decode import use_packed_decode_attention
+
+            if use_packed_decode_attention(model):
+                logger.info("attention: %s runs grpo.kernels.compiled_decode's packed SDPA (the same results; "
+                            "the compiled decode step reads K and V without copying them per query head)",
+                            type(model).__name__)
+
+
+def _fused_update_loss(model, ids, attention_mask, completion_mask, advantages, old_logps, ref_logps, aggregation,
+                       options, **kernel_args):
+    """grpo.kernels.fused_loss with the aggregation's weights: the same loss as grpo.update.logprob_loss."""
+    from grpo.kernels.fused_loss import fused_completion_loss
+    from grpo.loss import aggregation_weights
+
+    with torch.autocast(completion_mask.device.type, enabled=False):
+        weights = aggregation_weights(completion_mask, options.loss_type, **aggregation)  # (n, T)
+    return fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, old_logps, ref_logps,
+                                 weights, options, **kernel_args)
 
 
 def _holding(*pairs: tuple[bool, str]) -> list[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 from transformers import DynamicCache
@@ -38,6 +39,8 @@ from grpo.kernels.logprobs import _LN_2, _LOG2_E, _column_storage
 from grpo.logprobs import check_plain_output_head, position_ids_from_mask
 from grpo.sampler import (GroupSample, SamplingParams, cache_kwarg, draw_uniform, filter_logits, finish_sample,
                           prepare_prompts)
+
+logger = logging.getLogger("grpo")
 
 
 class _DecodeHead:
@@ -316,9 +319,25 @@ class FastSampler:
     """The tuned group sampler. Holds the reused buffers of its decode steps and the static decoder of the
     last call (its cache and compiled graph), so a sampler kept for a run reuses both from step to step."""
 
-    def __init__(self):
+    def __init__(self, compile_decode: bool = False, max_prompt_length: int | None = None):
         self.buffers = Buffers()
         self.decoder: StaticDecoder | None = None
+        self.compile_decode, self.max_prompt_length = compile_decode, max_prompt_length
+
+    def __call__(self, model, prompts, group_size, params, pad_token_id, generator=None,
+                 return_logprobs=False) -> GroupSample:
+        """`sample_groups` with this sampler's settings, called as grpo.sampler.sample_groups is. If the compiled
+        decode step fails, it says so once and decodes eagerly from then on."""
+        try:
+            return self.sample_groups(model, prompts, group_size, params, pad_token_id, generator, return_logprobs,
+                                      compile_decode=self.compile_decode, max_prompt_length=self.max_prompt_length)
+        except Exception as error:
+            if not self.compile_decode:
+                raise
+            logger.warning("the compiled decode step failed (%s: %s); decoding eagerly from now on "
+                           "(--kernels plain skips every kernel)", type(error).__name__, error)
+            self.compile_decode = False
+            return self(model, prompts, group_size, params, pad_token_id, generator, return_logprobs)
 
     def _static_decoder(self, model, num_rows: int, cache_len: int, compile_decode: bool) -> StaticDecoder:
         """The decoder kept from the last call if it fits this one, else a new one."""
@@ -341,7 +360,6 @@ class FastSampler:
         compile_decode: bool = False,
         max_prompt_length: int | None = None,
         step_callback=None,
-        lean_decode: bool = True,
     ) -> GroupSample:
         """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
 
@@ -349,8 +367,8 @@ class FastSampler:
         compiled decode step is captured once per run instead of once per prompt length.
         `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
         (tests use it to check that sharing the prefill changes no logit).
-        `lean_decode`: eager CPU decoding of Qwen2/Qwen3/Llama trunks runs `grpo.kernels.lean_decode.LeanDecodeStep` (the same
-        hidden states bit for bit, fewer operations); False keeps transformers' forward (tests compare the two).
+        Eager CPU decoding of the trunks `grpo.kernels.lean_decode` supports runs its LeanDecodeStep (the same hidden
+        states bit for bit, fewer operations); other trunks decode through the model's own forward.
         On CPU it runs in inference mode (`_inference_mode_on_cpu`); the tensors it returns are ordinary ones.
         """
         prompt_ids, prompt_mask, num_rows = prepare_prompts(model, prompts, group_size, params, pad_token_id)  # (B, P)
@@ -383,7 +401,7 @@ class FastSampler:
         attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
         # Eager buffered decoding of a Qwen2/Qwen3/Llama trunk: the model's modules without transformers' per-call framework.
         lean = None
-        if lean_decode and head.buffered and not static and unsupported_reason(head.trunk) is None:
+        if head.buffered and not static and unsupported_reason(head.trunk) is None:
             lean = LeanDecodeStep(head.trunk, cache, attention_mask, max_new)
         positions = prompt_mask.sum(-1).repeat_interleave(group_size)[:, None]  # (N, 1) next position per row
         decoder = None

@@ -1,0 +1,165 @@
+"""The command line of train.py and eval.py, generated from their config dataclasses; presets and config files.
+
+    python train.py --preset smoke --config run.yaml --learning-rate 1e-5
+Precedence: field defaults < --preset < --config FILE (YAML or JSON, keys are the field names) < explicit flags.
+A boolean field `x` gives `--x` and `--no-x`; a replaced setting (grpo.config.REPLACED) fails with a message that
+names its replacement. `python -m grpo.cli > docs/cli.md` writes the flag reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+
+from grpo.config import REPLACED, GRPOConfig
+from grpo.evaluation import EvalConfig
+
+PRESETS: dict[str, dict] = {
+    # The whole loop on CPU in about a minute: a tiny random-init model learns to write the format tags
+    # (single tokens of the tiny tokenizer) that the dense `tags` reward pays for; reward rises visibly.
+    "smoke": dict(
+        model="tiny", dataset="synthetic:256", output_dir="runs/smoke", overwrite=True, max_steps=30, prompts_per_step=4,
+        num_generations=8, micro_batch_size=16, max_prompt_length=128, max_completion_length=24,
+        learning_rate=3e-3, warmup_ratio=0.0, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.04,
+        weight_decay=0.0, reward=["tags"], save_steps=15, eval_steps=30, eval_limit=16, eval_batch_size=16,
+        log_completions_steps=5, logging_steps=5, device="cpu", precision="fp32",
+    ),
+}
+
+
+def _flag_type(annotation):
+    """(python type, is_list) for a field annotation such as `float | None` or `list[str]`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _flag_type(inner)
+    if origin is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def _optional(kind):
+    def parse(text: str):
+        return None if text.lower() in ("none", "null", "") else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object; argparse reports an error with the flag's name."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": true}}', got {text!r}")
+    return value
+
+
+def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per config field (`--micro-batch-size` for `micro_batch_size`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     argument_default=argparse.SUPPRESS)
+    if config_cls is GRPOConfig:
+        parser.add_argument("--preset", choices=sorted(PRESETS), help="a named set of settings (e.g. smoke: tiny model, CPU, ~1 min)")
+    parser.add_argument("--config", help="a YAML or JSON file whose keys are the field names; flags override it")
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        kind, is_list = _flag_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        help_text = f.metadata.get("help", "") + f" (default: {default!r})"
+        help_text = help_text.replace("%", "%%")
+        if f.name == "resume":
+            parser.add_argument(flag, nargs="?", const="", help=help_text)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        elif is_list:
+            parser.add_argument(flag, nargs="+", type=kind, help=help_text)
+        elif kind is dict:  # `none` clears it, as for the other optional flags
+            parser.add_argument(flag, type=_optional(json_object), help=help_text)
+        else:
+            optional = type(None) in typing.get_args(hints[f.name])
+            parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"), help=help_text)
+    return parser
+
+
+def load_config_file(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    text = file.read_text()
+    if file.suffix in (".yaml", ".yml"):
+        import yaml
+
+        values = yaml.safe_load(text) or {}
+    else:
+        values = json.loads(text)
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a mapping of field names to values")
+    return {key.replace("-", "_"): value for key, value in values.items()}
+
+
+def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None = None) -> GRPOConfig:
+    """Parse flags into a validated config: defaults < --preset < --config FILE < explicit flags."""
+    for arg in sys.argv[1:] if argv is None else argv:
+        name = arg.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_")
+        if arg.startswith("--") and name in REPLACED:
+            raise ValueError(f"{arg.split('=', 1)[0]} was replaced by {REPLACED[name]}")
+    args = vars(build_parser(config_cls, description).parse_args(argv))
+    values = dict(PRESETS[args.pop("preset")]) if "preset" in args else {}
+    if "config" in args:
+        values.update(load_config_file(args.pop("config")))
+    values.update(args)
+    config = config_cls.from_dict(values, where="settings")
+    if getattr(config, "resume", None) == "":  # `--resume` without a folder: this run's own output folder
+        config.resume = config.output_dir
+    return config.validate()
+
+
+def cli_reference() -> str:
+    """docs/cli.md: every flag of train.py with its default and help, in the config's order (`python -m grpo.cli`)."""
+
+    def table(config_cls) -> list[str]:
+        lines = ["| flag | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(config_cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            shown = "(R1 format prompt, data/prompts.py)" if f.name == "system_prompt" else repr(default)
+            help_text = f.metadata.get("help", "").replace("|", "\\|")
+            lines.append(f"| `--{f.name.replace('_', '-')}` | `{shown}` | {help_text} |")
+        return lines
+
+    smoke = " ".join(f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+                     for k, v in PRESETS["smoke"].items())
+    return "\n".join([
+        "# Command-line reference",
+        "",
+        "Generated from `grpo/config.py` by `python -m grpo.cli > docs/cli.md` (tests/test_docs.py keeps it",
+        "current). `python train.py --help` prints the same list. Flags can also come from `--config FILE` (YAML or",
+        "JSON, keys are the field names); precedence: defaults < `--preset` < `--config` < flags. A boolean flag `--x`",
+        "has its `--no-x`. Batch sizes count prompts and completions, not trl's per-device completions (README).",
+        "",
+        f"`--preset smoke` sets: `{smoke}`.",
+        "",
+        "## train.py",
+        "",
+        *table(GRPOConfig),
+        "",
+        "Replaced options (they fail with a message that names their replacement): "
+        + "; ".join(f"`--{k.replace('_', '-')}` by {v}" for k, v in REPLACED.items()) + ".",
+        "",
+        "## eval.py",
+        "",
+        *table(EvalConfig),
+        "",
+    ])
+
+
+if __name__ == "__main__":
+    print(cli_reference())

@@ -1,0 +1,156 @@
+"""What a run needs before its first step, each piece checked early with a message that names the bad setting:
+the rewards, the run folder and the checkpoint to resume, the data, the policy (dropout, fp32 head, LoRA), the
+frozen reference, gradient checkpointing, and the optimizer with its schedule.
+
+grpo.trainer.Trainer calls these in order; data is loaded and checked before any model, so a bad row fails in
+seconds, not after loading a model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from data import add_prompts, load_task_rows
+from grpo.checkpoint import REFERENCE, latest_checkpoint
+from grpo.lora import add_lora
+from grpo.models import cast_head_to_fp32, disable_dropout, load_model, make_optimizer, make_scheduler
+from rewards import RewardSpec, parse_reward_specs
+from rewards.shaping import overlong_penalty
+
+logger = logging.getLogger("grpo")
+
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "eval", "run_config.json", "tensorboard", "wandb",
+             "wandb_run_id")
+
+
+def reward_specs(config, reward_functions=None) -> list[RewardSpec]:
+    """--reward (or the functions given from Python), plus DAPO's overlong shaping as one more reward."""
+    specs = parse_reward_specs(reward_functions if reward_functions is not None else config.reward)
+    if config.overlong_buffer_len > 0:  # rewards/shaping.py
+        shaping = overlong_penalty(config.max_completion_length, config.overlong_buffer_len,
+                                   config.overlong_penalty_factor)
+        specs = [*specs, RewardSpec("overlong", shaping, 1.0)]
+    return specs
+
+
+def check_world(config, world) -> None:
+    """Every rank holds whole groups and whole micro-batches: B (of a generation) splits evenly over ranks."""
+    size, problems = world.size, []
+    if config.prompts_per_generation % size:
+        problems.append(f"prompts_per_step ({config.prompts_per_step}, x {config.updates_per_generation} per "
+                        f"generation) must split evenly over the {size} processes: each prompt's group stays on one rank")
+    elif (config.completions_per_generation // size) % (config.micro_batch_size * config.updates_per_generation):
+        problems.append(f"each of the {size} processes holds {config.completions_per_generation // size} completions, "
+                        f"not a multiple of micro_batch_size ({config.micro_batch_size}) x updates per generation "
+                        f"({config.updates_per_generation}): lower --micro-batch-size")
+    if config.dynamic_sampling and size > 1:
+        logger.info("dynamic sampling under %d processes: each rank keeps its own informative groups", size)
+    config.raise_problems(problems)
+
+
+def find_resume_checkpoint(config) -> Path | None:
+    if not config.resume:
+        return None
+    checkpoint = latest_checkpoint(config.resume)
+    if checkpoint is None:
+        raise ValueError(f"--resume {config.resume}: holds no complete checkpoint "
+                         f"(looked for {Path(config.resume) / 'checkpoints'}/step-*/COMPLETE)")
+    return checkpoint
+
+
+def check_run_dir(run_dir: Path, config, resume_from) -> None:
+    """A folder holding another run is replaced only with --overwrite (and kept with --resume)."""
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not existing or resume_from is not None:
+        return
+    if not config.overwrite:
+        raise ValueError(f"--output-dir {run_dir} holds another run ({', '.join(existing)}); "
+                         "pass --resume to continue it or --overwrite to replace it")
+    for name in existing:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def task_rows(config, rows, split: str, purpose: str) -> tuple[list[dict], str]:
+    """(rows with a `prompt`, task): loaded from --dataset, or the rows given, checked for their task (data/tasks.py)."""
+    if rows is None:
+        rows, task = load_task_rows(config.dataset, split, config.skip_bad_rows, config.system_prompt, config.one_shot)
+    elif rows and "prompt" not in rows[0]:  # GSM8K rows given from Python get their chat prompts
+        rows, task = add_prompts(rows, config.system_prompt, config.one_shot), "gsm8k"
+    else:
+        task = "prompt"
+    if not rows:
+        raise ValueError(f"{config.dataset}[{split}]: the {purpose} dataset is empty")
+    return rows, task
+
+
+def load_policy(config, device, dtype, tokenizer, policy=None, resume_from=None, source=None, setting="--model"):
+    """(policy, peft model or None): the model given, or loaded from --model (or the checkpoint resumed), its
+    dropout off, its head in fp32 if asked, with LoRA adapters under --use-peft."""
+    if policy is not None:
+        policy = policy.to(device, dtype)
+    elif config.use_peft and resume_from is not None:  # the base from --model, the adapter from the checkpoint
+        policy = load_model(config.model, device, dtype, config.trust_remote_code, tokenizer)
+    else:
+        policy = load_model(source or config.model, device, dtype, config.trust_remote_code, tokenizer, setting)
+    if config.disable_dropout:  # before LoRA: the adapters' dropout is --lora-dropout's
+        dropped = disable_dropout(policy)
+        if dropped:
+            logger.info("disable_dropout: %d dropout rates of the policy set to 0 (%s%s)", len(dropped),
+                        ", ".join(dropped[:3]), ", ..." if len(dropped) > 3 else "")
+    if config.cast_lm_head_to_fp32:
+        cast_head_to_fp32(policy)
+    peft_model = None
+    if config.use_peft:  # LoRA (grpo.lora): the loop keeps calling the Hugging Face model, its projections adapted
+        adapter = str(resume_from) if resume_from is not None else config.peft_adapter
+        peft_model = add_lora(policy, config, adapter, reference_adapter=config.peft_adapter if config.beta != 0.0 else None)
+        peft_model.peft_config["default"].base_model_name_or_path = config.model
+        policy = peft_model.get_base_model()
+        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        logger.info("LoRA: %d trainable parameters of %d", trainable, sum(p.numel() for p in policy.parameters()))
+    return policy, peft_model
+
+
+def use_gradient_checkpointing(policy) -> None:
+    """Recompute each layer's activations in backward (after the reference was copied: it keeps its cache)."""
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.config.use_cache = False
+
+
+def load_reference(config, device, precision: str, tokenizer, policy, resume_from=None, policy_given=False):
+    """The frozen reference model, or None: with beta = 0 there is none; under LoRA the policy with its adapters
+    off is the reference (grpo.lora.AdaptersOff). Otherwise a copy of the starting policy; on resume the run's
+    mixed reference (sync_ref_model) or --model again."""
+    if config.beta == 0.0 or config.use_peft:
+        return None
+    synced = None if resume_from is None else resume_from / REFERENCE
+    if synced is not None and config.sync_ref_model and synced.is_dir():  # the mixed reference of the run
+        reference = load_model(str(synced), device, torch.float32, False, tokenizer, "--resume")
+    elif resume_from is not None and not policy_given:
+        reference = load_model(config.model, device, torch.float32, config.trust_remote_code, tokenizer)
+    else:
+        reference = copy.deepcopy(policy)
+    ref_dtype = torch.bfloat16 if precision != "fp32" else torch.float32
+    reference = reference.to(device, ref_dtype).eval().requires_grad_(False)
+    if config.cast_lm_head_to_fp32:
+        cast_head_to_fp32(reference)
+    return reference
+
+
+def optimizer_and_schedule(config, policy, device, total_steps: int):
+    """AdamW (or 8-bit AdamW) with weight decay on matrices only (not norms and biases, as HF Trainer), and the
+    LR schedule over every optimizer update of the run."""
+    decay = [p for p in policy.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in policy.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = make_optimizer(config.optim, groups, config, device)
+    total_updates = total_steps * config.num_iterations * config.updates_per_generation
+    scheduler = make_scheduler(config.lr_scheduler_type, optimizer, math.ceil(config.warmup_ratio * total_updates),
+                               total_updates)
+    return optimizer, scheduler

@@ -1,0 +1,94 @@
+"""Calling the reward functions safely and stacking their outputs into the (N, K) rewards of a rollout.
+
+`score_completions` is the single place where user reward code runs during training; anything it returns that
+the loss could not use (wrong length, a non-number, NaN or inf) or any exception it raises stops the step with
+the function's name and the row index, before an optimizer step. None is trl's "cannot score this row": NaN
+here, left out of that row's weighted sum (grpo.advantages.weighted_rewards).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from rewards.registry import RewardSpec
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned something unusable; the message names it and the row."""
+
+
+def _check_values(name: str, values, num_rows: int) -> list[float]:
+    """Rewards as floats (NaN for None). Accepts what trl accepts: any sequence of numbers, bools, numpy
+    or 0-d torch scalars; anything else, a wrong count, or NaN/inf is an error naming the function and row."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        raise RewardError(f"reward {name!r} returned {type(values).__name__}, expected a list of {num_rows} floats")
+    if len(values) != num_rows:
+        raise RewardError(f"reward {name!r} returned {len(values)} values for {num_rows} completions")
+    checked = []
+    for row, value in enumerate(values):
+        if value is None:
+            checked.append(math.nan)  # trl's convention: None = cannot score this row
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):  # bool, int, float and numpy scalars are Real
+            raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for row {row}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise RewardError(f"reward {name!r} returned a non-finite value {value} for row {row} (return None for a "
+                              "row it cannot score: trl's convention, which leaves it out of the reward)")
+        checked.append(value)
+    return checked
+
+
+def _call(spec: RewardSpec, prompts: list, completions: list, columns: dict[str, list]) -> list:
+    try:
+        return spec.fn(prompts=prompts, completions=completions, **columns)
+    except Exception as batch_error:  # noqa: BLE001 - re-raised with the row that causes it
+        # Find the row that fails by scoring rows one at a time, so the message can name it.
+        for row in range(len(completions)):
+            row_columns = {key: values[row : row + 1] for key, values in columns.items()}
+            try:
+                spec.fn(prompts=prompts[row : row + 1], completions=completions[row : row + 1], **row_columns)
+            except Exception as row_error:  # noqa: BLE001
+                raise RewardError(
+                    f"reward {spec.name!r} raised {type(row_error).__name__} on row {row}: {row_error}"
+                ) from row_error
+        raise RewardError(
+            f"reward {spec.name!r} raised {type(batch_error).__name__} on the batch: {batch_error}"
+        ) from batch_error
+
+
+def score_completions(
+    specs: Sequence[RewardSpec], prompts: list, completions: list, columns: dict[str, list]
+) -> torch.Tensor:
+    """Rewards matrix (N, K) in fp32: row i, function k; NaN where a function returned None."""
+    num_rows = len(completions)
+    for key, values in columns.items():
+        if len(values) != num_rows:
+            raise ValueError(f"column {key!r} has {len(values)} values for {num_rows} completions")
+    per_function = [_check_values(spec.name, _call(spec, prompts, completions, columns), num_rows) for spec in specs]
+    return torch.tensor(per_function, dtype=torch.float32).T.reshape(num_rows, len(specs))  # (N, K)
+
+
+def score_rows(specs: Sequence[RewardSpec], rows: list[dict], texts: list[str], completion_ids: list[list[int]],
+               group_size: int = 1) -> torch.Tensor:
+    """(N, K) rewards of completion texts for dataset rows, `group_size` consecutive completions per row.
+
+    trl's convention: chat prompts get chat-message completions, plain-string prompts plain strings, and
+    every column but `prompt` arrives as a keyword list aligned with the completions, `completion_ids` too.
+    """
+    prompts = [row["prompt"] for row in rows for _ in range(group_size)]
+    completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
+    columns = {key: [row.get(key) for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
+    columns["completion_ids"] = completion_ids
+    return score_completions(specs, prompts, completions, columns)
+
+
+__all__ = ["RewardError", "score_completions", "score_rows"]
