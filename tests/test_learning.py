@@ -91,7 +91,7 @@ def test_the_experiment_runs_end_to_end(tmp_path, capsys):
 
 # The reduced experiment: the add and subtract kinds only (subtract slipped), 60 GRPO steps, 100 held-out problems.
 # Three seeds of it lifted held-out strict accuracy by 17, 13 and 16 points (0.55 -> 0.72, 0.54 -> 0.67,
-# 0.48 -> 0.64; docs/benchmarks.md): the test asks for 5, eight points under the lowest seed. A flipped advantage
+# 0.48 -> 0.64; docs/log.md): the test asks for 5, eight points under the lowest seed. A flipped advantage
 # sign or a zeroed loss leaves 0 or less (the zeroed loss changes no weight, so exactly 0).
 REDUCED = ["--kinds", "add", "subtract", "--grpo-steps", "60", "--heldout", "100", "--train-rows", "600",
            "--eval-steps", "30"]

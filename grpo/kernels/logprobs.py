@@ -44,7 +44,7 @@ def _column_storage(x: torch.Tensor) -> torch.Tensor | None:
 
 def _columns_layout(h: torch.Tensor) -> bool:
     """Whether a chunk's logits are stored as (V, c) columns, W h^T, rather than (c, V) rows, h W^T: on CPU in fp32.
-    There BLAS computes W h^T faster at a few hundred rows (docs/benchmarks.md) and the products that follow
+    There BLAS computes W h^T faster at a few hundred rows (docs/log.md) and the products that follow
     read either layout as fast. Code sees the (c, V) view."""
     return h.device.type == "cpu" and h.dtype == torch.float32
 

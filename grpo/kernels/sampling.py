@@ -50,7 +50,7 @@ class _DecodeHead:
     Qwen's vocabulary), which costs about as much as the product itself; writing into one buffer
     (the sampler's `Buffers`, kept between calls) avoids it. `transposed`: the buffer is (V, N), W h^T,
     and the logits are its (N, V) transposed view: for a few rows the BLAS product in that orientation
-    is faster than h W^T (docs/benchmarks.md).
+    is faster than h W^T (docs/log.md).
     Models whose logits are not plain W h (soft-capping, scaling, a bias), other devices and mixed
     dtypes use the model's own forward.
     """
