@@ -22,7 +22,7 @@ from grpo.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from grpo.distributed import DISTRIBUTED_CHOICES
 from grpo.generation import GENERATION_BACKENDS
 from grpo.kernels import KERNEL_CHOICES
-from grpo.loss import CLIPPED_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpo.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from grpo.metrics import REPORT_TO
 from grpo.models import LR_SCHEDULERS, OPTIMIZERS, PRECISIONS
 from grpo.prompts import LONG_PROMPTS
