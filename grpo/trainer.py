@@ -271,7 +271,8 @@ class Trainer:
                                       entropy_bonus=self.entropy_control.enabled, fp32_head=cfg.cast_lm_head_to_fp32,
                                       sharded=self.distributed == "fsdp", gradient_checkpointing=cfg.gradient_checkpointing)
         self.kernels.log_reasons()
-        self.kernels.prepare_model(self.policy)
+        if cfg.generation_backend == "sampler":  # what our sampler's kernels need of the model (model.generate: nothing)
+            self.kernels.prepare_model(self.policy)
         self.step_functions = self.kernels.step_functions(self.loss_options, cfg.temperature, cfg.logprob_chunk_size,
                                                           cfg.cast_lm_head_to_fp32)
         self.generation = make_generation_backend(cfg.generation_backend, self.policy, self.tokenizer.pad_token_id,
