@@ -129,6 +129,8 @@ class GRPOConfig(ConfigMixin):
     top_p: float = option(1.0, "nucleus sampling mass (1.0 = off)")
     top_k: int = option(0, "top-k sampling (0 = off)")
     min_p: float = option(0.0, "min-p sampling (0.0 = off)")
+    tools: list[str] = option([], "functions the model may call during its rollout, module:function each (trl's tools): type hints and a docstring give the schema the chat template shows; a turn that writes <tool_call>{json}</tool_call> gets the result and goes on; results are not trained on (grpo/tools.py)")
+    max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most, as trl (default: until max_completion_length)")
     generation_backend: str = option("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
 
     # --- the objective ---
@@ -314,6 +316,10 @@ class GRPOConfig(ConfigMixin):
             problems.append("peft_adapter and save_merged need --use-peft")
         if not self.distributed_timeout > 0:
             problems.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            problems.append(f"max_tool_calling_iterations must be >= 0, got {self.max_tool_calling_iterations}")
+        if self.tools and self.generation_backend != "sampler":
+            problems.append("tools need --generation-backend sampler (it pauses a row for a tool's result)")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         problems += self.path_problems(self.model, self.output_dir, self.chat_template)

@@ -9,8 +9,11 @@ and the loss's normaliser see them).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
+
+import torch
 
 from grpo.advantages import tied_groups, weighted_rewards
 from grpo.rollout import Rollout
@@ -43,11 +46,33 @@ def keep_informative_groups(first: tuple, sample_round: Callable[[int], tuple], 
     offsets = [0]  # the first group of each round in the merged rollout
     for rollout, _, _ in pool:
         offsets.append(offsets[-1] + rollout.num_rows // group)
-    merged = Rollout.concat([part[0] for part in pool], pad_token_id)
     all_prompts = [prompt for part in pool for prompt in part[1]]
     all_texts = [text for part in pool for text in part[2]]
     groups = [offsets[r] + g for r, g in chosen]
     rows = [g * group + j for g in groups for j in range(group)]
     metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/dropped_groups": len(tied) - filled,
                "dynamic_sampling/filled": filled}
-    return merged.select_groups(groups, group), [all_prompts[r] for r in rows], [all_texts[r] for r in rows], metrics
+    merged = merge_rows([part[0] for part in pool], rows, pad_token_id)
+    return merged, [all_prompts[r] for r in rows], [all_texts[r] for r in rows], metrics
+
+
+def merge_rows(rollouts: list[Rollout], rows: list[int], pad_token_id: int) -> Rollout:
+    """The given rows of the rollouts laid end to end: prompts left-padded and completions right-padded to
+    common widths (ids with pad_token_id, the tool mask with 1, the other masks and log-probs with 0)."""
+    prompt_len = max(r.prompt_ids.shape[1] for r in rollouts)
+    completion_len = max(r.completion_ids.shape[1] for r in rollouts)
+    padding = {"prompt_ids": pad_token_id, "completion_ids": pad_token_id, "tool_mask": 1}
+    merged = {}
+    for field in dataclasses.fields(Rollout):
+        parts = [getattr(r, field.name) for r in rollouts]
+        if any(part is None for part in parts):
+            merged[field.name] = None
+            continue
+        if field.name.startswith("prompt_"):
+            parts = [torch.nn.functional.pad(p, (prompt_len - p.shape[1], 0), value=padding.get(field.name, 0))
+                     for p in parts]
+        elif field.name in ("completion_ids", "completion_mask", "sampler_logprobs", "tool_mask"):  # (N, T)
+            parts = [torch.nn.functional.pad(p, (0, completion_len - p.shape[1]), value=padding.get(field.name, 0))
+                     for p in parts]
+        merged[field.name] = torch.cat(parts)[torch.tensor(rows, dtype=torch.long)]
+    return Rollout(**merged)

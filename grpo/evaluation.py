@@ -191,7 +191,7 @@ def evaluate_run(run) -> dict:
         records, summary = evaluate(run.policy, run.tokenizer, run.eval_rows, run.eos_token_ids, cfg.max_prompt_length,
                                     cfg.eval_max_completion_length or cfg.max_completion_length, cfg.eval_batch_size,
                                     autocast=run.autocast, scorer=run.eval_scorer, backend=run.generation,
-                                    progress=run.world.is_main, chat_template_kwargs=cfg.chat_template_kwargs)
+                                    progress=run.world.is_main, chat_template_kwargs=run.template_kwargs)
     if run.world.is_main:
         folder = run.run_dir / "eval"
         folder.mkdir(parents=True, exist_ok=True)

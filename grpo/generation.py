@@ -39,12 +39,16 @@ class GenerationBackend(Protocol):
 
 class GroupSampler:
     """Our group sampler (one prefill per prompt): `sample` is grpo.sampler.sample_groups, or the kernel the
-    run's KernelChoice hands over (grpo.kernels.sampling.FastSampler), called the same way."""
+    run's KernelChoice hands over (grpo.kernels.sampling.FastSampler), called the same way. With `tools`
+    (grpo.tools.ToolSet) it is sample_groups, whose loop feeds tool results to the rows that call one."""
 
-    def __init__(self, model, pad_token_id: int, sample=sample_groups):
-        self.model, self.pad_token_id, self.sample = model, pad_token_id, sample
+    def __init__(self, model, pad_token_id: int, sample=sample_groups, tools=None):
+        self.model, self.pad_token_id, self.sample, self.tools = model, pad_token_id, sample, tools
 
     def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False) -> GroupSample:
+        if self.tools is not None:
+            return sample_groups(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
+                                 return_logprobs, tools=self.tools)
         return self.sample(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
                            return_logprobs)
 
@@ -99,10 +103,14 @@ class TransformersGenerate:
         """Nothing to refresh: generate reads the live model."""
 
 
-def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups) -> GenerationBackend:
-    """`sample`: the group sampler our backend calls (KernelChoice.sampler())."""
+def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups,
+                            tools=None) -> GenerationBackend:
+    """`sample`: the group sampler our backend calls (KernelChoice.sampler()); `tools`: grpo.tools.ToolSet."""
     if name == "sampler":
-        return GroupSampler(model, pad_token_id, sample)
+        return GroupSampler(model, pad_token_id, sample, tools)
+    if tools is not None:
+        raise ValueError(f"tools need --generation-backend sampler (the {name!r} backend cannot pause a row for a "
+                         "tool result)")
     if name == "transformers":
         return TransformersGenerate(model, pad_token_id)
     raise ValueError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {name!r}")

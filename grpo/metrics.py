@@ -152,12 +152,22 @@ def group_samples(prompts: list, texts: list[str], rewards_per_func, names: list
             for row in range(group)]
 
 
-def step_metrics(run, rollout, completion_mask, all_rewards, all_advantages, record) -> dict:
+def tool_metrics(world, rollout, device) -> dict:
+    """trl's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls)."""
+    if rollout.tool_calls is None:
+        return {}
+    calls, failed = world.gather_rows(rollout.tool_calls.float().to(device)).sum(0).tolist()  # (N_all, 2) summed
+    return {"tools/call_frequency": calls / (rollout.num_rows * world.size),
+            "tools/failure_frequency": failed / calls if calls else 0.0}
+
+
+def step_metrics(run, rollout, loss_mask, all_rewards, all_advantages, record) -> dict:
     """A step's logged metrics, with trl's names, over every rank: rewards, advantages, the loss statistics of
-    every micro-batch weighted by the tokens (or rows) they are over, lengths. `record`: grpo.update's."""
+    every micro-batch weighted by the tokens (or rows) they are over, lengths (the model's own tokens: tool
+    results not counted, as trl), tool calls. `record`: grpo.update's."""
     world, device = run.world, run.device
-    lengths = world.gather_rows(completion_mask.sum(-1).float())  # after mask_truncated_completions
-    raw_lengths = world.gather_rows(rollout.completion_mask.sum(-1).float().to(device))
+    lengths = world.gather_rows(loss_mask.sum(-1).float())  # after mask_truncated_completions
+    raw_lengths = world.gather_rows(rollout.loss_mask.sum(-1).float().to(device))
     stats = record["micro_batch_stats"]
 
     def mean_of(name):
@@ -188,5 +198,6 @@ def step_metrics(run, rollout, completion_mask, all_rewards, all_advantages, rec
         "completions/clipped_ratio": world.gather_rows(rollout.truncated.float().to(device)).mean().item(),
         "num_tokens": int(lengths.sum().item()),
         "skipped_updates": run.skipped_updates,
+        **tool_metrics(world, rollout, device),
     }
     return {key: value for key, value in metrics.items() if value is not None}  # what this loss type logs

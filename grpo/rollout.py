@@ -26,46 +26,25 @@ class Rollout:
     truncated: torch.Tensor  # (N,) bool: no EOS within the budget
     rewards_per_func: torch.Tensor  # (N, K) fp32, NaN where a function returned None
     sampler_logprobs: torch.Tensor | None = None  # (N, T) the generation backend's log-probs, when it gives them
+    tool_mask: torch.Tensor | None = None  # (N, T) 0 on tool-result tokens (trl's name); None: no tools
+    tool_calls: torch.Tensor | None = None  # (N, 2) per row: tool calls made, and of those failed
 
     def __post_init__(self):
         num_rows = self.completion_ids.shape[0]
         assert self.prompt_ids.shape == self.prompt_mask.shape and self.prompt_ids.shape[0] == num_rows
         assert self.completion_mask.shape == self.completion_ids.shape
         assert self.truncated.shape == (num_rows,) and self.rewards_per_func.shape[0] == num_rows
-        assert self.sampler_logprobs is None or self.sampler_logprobs.shape == self.completion_ids.shape
+        for per_token in (self.sampler_logprobs, self.tool_mask):
+            assert per_token is None or per_token.shape == self.completion_ids.shape
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """(N, T) the tokens the loss, the KL and the entropy count: the model's own (tool results are not)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     @property
     def num_rows(self) -> int:
         return self.completion_ids.shape[0]
-
-    def select_groups(self, groups: list[int], group_size: int) -> "Rollout":
-        """The rows of the given groups (group g = rows g*G .. g*G + G - 1), in that order."""
-        rows = torch.tensor([g * group_size + j for g in groups for j in range(group_size)], dtype=torch.long)
-        return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
-                       self.completion_mask[rows], self.truncated[rows], self.rewards_per_func[rows],
-                       None if self.sampler_logprobs is None else self.sampler_logprobs[rows])
-
-    @classmethod
-    def concat(cls, rollouts: list["Rollout"], pad_token_id: int) -> "Rollout":
-        """Rows of several rollouts in order; prompts left-padded and completions right-padded to common widths."""
-        prompt_len = max(r.prompt_ids.shape[1] for r in rollouts)
-        completion_len = max(r.completion_ids.shape[1] for r in rollouts)
-
-        def left(t, value):
-            return torch.nn.functional.pad(t, (prompt_len - t.shape[1], 0), value=value)
-
-        def right(t, value):
-            return torch.nn.functional.pad(t, (0, completion_len - t.shape[1]), value=value)
-
-        logprobs = None
-        if all(r.sampler_logprobs is not None for r in rollouts):
-            logprobs = torch.cat([right(r.sampler_logprobs, 0.0) for r in rollouts])
-        return cls(torch.cat([left(r.prompt_ids, pad_token_id) for r in rollouts]),
-                   torch.cat([left(r.prompt_mask, 0) for r in rollouts]),
-                   torch.cat([right(r.completion_ids, pad_token_id) for r in rollouts]),
-                   torch.cat([right(r.completion_mask, 0) for r in rollouts]),
-                   torch.cat([r.truncated for r in rollouts]), torch.cat([r.rewards_per_func for r in rollouts]),
-                   logprobs)
 
     @classmethod
     def from_token_lists(
@@ -75,11 +54,13 @@ class Rollout:
         rewards_per_func,
         eos_token_ids: tuple[int, ...],
         pad_token_id: int,
+        tool_masks: list[list[int]] | None = None,
     ) -> "Rollout":
         """Build from one prompt and one completion token list per row (N of each) and (N, K) rewards.
 
         The completion mask covers tokens up to and including the first EOS; a completion without
-        EOS is marked truncated. Tokens after the first EOS are ignored.
+        EOS is marked truncated. Tokens after the first EOS are ignored. `tool_masks`: one 0/1 list per
+        completion, 0 on the tool-result tokens (whose EOS tokens do not end the completion).
         """
         if len(prompt_ids) != len(completion_ids):
             raise ValueError(f"{len(prompt_ids)} prompts for {len(completion_ids)} completions")
@@ -94,9 +75,9 @@ class Rollout:
         for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
             prompts[row, prompt_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             prompt_mask[row, prompt_len - len(prompt) :] = 1
-            length = len(completion)
+            length, own = len(completion), [1] * len(completion) if tool_masks is None else tool_masks[row]
             for position, token in enumerate(completion):
-                if token in eos:
+                if token in eos and own[position]:
                     length, truncated[row] = position + 1, False
                     break
             completions[row, :length] = torch.tensor(completion[:length], dtype=torch.long)
@@ -104,7 +85,12 @@ class Rollout:
         rewards = torch.as_tensor(rewards_per_func, dtype=torch.float32)
         if rewards.dim() == 1:
             rewards = rewards[:, None]
-        return cls(prompts, prompt_mask, completions, completion_mask, truncated, rewards)
+        tool_mask = None
+        if tool_masks is not None:
+            tool_mask = torch.ones(num_rows, completion_len, dtype=torch.long)
+            for row, own in enumerate(tool_masks):
+                tool_mask[row, : len(own)] = torch.tensor(own, dtype=torch.long)
+        return cls(prompts, prompt_mask, completions, completion_mask, truncated, rewards, tool_mask=tool_mask)
 
 
 def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt_ids: list[list[int]], group: int,
@@ -115,12 +101,14 @@ def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt
     completion_ids = [ids[mask].tolist() for ids, mask in
                       zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    rewards_per_func = score_rows(reward_specs, rows, texts, completion_ids, group)  # (N, K)
+    # with tools, chat completions are the turns as messages (assistant, tool, ..., assistant), as trl's
+    rewards_per_func = score_rows(reward_specs, rows, texts, completion_ids, group, sample.messages)  # (N, K)
     prompts = [row["prompt"] for row in rows for _ in range(group)]
     rollout = Rollout(
         prompt_ids=sample.prompt_ids.repeat_interleave(group, 0),  # (N, P)
         prompt_mask=sample.prompt_mask.repeat_interleave(group, 0),
         completion_ids=sample.completion_ids, completion_mask=sample.completion_mask,  # (N, T)
         truncated=sample.truncated, rewards_per_func=rewards_per_func, sampler_logprobs=sample.logprobs,
+        tool_mask=sample.tool_mask, tool_calls=sample.tool_calls,
     )
     return rollout, prompts, texts

@@ -67,6 +67,9 @@ class GroupSample:
     truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
     num_generated_tokens: int  # real completion tokens (sum of completion_mask)
     logprobs: torch.Tensor | None = None  # (N, T) log-probs of the chosen tokens under softmax(logits / temperature)
+    tool_mask: torch.Tensor | None = None  # (N, T) with tools (grpo.tools): 0 on the tool results fed in
+    tool_calls: torch.Tensor | None = None  # (N, 2) with tools: calls made, calls failed
+    messages: list[list[dict]] | None = None  # with tools: each row's turns as chat messages
 
 
 def cache_kwarg(model) -> str:
@@ -191,11 +194,13 @@ def sample_groups(
     generator: "torch.Generator | RowUniforms | None" = None,
     return_logprobs: bool = False,
     step_callback=None,
+    tools=None,
 ) -> GroupSample:
     """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
 
     `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
-    (tests use it to check that sharing the prefill changes no logit).
+    (tests use it to check that sharing the prefill changes no logit). `tools` (a grpo.tools.ToolSet): a row
+    whose turn calls a tool takes the result as its next tokens, then samples on (grpo.tools).
     """
     prompt_ids, prompt_mask, num_rows = prepare_prompts(model, prompts, group_size, params, pad_token_id)  # (B, P)
     device, max_new = prompt_ids.device, params.max_completion_length
@@ -215,6 +220,7 @@ def sample_groups(
     logprobs = torch.zeros(num_rows, max_new, device=device) if return_logprobs else None  # (N, T)
     done = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,)
     lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)  # (N,)
+    turns = tools.start(num_rows, max_new, device) if tools is not None else None
     for step in range(max_new):
         if step_callback is not None:
             step_callback(step, logits)
@@ -222,10 +228,14 @@ def sample_groups(
         tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p,
                                    uniform=uniform)
         tokens = tokens.masked_fill(done, pad_token_id)  # (N,) finished rows are padded
+        if turns is not None:  # a row waiting on a tool result takes its next token instead
+            tokens = turns.feed(step, tokens)
         completion_ids[:, step] = tokens
         if return_logprobs:
             logprobs[:, step] = token_logprobs(logits, tokens, params.temperature) * ~done
         hit_eos = torch.isin(tokens, eos) & ~done
+        if turns is not None:  # a turn that called a tool does not end its row
+            hit_eos = turns.end_turns(step, completion_ids, hit_eos)
         lengths = torch.where(hit_eos, step + 1, lengths)
         done |= hit_eos
         if step == max_new - 1 or bool(done.all()):  # note: a CPU-GPU sync point, once per token
@@ -235,7 +245,8 @@ def sample_groups(
                        use_cache=True, **{cache_name: cache}).logits[:, -1].float()  # (N, V)
         positions = positions + 1
 
-    return finish_sample(prompt_ids, prompt_mask, completion_ids, lengths, done, logprobs, steps=step + 1)
+    sample = finish_sample(prompt_ids, prompt_mask, completion_ids, lengths, done, logprobs, steps=step + 1)
+    return sample if turns is None else turns.finish(sample)
 
 
 def finish_sample(prompt_ids, prompt_mask, completion_ids, lengths, done, logprobs, steps: int) -> GroupSample:

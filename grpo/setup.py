@@ -19,6 +19,7 @@ import torch
 from data import add_prompts, load_task_rows
 from grpo.checkpoint import REFERENCE, latest_checkpoint
 from grpo.lora import add_lora
+from grpo.tools import ToolSet, check_template_renders_tools, load_tools
 from grpo.models import cast_head_to_fp32, disable_dropout, load_model, make_optimizer, make_scheduler
 from rewards import RewardSpec, parse_reward_specs
 from rewards.shaping import overlong_penalty
@@ -37,6 +38,20 @@ def reward_specs(config, reward_functions=None) -> list[RewardSpec]:
                                    config.overlong_penalty_factor)
         specs = [*specs, RewardSpec("overlong", shaping, 1.0)]
     return specs
+
+
+def tool_set(config, tokenizer, tools=None) -> tuple[ToolSet | None, dict | None]:
+    """--tools (or the functions given from Python) as the sampler's ToolSet (None without tools), and the chat
+    template's keyword arguments for prompts: the config's, with the tools whose schemas the template shows."""
+    tools = load_tools(config.tools) if tools is None else list(tools)
+    if not tools:
+        return None, config.chat_template_kwargs
+    if not check_template_renders_tools(tokenizer, tools):
+        logger.warning("the chat template does not show tools in the prompt: the task's system prompt must tell "
+                       "the model how to call %s", ", ".join(tool.__name__ for tool in tools))
+    toolset = ToolSet(tools, tokenizer, tokenizer.eos_token_id, config.max_tool_calling_iterations,
+                      config.chat_template_kwargs or {})
+    return toolset, {**(config.chat_template_kwargs or {}), "tools": tools}
 
 
 def check_world(config, world) -> None:

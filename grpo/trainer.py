@@ -208,7 +208,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up (grpo.setup)
     def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None,
-                 eval_rows=None):
+                 eval_rows=None, tools=None):
         use_cpu_huge_pages()  # before the first large tensor (it is read once)
         self.config = cfg = config.validate()
         # --- processes: world size one unless launched by torchrun (grpo.distributed) ---
@@ -229,10 +229,11 @@ class Trainer:
         # --- data: loaded and checked before any model ---
         source, setting = (str(self.resume_from), "--resume") if self.resume_from else (cfg.model, "--model")
         self.tokenizer = tokenizer or load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template, setting)
+        self.tools, self.template_kwargs = setup.tool_set(cfg, self.tokenizer, tools)  # grpo/tools.py
         self.train_rows, self.task = setup.task_rows(cfg, train_rows, cfg.train_split, "train")
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
             self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts,
-            where=f"{cfg.dataset}[{cfg.train_split}]", chat_template_kwargs=cfg.chat_template_kwargs)
+            where=f"{cfg.dataset}[{cfg.train_split}]", chat_template_kwargs=self.template_kwargs)
         self.eval_rows = None
         if cfg.eval_steps:
             rows, eval_task = setup.task_rows(cfg, eval_rows, cfg.eval_split, "eval")
@@ -276,7 +277,7 @@ class Trainer:
         self.step_functions = self.kernels.step_functions(self.loss_options, cfg.temperature, cfg.logprob_chunk_size,
                                                           cfg.cast_lm_head_to_fp32)
         self.generation = make_generation_backend(cfg.generation_backend, self.policy, self.tokenizer.pad_token_id,
-                                                  self.kernels.sampler(cfg.max_prompt_length))
+                                                  self.kernels.sampler(cfg.max_prompt_length), self.tools)
 
         # --- optimizer, schedule, sampling, counters ---
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_rows) / cfg.prompts_per_generation)

@@ -52,8 +52,9 @@ class StepFunctions:
     """What the update calls to get log-probs, a micro-batch's loss and the micro-batches (chosen once)."""
 
     logprobs: Callable  # (model, ids, attention_mask, completion_mask) -> ((n, T) logps, None); no grad passes
-    update_loss: Callable  # (model, ids, attention_mask, completion_mask, advantages, old, ref, aggregation)
-    #                        -> (loss, (n, T) logps, (n, T) entropy); old None when on-policy
+    update_loss: Callable  # (model, ids, attention_mask, loss_mask, advantages, old, ref, aggregation)
+    #                        -> (loss, (n, T) logps, (n, T) entropy); old None when on-policy; the completion
+    #                        the model reads is attention_mask's last T columns, loss_mask the tokens counted
     batches: Callable  # (lengths (N,), micro_batch_size) -> [rows]: the reference / old passes' micro-batches
     update_batches: Callable  # (order (N,), lengths (N,), micro_batch_size, num_updates) -> [rows], in order
 
@@ -71,11 +72,12 @@ def plain_update_batches(order, lengths, micro_batch_size: int, num_updates: int
 def logprob_loss(logprobs: Callable, options: LossOptions) -> Callable:
     """The update loss as the paper writes it: log-probs -> per-token loss -> aggregation."""
 
-    def update_loss(model, ids, attention_mask, completion_mask, advantages, old_logps, ref_logps, aggregation):
+    def update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation):
+        completion_mask = attention_mask[:, -loss_mask.shape[1]:]  # (n, T) tool results included
         logps, entropy = logprobs(model, ids, attention_mask, completion_mask, with_entropy=True)  # (n, T)
         old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
-        token_losses = per_token_loss(logps, old, advantages, completion_mask, ref_logps, options, entropy)
-        return aggregate_loss(token_losses, completion_mask, options.loss_type, **aggregation), logps, entropy
+        token_losses = per_token_loss(logps, old, advantages, loss_mask, ref_logps, options, entropy)
+        return aggregate_loss(token_losses, loss_mask, options.loss_type, **aggregation), logps, entropy
 
     return update_loss
 
@@ -87,17 +89,16 @@ def plain_step_functions(options: LossOptions, temperature: float, chunk_size: i
     return StepFunctions(logprobs, logprob_loss(logprobs, options), plain_batches, plain_update_batches)
 
 
-def micro_batch(tensors, completion_mask, rows):
-    """The rows' (n, P' + T') sequences, attention mask and (n, T') completion mask, trimmed of the columns
-    that are padding in every one of these rows (left of prompts, right of completions)."""
-    prompt_ids, prompt_mask, completion_ids = (tensor[rows] for tensor in tensors)
-    completion_mask = completion_mask[rows]
+def micro_batch(tensors, rows):
+    """The rows' (n, P' + T') sequences, attention mask and (n, T') loss mask, trimmed of the columns that are
+    padding in every one of these rows (left of prompts, right of completions). `tensors`: the rollout's
+    prompt ids, prompt mask, completion ids, completion mask and loss mask (grpo.rollout.Rollout.loss_mask)."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask = (tensor[rows] for tensor in tensors)
     prompt_len = int(prompt_mask.sum(-1).max())
     completion_len = max(1, int(completion_mask.sum(-1).max()))
-    completion_mask = completion_mask[:, :completion_len]  # (n, T')
     ids = torch.cat([prompt_ids[:, -prompt_len:], completion_ids[:, :completion_len]], 1)  # (n, P' + T')
-    attention_mask = torch.cat([prompt_mask[:, -prompt_len:], completion_mask], 1)
-    return ids, attention_mask, completion_mask
+    attention_mask = torch.cat([prompt_mask[:, -prompt_len:], completion_mask[:, :completion_len]], 1)
+    return ids, attention_mask, loss_mask[:, :completion_len]  # (n, T')
 
 
 def advantages_of(rewards_per_func: torch.Tensor, weights: torch.Tensor, config) -> tuple[torch.Tensor, dict]:
@@ -109,14 +110,14 @@ def advantages_of(rewards_per_func: torch.Tensor, weights: torch.Tensor, config)
 
 
 @torch.no_grad()
-def no_grad_logprobs(run, call, tensors, completion_mask) -> torch.Tensor:
+def no_grad_logprobs(run, call, tensors) -> torch.Tensor:
     """(N, T) log-probs of the completions under `call`'s model, micro-batch by micro-batch, without grad."""
-    functions = run.step_functions
+    functions, completion_mask = run.step_functions, tensors[3]
     out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=completion_mask.device)
     for rows in functions.batches(completion_mask.sum(-1), run.config.micro_batch_size):
-        ids, attention_mask, mask = micro_batch(tensors, completion_mask, rows)
+        ids, attention_mask, mask = micro_batch(tensors, rows)
         with run.autocast:
-            logps, _ = call(functions.logprobs, ids, attention_mask, mask)  # (n, T')
+            logps, _ = call(functions.logprobs, ids, attention_mask, attention_mask[:, -mask.shape[1]:])  # (n, T')
         out[rows, : mask.shape[1]] = logps
     return out
 
@@ -142,15 +143,14 @@ def micro_batch_loss(run, ids, attention_mask, mask, advantages, old_logps, ref_
     return loss, stats
 
 
-def accumulate_gradients(run, batches, tensors, completion_mask, advantages, old_logps, ref_logps, aggregation,
-                         entropy_coef):
+def accumulate_gradients(run, batches, tensors, advantages, old_logps, ref_logps, aggregation, entropy_coef):
     """loss.backward() over the update's micro-batches (their gradients add up in .grad).
 
     Returns (finite on this rank, the micro-batch losses, their statistics)."""
     finite, losses, stats = True, [], []
     for index, rows in enumerate(batches):
-        rows = rows.to(completion_mask.device)
-        ids, attention_mask, mask = micro_batch(tensors, completion_mask, rows)
+        rows = rows.to(advantages.device)
+        ids, attention_mask, mask = micro_batch(tensors, rows)
         ref = None if ref_logps is None else ref_logps[rows, : mask.shape[1]]
         old = None if old_logps is None else old_logps[rows, : mask.shape[1]]
         with accumulating(run.policy_call, last=index == len(batches) - 1):  # DDP: one all-reduce, at the end
@@ -230,10 +230,12 @@ def train_on_rollout(run, rollout: Rollout, shuffle: bool = True) -> dict:
     check_rollout(run, rollout)
     cfg, world, device = run.config, run.world, run.device
     num_rows, num_updates = rollout.num_rows, cfg.updates_per_generation
-    tensors = (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device))
-    completion_mask = rollout.completion_mask.to(device)  # (N, T)
+    completion_mask, loss_mask = rollout.completion_mask.to(device), rollout.loss_mask.to(device)  # (N, T)
     if cfg.mask_truncated_completions:  # drops them from attention and loss, as trl
-        completion_mask = completion_mask * (~rollout.truncated.to(device))[:, None]
+        kept = (~rollout.truncated.to(device))[:, None]
+        completion_mask, loss_mask = completion_mask * kept, loss_mask * kept
+    tensors = (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
+               completion_mask, loss_mask)
 
     # --- advantages: over every rank's rows, as one process would compute them ---
     all_rewards = world.gather_rows(rollout.rewards_per_func)  # (N_all, K)
@@ -242,9 +244,9 @@ def train_on_rollout(run, rollout: Rollout, shuffle: bool = True) -> dict:
 
     # --- reference and old log-probs, without grad ---
     started = time.perf_counter()
-    ref_logps = no_grad_logprobs(run, run.ref_call, tensors, completion_mask) if cfg.beta != 0.0 else None
+    ref_logps = no_grad_logprobs(run, run.ref_call, tensors) if cfg.beta != 0.0 else None
     off_policy = cfg.num_iterations * num_updates > 1  # some update runs after the policy moved
-    old_logps = no_grad_logprobs(run, run.policy_call, tensors, completion_mask) if off_policy else None
+    old_logps = no_grad_logprobs(run, run.policy_call, tensors) if off_policy else None
     if device.type == "cuda":  # wait for the queued GPU work, so the time is the passes' own
         torch.cuda.synchronize(device)
     reference_time = time.perf_counter() - started
@@ -252,7 +254,7 @@ def train_on_rollout(run, rollout: Rollout, shuffle: bool = True) -> dict:
     # --- num_iterations x k x (micro-batches -> loss -> backward; clip; AdamW; LR) ---
     # dapo / cispo / vespo divide by the real tokens of one update over all ranks (the rollout's / k, as trl),
     # / world size because DDP and FSDP2 average the ranks' gradients
-    num_items_in_batch = world.sum(completion_mask.sum().item()) / num_updates / world.size
+    num_items_in_batch = world.sum(loss_mask.sum().item()) / num_updates / world.size
     aggregation = dict(num_micro_batches=run.local_micro_batches, max_completion_length=cfg.max_completion_length,
                        num_items_in_batch=num_items_in_batch)
     lengths = completion_mask.sum(-1).cpu()  # (N,)
@@ -267,8 +269,8 @@ def train_on_rollout(run, rollout: Rollout, shuffle: bool = True) -> dict:
         for update in range(num_updates):
             coef = run.entropy_control.applied()  # the same for every micro-batch of this update
             slice_ = batches[update * run.local_micro_batches : (update + 1) * run.local_micro_batches]
-            finite, losses, stats = accumulate_gradients(run, slice_, tensors, completion_mask, advantages,
-                                                         old_logps, ref_logps, aggregation, coef)
+            finite, losses, stats = accumulate_gradients(run, slice_, tensors, advantages, old_logps, ref_logps,
+                                                         aggregation, coef)
             record["grad_norms"].append(apply_update(run, finite, stats))
             if run.entropy_control.enabled:
                 record["entropy_coefs"].append(run.entropy_control.coef)
@@ -280,5 +282,5 @@ def train_on_rollout(run, rollout: Rollout, shuffle: bool = True) -> dict:
                   num_items_in_batch=num_items_in_batch * world.size)
     for observe in run.observers:
         observe(record)
-    metrics = step_metrics(run, rollout, completion_mask, all_rewards, all_advantages, record)
+    metrics = step_metrics(run, rollout, loss_mask, all_rewards, all_advantages, record)
     return {**reward_stats, **metrics, "reference_time": reference_time}

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from rewards.gsm8k import GSM8K_REWARDS
 from rewards.text import completion_text
+from rewards.tools import TOOL_REWARDS
 from rewards.toy import TOY_REWARDS
 
 RewardFn = Callable[..., list]
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {**GSM8K_REWARDS, **TOY_REWARDS}
+REWARD_FUNCTIONS: dict[str, RewardFn] = {**GSM8K_REWARDS, **TOY_REWARDS, **TOOL_REWARDS}
 
 
 @dataclass(frozen=True)

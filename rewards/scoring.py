@@ -78,14 +78,16 @@ def score_completions(
 
 
 def score_rows(specs: Sequence[RewardSpec], rows: list[dict], texts: list[str], completion_ids: list[list[int]],
-               group_size: int = 1) -> torch.Tensor:
+               group_size: int = 1, messages: list[list[dict]] | None = None) -> torch.Tensor:
     """(N, K) rewards of completion texts for dataset rows, `group_size` consecutive completions per row.
 
     trl's convention: chat prompts get chat-message completions, plain-string prompts plain strings, and
     every column but `prompt` arrives as a keyword list aligned with the completions, `completion_ids` too.
+    `messages`: each completion's turns (tool rollouts: assistant, tool, ..., assistant), used for chat prompts.
     """
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
-    completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
+    completions = texts if isinstance(prompts[0], str) else messages or [[{"role": "assistant", "content": t}]
+                                                                          for t in texts]
     columns = {key: [row.get(key) for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
     columns["completion_ids"] = completion_ids
     return score_completions(specs, prompts, completions, columns)

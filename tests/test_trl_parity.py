@@ -123,6 +123,19 @@ def fixed_completions(rollout_index: int, vocab: int, eos: int, num_rows: int):
     return completions
 
 
+def fixed_tool_masks(completions: list[list[int]]) -> list[list[int]]:
+    """0 on a stretch inside each completion of 4 tokens or more (a tool's result, as trl's env_mask marks it):
+    tokens 1 and 2 of even rows, 2 to 4 of odd ones; never the last token."""
+    masks = []
+    for row, completion in enumerate(completions):
+        mask = [1] * len(completion)
+        if len(completion) >= 4:
+            start, end = (1, 3) if row % 2 == 0 else (2, min(5, len(completion) - 1))
+            mask[start:end] = [0] * (end - start)
+        masks.append(mask)
+    return masks
+
+
 def make_trl(model_dir, rows, settings, completions_for=fixed_completions, max_len=MAX_LEN, output_dir=None, lr=LR):
     """trl's trainer whose rollout_func returns `completions_for(rollout_index, vocabulary, eos, rows)`."""
     from trl import GRPOConfig as TrlConfig, GRPOTrainer
@@ -149,7 +162,9 @@ def make_trl(model_dir, rows, settings, completions_for=fixed_completions, max_l
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         completions = completions_for(state["rollout"], len(tokenizer), eos, len(prompts))
         state["completions"] = completions
-        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+        state["tool_masks"] = fixed_tool_masks(completions) if settings.get("tool_mask") else None
+        extra = {"env_mask": state["tool_masks"]} if settings.get("tool_mask") else {}  # trl's tool_mask from a rollout
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None, **extra}
 
     peft_config = None
     if "lora" in settings:  # trl's GRPOTrainer(peft_config=...): the reference is the model with adapters off
@@ -217,7 +232,7 @@ def make_ours(model_dir, rows, settings, tmp_path, kernels, max_len=MAX_LEN, lr=
     return Trainer(config, policy=policy, reward_functions=specs, train_rows=rows)
 
 
-def our_step(trainer, inputs, completions, grads_out):
+def our_step(trainer, inputs, completions, grads_out, tool_masks=None):
     tokenizer = trainer.tokenizer
     prompts = [row["prompt"] for row in inputs]
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -226,7 +241,7 @@ def our_step(trainer, inputs, completions, grads_out):
                "completion_ids": completions}
     rewards = score_completions(trainer.rewards, prompts, chat, columns)
     rollout = Rollout.from_token_lists([encode_prompt(tokenizer, p) for p in prompts], completions, rewards,
-                                       trainer.eos_token_ids, tokenizer.pad_token_id)
+                                       trainer.eos_token_ids, tokenizer.pad_token_id, tool_masks)
     step = trainer.optimizer.step
 
     def capture():
@@ -305,6 +320,13 @@ OPTIONS = [dict(BASE, **change) for change in (
     dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, **OFF),
     dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.0, **OFF),
     dict(loss_type="luspo", level="sequence", delta=1.0005, **OFF),
+    # Tool results in the completion (trl's tool_mask, from a rollout_func's env_mask): out of the loss, the KL,
+    # the entropy and the token counts, still read by the model.
+    dict(tool_mask=True),
+    dict(tool_mask=True, loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.05, **OFF),
+    dict(tool_mask=True, loss_type="dr_grpo", level="sequence", mask_truncated=True, **OFF),
+    dict(tool_mask=True, loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=10.0,
+         updates_per_generation=2),
 )]
 # LoRA (trl's peft_config): the default targets with the base's KL, and two targets with dapo off-policy.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -379,7 +401,7 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
         trl_record = trl_step(trl_trainer, trl_state, inputs, index, settings["ga"], settings["iterations"], k)
         metrics_before = {key: list(values) for key, values in trl_trainer._metrics["train"].items()}
         our_grads = []
-        rollout = our_step(ours, inputs, trl_state["completions"], our_grads)
+        rollout = our_step(ours, inputs, trl_state["completions"], our_grads, trl_state["tool_masks"])
         batch, last = trl_record["batch"], records[-1]
 
         # Advantages (weighted rewards with None rows, group/batch/none scaling, or GDPO's per-reward normalisation).

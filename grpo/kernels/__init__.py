@@ -115,14 +115,16 @@ class KernelChoice:
                             type(model).__name__)
 
 
-def _fused_update_loss(model, ids, attention_mask, completion_mask, advantages, old_logps, ref_logps, aggregation,
+def _fused_update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation,
                        options, **kernel_args):
-    """grpo.kernels.fused_loss with the aggregation's weights: the same loss as grpo.update.logprob_loss."""
+    """grpo.kernels.fused_loss with the aggregation's weights: the same loss as grpo.update.logprob_loss (the
+    weights are 0 on the tokens the loss mask leaves out, such as tool results)."""
     from grpo.kernels.fused_loss import fused_completion_loss
     from grpo.loss import aggregation_weights
 
-    with torch.autocast(completion_mask.device.type, enabled=False):
-        weights = aggregation_weights(completion_mask, options.loss_type, **aggregation)  # (n, T)
+    with torch.autocast(loss_mask.device.type, enabled=False):
+        weights = aggregation_weights(loss_mask, options.loss_type, **aggregation)  # (n, T)
+    completion_mask = attention_mask[:, -loss_mask.shape[1]:]  # (n, T) the tokens the model reads
     return fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, old_logps, ref_logps,
                                  weights, options, **kernel_args)
 
