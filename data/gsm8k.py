@@ -132,6 +132,10 @@ def read_rows(source: str, split: str) -> list[tuple[str, list[dict]]]:
             raise DataError(f"{source}: expected synthetic or synthetic:N with N a number of rows")
         # Different seeds per split so a held-out slice is not the training data.
         return [(f"synthetic[{split}]", make_synthetic_gsm8k(int(size_text), seed=0 if split == "train" else 1))]
+    if source == "humaneval":  # the code task of data/humaneval.py
+        from data.humaneval import load_humaneval
+
+        return [(f"humaneval[{split}]", load_humaneval(split))]
     path = Path(source).expanduser()
     if path.is_file():
         return [(str(path), _read_file(path))]

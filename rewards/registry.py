@@ -14,12 +14,13 @@ from pathlib import Path
 
 from rewards.gsm8k import GSM8K_REWARDS
 from rewards.text import completion_text
+from rewards.code import CODE_REWARDS
 from rewards.tools import TOOL_REWARDS
 from rewards.toy import TOY_REWARDS
 
 RewardFn = Callable[..., list]
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {**GSM8K_REWARDS, **TOY_REWARDS, **TOOL_REWARDS}
+REWARD_FUNCTIONS: dict[str, RewardFn] = {**GSM8K_REWARDS, **TOY_REWARDS, **TOOL_REWARDS, **CODE_REWARDS}
 
 
 @dataclass(frozen=True)
