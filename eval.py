@@ -33,6 +33,7 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> d
     from grpo.generation import GroupSampler
     from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
+    from grpo.setup import tool_set
 
     device = resolve_device(config.device)
     precision = resolve_precision(config.precision, device)
@@ -43,10 +44,11 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> d
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     kernels = select_kernels(config.kernels, device, model=model)
     kernels.prepare_model(model)
-    backend = GroupSampler(model, tokenizer.pad_token_id, kernels.sampler(config.max_prompt_length))
+    tools, template_kwargs = tool_set(config, tokenizer)  # as in training: the tools' schemas in the prompt
+    backend = GroupSampler(model, tokenizer.pad_token_id, kernels.sampler(config.max_prompt_length), tools)
     records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
                                 config.max_completion_length, config.batch_size, autocast=autocast, scorer=scorer,
-                                backend=backend, chat_template_kwargs=config.chat_template_kwargs)
+                                backend=backend, chat_template_kwargs=template_kwargs)
     folder = Path(config.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     stem = output_stem(name)

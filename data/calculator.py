@@ -69,3 +69,31 @@ def calculator(expression: str) -> str:
             return str(int(value))
         return f"{value:.6g}"
     return str(value)
+
+
+# A worked tool exchange shown before the question: small models copy its call format.
+EXAMPLE = [
+    {"role": "user", "content": "What is 48 * 17?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "48 * 17"}}\n'
+                                     "</tool_call>"},
+    {"role": "tool", "name": "calculator", "content": "816"},
+    {"role": "assistant", "content": "<reasoning>\n48 * 17 = 816\n</reasoning>\n<answer>\n816\n</answer>"},
+]
+
+
+def arithmetic_rows(count: int, seed: int = 0, one_shot: bool = True) -> list[dict]:
+    """Seeded products and sums of 3- and 2-digit numbers that a small model gets wrong in its head, as rows
+    with a chat `prompt` (the system prompt, the worked tool exchange with `one_shot`, the question) and the
+    `answer`: for the calculator's worked example (bench/tool_learning.py)."""
+    import random
+
+    rng, rows = random.Random(seed), []
+    for _ in range(count):
+        a, b, c = rng.randint(100, 999), rng.randint(11, 99), rng.randint(100, 999)
+        expression, value = rng.choice([(f"{a} * {b}", a * b), (f"{a} * {b} + {c}", a * b + c),
+                                        (f"{a} + {c} * {b}", a + c * b)])
+        question = f"What is {expression}?"
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, *(EXAMPLE if one_shot else []),
+                  {"role": "user", "content": question}]
+        rows.append({"prompt": prompt, "question": question, "answer": str(value)})
+    return rows

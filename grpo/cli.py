@@ -16,6 +16,7 @@ import types
 import typing
 from pathlib import Path
 
+from data.calculator import SYSTEM_PROMPT as CALCULATOR_PROMPT
 from grpo.config import REPLACED, GRPOConfig
 from grpo.evaluation import EvalConfig
 
@@ -28,6 +29,13 @@ PRESETS: dict[str, dict] = {
         learning_rate=3e-3, warmup_ratio=0.0, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.04,
         weight_decay=0.0, reward=["tags"], save_steps=15, eval_steps=30, eval_limit=16, eval_batch_size=16,
         log_completions_steps=5, logging_steps=5, device="cpu", precision="fp32",
+    ),
+    # GSM8K with the calculator tool (docs/tools.md): the system prompt says how to call it, the rewards pay for
+    # the answer and for calls that worked. The model is the README's real run's; --model overrides it.
+    "calculator": dict(
+        model="Qwen/Qwen2.5-0.5B-Instruct", output_dir="runs/calculator", tools=["data.calculator:calculator"],
+        system_prompt=CALCULATOR_PROMPT, reward=["correctness:2", "int", "strict_format", "tool_success"],
+        max_completion_length=384,
     ),
 }
 
@@ -135,8 +143,9 @@ def cli_reference() -> str:
             lines.append(f"| `--{f.name.replace('_', '-')}` | `{shown}` | {help_text} |")
         return lines
 
-    smoke = " ".join(f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
-                     for k, v in PRESETS["smoke"].items())
+    def flags(preset: dict) -> str:
+        shown = {k: "(data.calculator.SYSTEM_PROMPT)" if k == "system_prompt" else v for k, v in preset.items()}
+        return " ".join(f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in shown.items())
     return "\n".join([
         "# Command-line reference",
         "",
@@ -145,7 +154,7 @@ def cli_reference() -> str:
         "JSON, keys are the field names); precedence: defaults < `--preset` < `--config` < flags. A boolean flag `--x`",
         "has its `--no-x`. Batch sizes count prompts and completions, not trl's per-device completions (README).",
         "",
-        f"`--preset smoke` sets: `{smoke}`.",
+        *[f"`--preset {name}` sets: `{flags(preset)}`.\n" for name, preset in PRESETS.items()],
         "",
         "## train.py",
         "",

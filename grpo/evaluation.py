@@ -45,6 +45,8 @@ class EvalConfig(ConfigMixin):
     one_shot: bool = option(False, "GSM8K-style rows: a worked example before the question (the same as training)")
     chat_template: str | None = option(None, "a Jinja chat template file for tokenizers that have none (as train.py's; a checkpoint keeps the one it trained with), used for --model and --compare")
     chat_template_kwargs: dict | None = option(None, "extra keyword arguments of the chat template, a JSON object (the same as training), e.g. '{\"enable_thinking\": false}'")
+    tools: list[str] = option([], "functions the model may call, module:function each (the same as training's --tools)")
+    max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most (as training)")
     scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
     reward: list[str] = option(["correctness"], "reward functions for --scorer rewards (names, module:function or file.py:function)")
     max_prompt_length: int = option(512, "prompt tokens kept (truncated from the left)")

@@ -29,4 +29,17 @@ def tool_success(prompts, completions, **kwargs) -> list[float]:
     return rewards
 
 
-TOOL_REWARDS = {"tool_success": tool_success}
+def tool_call_format(prompts, completions, **kwargs) -> list[float]:
+    """Shaping towards calls: 1.0 when some turn made a well-formed call (<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>), 0.5 when a turn only began one (the tag, but no well-formed call), 0.0 otherwise."""
+    rewards = []
+    for completion in completions:
+        turns = [completion] if isinstance(completion, str) else [m for m in completion if m.get("role") == "assistant"]
+        well_formed = any(not isinstance(turn, str) and any("error" not in call for call in turn.get("tool_calls", []))
+                          for turn in turns)
+        began = any("<tool_call>" in (turn if isinstance(turn, str) else str(turn.get("content", ""))) for turn in turns)
+        rewards.append(1.0 if well_formed else 0.5 if began else 0.0)
+    return rewards
+
+
+TOOL_REWARDS = {"tool_success": tool_success, "tool_call_format": tool_call_format}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from data.calculator import calculator
-from rewards.tools import tool_success
+from rewards.tools import tool_call_format, tool_success
 from grpo.generation import make_generation_backend
 from grpo.sampler import SamplingParams, sample_groups
 from grpo.tools import ToolSet, load_tools, parse_tool_calls, run_tool_call, tool_suffix_ids
@@ -251,6 +251,12 @@ def test_tool_success_pays_only_for_calls_that_all_worked():
     failed = [ok[0], {"role": "tool", "name": "calculator", "content": '{"error": "Tool x not found."}'}, ok[2]]
     mixed = ok[:2] + failed[1:]
     assert tool_success(None, [ok, failed, mixed, ok[:1], "plain text"]) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    called = [{"role": "assistant", "content": "<tool_call>...</tool_call>",
+               "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {}}}]}]
+    malformed = [{"role": "assistant", "content": "<tool_call>{oops</tool_call>",
+                  "tool_calls": [{"type": "function", "function": {"name": "unknown", "arguments": {}}, "error": "x"}]}]
+    begun = [{"role": "assistant", "content": "<tool_call>\n{\"name\": 1"}]
+    assert tool_call_format(None, [called, malformed, begun, ok[:1], "<tool_call>"]) == [1.0, 0.5, 0.5, 0.0, 0.5]
 
 
 @pytest.mark.slow

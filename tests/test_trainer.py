@@ -329,10 +329,10 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
         refresh_kernels(trainer)
         cells[grouping] = []
 
-        def recording(tensors, completion_mask, rows, out=cells[grouping]):
-            ids, attention_mask, cm = original(tensors, completion_mask, rows)
+        def recording(tensors, rows, out=cells[grouping]):
+            ids, attention_mask, loss_mask = original(tensors, rows)
             out.append(ids.numel())
-            return ids, attention_mask, cm
+            return ids, attention_mask, loss_mask
 
         monkeypatch.setattr(update_module, "micro_batch", recording)
         grads[grouping] = record_gradients(trainer)
