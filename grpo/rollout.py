@@ -60,10 +60,13 @@ class Rollout:
 
         The completion mask covers tokens up to and including the first EOS; a completion without
         EOS is marked truncated. Tokens after the first EOS are ignored. `tool_masks`: one 0/1 list per
-        completion, 0 on the tool-result tokens (whose EOS tokens do not end the completion).
+        completion, 0 on the tool-result tokens; neither an EOS inside a result nor the EOS of a turn that a
+        result follows ends the completion.
         """
         if len(prompt_ids) != len(completion_ids):
             raise ValueError(f"{len(prompt_ids)} prompts for {len(completion_ids)} completions")
+        if tool_masks is not None and [len(m) for m in tool_masks] != [len(c) for c in completion_ids]:
+            raise ValueError("tool_masks need one 0/1 value per completion token, row by row")
         num_rows, eos = len(completion_ids), set(eos_token_ids)
         prompt_len = max(len(p) for p in prompt_ids)
         completion_len = max(1, max(len(c) for c in completion_ids))
@@ -77,7 +80,8 @@ class Rollout:
             prompt_mask[row, prompt_len - len(prompt) :] = 1
             length, own = len(completion), [1] * len(completion) if tool_masks is None else tool_masks[row]
             for position, token in enumerate(completion):
-                if token in eos and own[position]:
+                goes_on = position + 1 < len(completion) and not own[position + 1]  # a tool result follows
+                if token in eos and own[position] and not goes_on:
                     length, truncated[row] = position + 1, False
                     break
             completions[row, :length] = torch.tensor(completion[:length], dtype=torch.long)

@@ -296,3 +296,17 @@ def test_a_training_step_on_tool_rollouts(tmp_path):
     assert records[0]["num_items_in_batch"] == sum(model_tokens)  # the loss's token count leaves them out
     assert [m["role"] for m in seen["completions"][0]] == ["assistant", "tool", "assistant"]
     assert seen["completions"][0][1]["content"] == "5"
+
+
+def test_rollout_from_token_lists_keeps_tool_results_out_of_the_loss_mask():
+    from grpo.rollout import Rollout
+
+    eos, pad = 2, 0
+    completions = [[5, eos, 9, eos, 6, 7, eos], [5, 6, eos]]  # row 0: a turn, a result (9, EOS) and a second turn
+    masks = [[1, 1, 0, 0, 1, 1, 1], [1, 1, 1]]
+    rollout = Rollout.from_token_lists([[4], [4]], completions, [1.0, 0.0], (eos,), pad, masks)
+    assert rollout.completion_mask.tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]  # the result's EOS ends nothing
+    assert rollout.loss_mask.tolist() == [[1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0]]
+    assert not rollout.truncated.any()
+    with pytest.raises(ValueError, match="one 0/1 value per completion token"):
+        Rollout.from_token_lists([[4], [4]], completions, [1.0, 0.0], (eos,), pad, [masks[0], [1]])
