@@ -54,9 +54,12 @@ def program_of(code: str, prompt_code: str | None, entry_point: str | None) -> s
     that only continues the prompt's function (no `def entry_point`) is appended to it as the body."""
     if not prompt_code:
         return code
-    defines = entry_point and any(isinstance(node, ast.FunctionDef) and node.name == entry_point
-                                  for node in ast.walk(ast.parse(code))) if parses(code) else False
-    return prompt_code.rstrip("\n") + "\n" + code + "\n" if not defines else prompt_code + "\n\n" + code + "\n"
+    tree = ast.parse(code) if parses(code) else None
+    defines = tree is not None and any(isinstance(node, ast.FunctionDef) and node.name == entry_point
+                                       for node in ast.walk(tree))
+    if defines:  # the whole function: it replaces the prompt's, whose imports it may use
+        return f"{prompt_code}\n\n{code}\n"
+    return prompt_code.rstrip("\n") + "\n" + code + "\n"  # the body of the prompt's function
 
 
 def syntax(prompts, completions, **kwargs) -> list[float]:

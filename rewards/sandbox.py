@@ -167,7 +167,10 @@ def run_program(code: str, cases: list[str], setup: str = "", limits: Limits = L
                 isolation = json.loads(line.split(" ", 2)[2])
             elif parts[1] == "case" and len(parts) == 4 and parts[2].isdigit() and int(parts[2]) < len(cases):
                 scores[int(parts[2])] = float(parts[3] == "1")
-    text = lambda data: data[: limits.output_bytes].decode(errors="replace").replace(key, "<key>")  # noqa: E731
+
+    def text(data: bytes) -> str:
+        return data[: limits.output_bytes].decode(errors="replace").replace(key, "<key>")
+
     return RunResult(scores, timed_out, process.returncode, text(stdout), text(stderr), isolation)
 
 
