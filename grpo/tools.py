@@ -70,7 +70,7 @@ def run_tool_call(tools: dict[str, Callable], call: dict) -> tuple[str, str, boo
         return name, json.dumps({"error": f"Tool {name} not found."}), True
     try:
         return name, str(tools[name](**call["function"]["arguments"])), False
-    except Exception as error:  # noqa: BLE001 - a failing tool is the model's problem, reported back to it
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - a failing tool is reported back to the model
         return name, json.dumps({"error": f"{type(error).__name__}: {error}"}), True
 
 

@@ -8,6 +8,7 @@ result that is not fed in shows up as filler tokens.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -125,6 +126,8 @@ def test_run_tool_call_turns_every_failure_into_an_error_result():
     assert failed and "TypeError" in result
     _, result, failed = run_tool_call(tools, parse_tool_calls("<tool_call>{oops</tool_call>")[0])
     assert failed and "malformed" in result
+    _, result, failed = run_tool_call({"quit": sys.exit}, parse_tool_calls(call_text("quit"))[0])
+    assert failed and "SystemExit" in result  # a tool that exits does not end the run
 
 
 def test_load_tools_names_the_bad_spec():
