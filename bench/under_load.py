@@ -1,7 +1,7 @@
 """Run the test suite with CPU-burning processes beside it: a test's outcome must not depend on how busy the
 machine is (CI machines are shared; timeouts, tolerances and collective deadlines must hold under load).
 
-    python bench/under_load.py                      # 2 busy processes (every core of a 2-core machine), pytest -q
+    python bench/under_load.py -- -n 2              # 2 busy processes (every core of a 2-core machine), pytest -q -n 2
     python bench/under_load.py --burners 4 -- tests/test_distributed.py -x
 
 Each burner is a Python process spinning on arithmetic at normal priority. They are stopped when pytest ends

@@ -14,9 +14,10 @@ def _tool_results(completion) -> list[str]:
 
 def _failed(result: str) -> bool:
     try:
-        return isinstance(json.loads(result), dict) and "error" in json.loads(result)
+        parsed = json.loads(result)
     except ValueError:
         return False
+    return isinstance(parsed, dict) and "error" in parsed
 
 
 def tool_success(prompts, completions, **kwargs) -> list[float]:

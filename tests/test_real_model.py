@@ -258,8 +258,16 @@ def test_fp32_rounding_floor_of_the_real_model(real, parity_rows, real_completio
             logits = model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows]).logits
         return torch.log_softmax(logits[:, -6:-1].double(), -1).gather(-1, ids[rows, -5:, None]).squeeze(-1)  # (n, 5)
 
-    batched = logps(slice(None))
-    one_by_one = torch.cat([logps(slice(row, row + 1)) for row in range(ids.shape[0])])
+    # Two threads, as on any multi-core machine: one thread computes a row the same way in every batch shape (the
+    # difference is then exactly 0), two split the matmuls by the batch's shape. Pinned, so that a single-threaded
+    # run (pytest -n 2 on two cores) measures the same thing.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batched = logps(slice(None))
+        one_by_one = torch.cat([logps(slice(row, row + 1)) for row in range(ids.shape[0])])
+    finally:
+        torch.set_num_threads(threads)
     difference = (batched - one_by_one).abs().max().item()
     assert 1e-6 < difference < 1e-6 * REAL_FLOOR, difference
 
