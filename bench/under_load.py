@@ -6,6 +6,9 @@ machine is (CI machines are shared; timeouts, tolerances and collective deadline
 
 Each burner is a Python process spinning on arithmetic at normal priority. They are stopped when pytest ends
 (also on Ctrl-C). The exit status is pytest's.
+
+Run it in a checkout that nothing edits meanwhile (a test that starts a program imports the files as they are
+then), placed beside ../shared as this one is: elsewhere the GSM8K and real-model tests skip (`-rs` lists why).
 """
 
 from __future__ import annotations
