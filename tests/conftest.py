@@ -6,19 +6,17 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Under pytest-xdist (`pytest -n 2`), each worker gets its share of the cores, for torch here and for the programs
-# the tests start: two workers with two threads each on two cores would oversubscribe every matmul.
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_threads)
-
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Under pytest-xdist (`pytest -n 2`), each worker gets its share of the cores, for torch here and for the programs
+# the tests start: two workers with two threads each on two cores would oversubscribe every matmul.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 SHARED_GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 
