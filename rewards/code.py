@@ -41,12 +41,15 @@ def extract_code(completion) -> str:
     return (python or [code for _, code in blocks] or [text])[-1].strip("\n")
 
 
-def parses(code: str) -> bool:
+def _syntax_tree(code: str) -> ast.Module | None:
     try:
-        ast.parse(code)
-        return True
+        return ast.parse(code)
     except (SyntaxError, ValueError):  # ValueError: null bytes
-        return False
+        return None
+
+
+def parses(code: str) -> bool:
+    return _syntax_tree(code) is not None
 
 
 def program_of(code: str, prompt_code: str | None, entry_point: str | None) -> str:
@@ -54,7 +57,7 @@ def program_of(code: str, prompt_code: str | None, entry_point: str | None) -> s
     that only continues the prompt's function (no `def entry_point`) is appended to it as the body."""
     if not prompt_code:
         return code
-    tree = ast.parse(code) if parses(code) else None
+    tree = _syntax_tree(code)
     defines = tree is not None and any(isinstance(node, ast.FunctionDef) and node.name == entry_point
                                        for node in ast.walk(tree))
     if defines:  # the whole function: it replaces the prompt's, whose imports it may use
