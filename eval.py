@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt,
                                     config.one_shot)
         rows = rows[: config.limit] if config.limit else rows
-        scorer = make_scorer(config.scorer, task, parse_reward_specs(config.reward))
+        scorer = make_scorer(config.scorer, task, parse_reward_specs(config.reward), config.sandbox_isolation)
         summaries = [evaluate_model(config, name, rows, scorer) for name in [config.model, config.compare] if name]
     except (ValueError, DataError, ModelError, RewardError) as error:
         print(f"error: {error}", file=sys.stderr)

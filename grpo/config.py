@@ -26,6 +26,7 @@ from grpo.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from grpo.metrics import REPORT_TO
 from grpo.models import LR_SCHEDULERS, OPTIMIZERS, PRECISIONS
 from grpo.prompts import LONG_PROMPTS
+from rewards.sandbox import ISOLATION_CHOICES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GSM8K_RECIPE_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
@@ -135,6 +136,7 @@ class GRPOConfig(ConfigMixin):
 
     # --- the objective ---
     reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)")
+    sandbox_isolation: str = option("available", "rewards that run the model's programs (execution): `available` runs them with the isolation layers this machine gives, the first log line naming any that is missing; `full` refuses to start without every layer (bubblewrap, root, cgroups; docs/tools.md)", choices=ISOLATION_CHOICES)
     scale_rewards: str = option("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=SCALE_REWARDS)
     loss_type: str = option("grpo", "the objective and its token aggregation (grpo/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES)
     multi_objective_aggregation: str = option("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)

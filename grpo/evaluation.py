@@ -22,6 +22,7 @@ from tqdm import tqdm
 from data.answers import canonical_number, extract_last_number, gold_from_column
 from data.prompts import SYSTEM_PROMPT
 from grpo.config import ConfigMixin, option
+from rewards.sandbox import ISOLATION_CHOICES, check_isolation
 from grpo.distributed import gathered
 from grpo.kernels import KERNEL_CHOICES
 from grpo.models import PRECISIONS
@@ -49,6 +50,7 @@ class EvalConfig(ConfigMixin):
     max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most (as training)")
     scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
     reward: list[str] = option(["correctness"], "reward functions for --scorer rewards (names, module:function or file.py:function)")
+    sandbox_isolation: str = option("available", "a scorer or reward that runs the model's programs: `available` runs them with the isolation layers this machine gives (a warning names any that is missing), `full` refuses to start without every layer (as train.py's)", choices=ISOLATION_CHOICES)
     max_prompt_length: int = option(512, "prompt tokens kept (truncated from the left)")
     max_completion_length: int = option(512, "completion token budget")
     batch_size: int = option(32, "prompts decoded together")
@@ -100,8 +102,9 @@ def reward_scores(reward_specs):
     return score
 
 
-def make_scorer(name: str, task: str, reward_specs=None):
-    """The batch scorer `fn(completions, rows, completion_ids) -> list of dicts` that `--eval-scorer name` means."""
+def make_scorer(name: str, task: str, reward_specs=None, sandbox_isolation: str = "available"):
+    """The batch scorer `fn(completions, rows, completion_ids) -> list of dicts` that `--eval-scorer name` means;
+    `sandbox_isolation` as rewards.sandbox.check_isolation takes it, for a scorer that runs the model's programs."""
     if name == "auto":
         name = "gsm8k" if task == "gsm8k" else "rewards"
     if name == "gsm8k":
@@ -109,8 +112,10 @@ def make_scorer(name: str, task: str, reward_specs=None):
     if name == "rewards":
         if not reward_specs:
             raise ValueError("--eval-scorer rewards needs the training reward functions")
+        check_isolation([spec.fn for spec in reward_specs], sandbox_isolation)
         return reward_scores(reward_specs)
     function = load_function(name, what="eval scorer")
+    check_isolation([function], sandbox_isolation)
 
     def score(completions, rows, completion_ids=None):
         records = []

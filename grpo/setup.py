@@ -22,6 +22,7 @@ from grpo.lora import add_lora
 from grpo.tools import ToolSet, check_template_renders_tools, load_tools
 from grpo.models import cast_head_to_fp32, disable_dropout, load_model, make_optimizer, make_scheduler
 from rewards import RewardSpec, parse_reward_specs
+from rewards.sandbox import check_isolation
 from rewards.shaping import overlong_penalty
 
 logger = logging.getLogger("grpo")
@@ -31,8 +32,10 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "eval", "run_confi
 
 
 def reward_specs(config, reward_functions=None) -> list[RewardSpec]:
-    """--reward (or the functions given from Python), plus DAPO's overlong shaping as one more reward."""
+    """--reward (or the functions given from Python), plus DAPO's overlong shaping as one more reward; for rewards
+    that run the model's programs, the sandbox's isolation is logged (or, short of --sandbox-isolation full, refused)."""
     specs = parse_reward_specs(reward_functions if reward_functions is not None else config.reward)
+    check_isolation([spec.fn for spec in specs], config.sandbox_isolation)
     if config.overlong_buffer_len > 0:  # rewards/shaping.py
         shaping = overlong_penalty(config.max_completion_length, config.overlong_buffer_len,
                                    config.overlong_penalty_factor)

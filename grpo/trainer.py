@@ -211,6 +211,7 @@ class Trainer:
                  eval_rows=None, tools=None):
         use_cpu_huge_pages()  # before the first large tensor (it is read once)
         self.config = cfg = config.validate()
+        self.rewards = setup.reward_specs(cfg, reward_functions)  # first: a code reward's sandbox is logged
         # --- processes: world size one unless launched by torchrun (grpo.distributed) ---
         self.world = init_world(cfg.device, cfg.distributed_timeout, cfg.distributed)
         self.device = resolve_device(cfg.device)
@@ -220,7 +221,6 @@ class Trainer:
         setup.check_world(cfg, self.world)
         for note in cfg.advice():
             logger.warning(note)
-        self.rewards = setup.reward_specs(cfg, reward_functions)
         self.reward_weights = torch.tensor([spec.weight for spec in self.rewards], dtype=torch.float32)
         self.run_dir = Path(cfg.output_dir)
         self.resume_from = setup.find_resume_checkpoint(cfg)
@@ -238,7 +238,7 @@ class Trainer:
         if cfg.eval_steps:
             rows, eval_task = setup.task_rows(cfg, eval_rows, cfg.eval_split, "eval")
             self.eval_rows = rows[: cfg.eval_limit]
-            self.eval_scorer = make_scorer(cfg.eval_scorer, eval_task, self.rewards)
+            self.eval_scorer = make_scorer(cfg.eval_scorer, eval_task, self.rewards, cfg.sandbox_isolation)
 
         # --- models: the policy, its frozen reference, both as the loop calls them (DDP / FSDP2 under torchrun) ---
         weight_dtype = torch.bfloat16 if self.precision == "bf16-pure" else torch.float32

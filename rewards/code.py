@@ -80,11 +80,15 @@ def execution(prompts, completions, tests, setup=None, prompt_code=None, entry_p
         program = program_of(code, prompt_code[row], entry_point[row])
         if not parses(program) or not tests[row]:
             return 0.0
-        scores = run_tests(program, list(tests[row]), setup[row] or "", LIMITS)
+        scores = run_tests(program, list(tests[row]), setup[row] or "", LIMITS, helpers=prompt_code[row] or "",
+                           entry_point=entry_point[row])
         return sum(scores) / len(scores)
 
     with ThreadPoolExecutor(WORKERS) as pool:
         return list(pool.map(score, range(count)))
+
+
+execution.runs_untrusted_code = True  # rewards.sandbox.check_isolation: the run says what confines it
 
 
 def pep8(prompts, completions, **kwargs) -> list[float]:
@@ -118,5 +122,7 @@ def passed_all(completion, row) -> dict:
                       [row.get("entry_point")])[0]
     return {"pass@1": float(share == 1.0), "tests_passed": share}
 
+
+passed_all.runs_untrusted_code = True
 
 CODE_REWARDS = {"syntax": syntax, "execution": execution, "pep8": pep8, "safety": safety}

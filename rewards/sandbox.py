@@ -1,123 +1,73 @@
-"""Running model-written Python in a separate, confined process: one float per test case, never an exception.
+"""Running model-written Python confined by the operating system, with the verdict decided outside it.
 
-    run_tests(code, cases, setup="", limits=Limits()) -> [1.0 or 0.0 per case]
+    run_tests(program, cases, setup, limits, helpers=..., entry_point=...) -> [1.0 or 0.0 per case]
 
-Each program runs in a fresh `python -I` process (isolated mode: no user site, no PYTHON* variables) whose
-bootstrap confines itself before it reads the program:
+Each run starts two processes (rewards/judge.py holds the code of both):
 
-    limits      RLIMIT_CPU (CPU seconds), RLIMIT_AS (address space), RLIMIT_FSIZE (bytes written to a file),
-                RLIMIT_NOFILE, no core files; a wall-clock deadline in the parent, which kills the whole
-                process group (start_new_session) when it passes
-    network     a new, empty network namespace (unshare(CLONE_NEWNET)) where the kernel allows it: no
-                interface but a down loopback, so every connect fails
-    user        when started as root: setgid/setuid to nobody (65534), with RLIMIT_NPROC, so a fork bomb
-                stops at a few processes and files only root may read stay closed
-    files       a fresh temporary working directory (removed after), an empty environment; common standard
-                modules (math, re, collections, typing, ...) are imported before the user switch, since the
-                interpreter's folders may not be readable to nobody
-    audit hook  installed before the program runs (sys.addaudithook, which a program cannot remove):
-                refuses opening files outside the working directory and the interpreter's own library
-                folders, process creation (os.system, os.fork, subprocess, os.exec*, os.spawn*, posix_spawn),
-                sockets, ctypes, os.kill, and frame inspection (sys._getframe) that could read the
-                bootstrap's result key
+    confined   the model's program, inside bubblewrap (a maintained sandbox tool, Debian's `bubblewrap`):
+               new pid, network, ipc and uts namespaces; a read-only view of the interpreter and the system
+               libraries only (site-packages hidden, no project folder, no /etc, no host /tmp or /dev/shm), a
+               private size-capped tmpfs as /tmp; no new privileges; a distinct unprivileged uid for each program
+               running at once (when started as root); RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC; and a
+               memory and process-count limit over its whole process tree (a cgroup, when one can be made)
+    judge      trusted: the task's helpers, setup and test cases, with the functions the tests call as proxies
+               into the confined process. What comes back is plain data, compared here.
 
-The audit hook is a guard rail, not a boundary: Python's documentation says so, and a C extension could get
-around it. The boundary is the process with its limits, its namespace and its user; what was obtained is in
-`isolation()` (the network namespace and the user switch need root, or they are skipped and said so). For
-untrusted code at scale, run the trainer itself in a container or gVisor.
+The trainer reads every output pipe with a cap while it streams and kills both processes (and everything in the
+sandbox's pid namespace and cgroup) at the wall deadline, so a call returns within `wall_seconds` plus a fraction
+of a second whatever the program does, and never raises for anything the program does.
 
-Results are streamed: the bootstrap prints a line with a random key (read from stdin, never in the program's
-namespace) after each case, so cases passed before a timeout or crash still count. A program that exits,
-hangs, raises at import, or prints a fake result line gets 0.0 for the cases it did not really pass.
+`isolation()` says which layers this machine gives (each one checked by running a probe in the sandbox); where
+one is missing (no bubblewrap, not root, no writable cgroup), programs still run with what there is, the run's
+first log line names what is missing, and `Limits(require_full_isolation=True)` (`--sandbox-isolation full`)
+refuses to run them instead. docs/tools.md says what each missing layer leaves unstopped.
 """
 
 from __future__ import annotations
 
+import ast
+import fcntl
 import json
+import logging
 import os
-import secrets
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
+
+JUDGE_SOURCE = Path(__file__).with_name("judge.py").read_text()
+FIRST_UID, UID_SLOTS = 1_862_270_976, 64  # one unprivileged uid per program running at once on this machine
+logger = logging.getLogger("grpo.sandbox")
+ISOLATION_CHOICES = ("available", "full")
+LAYERS = ("bubblewrap", "pid_namespace", "network_namespace", "filesystem_view", "distinct_uid", "memory_cgroup",
+          "process_cgroup", "resource_limits")
+
+
+class SandboxUnavailable(ValueError):
+    """Full isolation was required and this machine does not give it (a setting this machine cannot meet)."""
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one program may use."""
 
-    wall_seconds: float = 10.0  # the parent's deadline for the whole program, every case included
-    cpu_seconds: int = 5  # RLIMIT_CPU
-    memory_bytes: int = 1 << 30  # RLIMIT_AS: address space (a 10 GB allocation fails with MemoryError)
-    file_bytes: int = 1 << 20  # RLIMIT_FSIZE: largest file it may write
-    output_bytes: int = 1 << 16  # stdout / stderr kept
-    processes: int = 8  # RLIMIT_NPROC of the nobody user (when started as root)
-    audit_hook: bool = True  # off only to test the process limits on their own (tests/test_code_rewards.py)
-
-
-BOOTSTRAP = r'''
-import ctypes, json, os, resource, sys
-key, limits = sys.stdin.readline().strip(), json.loads(sys.argv[1])
-for name, value in (("RLIMIT_CPU", limits["cpu_seconds"]), ("RLIMIT_AS", limits["memory_bytes"]),
-                    ("RLIMIT_FSIZE", limits["file_bytes"]), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)):
-    resource.setrlimit(getattr(resource, name), (value, value))
-isolation = {"network_namespace": False, "user": "unchanged"}
-libc = ctypes.CDLL(None, use_errno=True)
-if libc.unshare(0x40000000) == 0:  # CLONE_NEWNET
-    isolation["network_namespace"] = True
-PRELOAD = ("math", "cmath", "re", "string", "collections", "itertools", "functools", "heapq", "bisect", "typing",
-           "fractions", "decimal", "statistics", "random", "hashlib", "json", "copy", "operator", "datetime",
-           "enum", "dataclasses", "array", "textwrap", "numbers", "unicodedata", "traceback", "socket", "encodings.idna")
-for name in PRELOAD:  # imported while the interpreter's folders are still readable (they may not be to nobody)
-    __import__(name)
-if os.getuid() == 0:
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
-    os.setgroups([]); os.setgid(65534); os.setuid(65534)
-    isolation["user"] = "nobody"
-print(key, "isolation", json.dumps(isolation), flush=True)
-here = os.path.realpath(os.getcwd())
-readable = tuple(os.path.realpath(p) for p in sys.path if p and os.path.isdir(p))
-BLOCKED = ("os.system", "os.fork", "os.forkpty", "os.exec", "os.spawn", "os.posix_spawn", "subprocess.Popen",
-           "socket.", "ctypes.", "os.kill", "os.killpg", "sys._getframe", "sys._current_frames", "os.putenv",
-           "os.chdir", "os.chmod", "os.chown", "os.link", "os.symlink", "shutil.")
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-DENIED_MODULES = ("ctypes", "_ctypes", "socket", "_socket", "subprocess", "multiprocessing", "gc", "inspect")
-def guard(event, args, write=os.write, realpath=os.path.realpath):
-    if event.startswith(BLOCKED):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args[0].split(".")[0] in DENIED_MODULES:
-        raise PermissionError(f"sandbox: import {args[0]} is not allowed")
-    if event == "open" and isinstance(args[0], (str, bytes)):
-        path = realpath(args[0] if isinstance(args[0], str) else args[0].decode(errors="replace"))
-        writing = bool(args[2] & WRITE_FLAGS) if len(args) > 2 and isinstance(args[2], int) else True
-        if not (path == here or path.startswith(here + os.sep)) and (writing or not path.startswith(readable)):
-            raise PermissionError(f"sandbox: opening {path} is not allowed")
-program, cases, setup = json.loads(sys.stdin.read())
-del libc
-for name in [name for name in sys.modules if name.split(".")[0] in ("ctypes", "_ctypes")]:
-    del sys.modules[name]  # a program's `import ctypes` is then a new import, which the hook refuses
-if limits["audit_hook"]:
-    sys.addaudithook(guard)
-namespace = {"__name__": "__main__"}
-def report(index, passed):
-    sys.__stdout__.write(f"{key} case {index} {int(passed)}\n"); sys.__stdout__.flush()
-try:
-    exec(compile(program, "program.py", "exec"), namespace)
-    exec(compile(setup, "setup.py", "exec"), namespace)
-except BaseException as error:
-    print(f"program failed: {type(error).__name__}: {error}", file=sys.__stderr__)
-    os._exit(0)
-for index, case in enumerate(cases):
-    try:
-        exec(compile(case, f"case{index}.py", "exec"), namespace)
-        report(index, True)
-    except BaseException as error:
-        print(f"case {index}: {type(error).__name__}: {error}", file=sys.__stderr__)
-        report(index, False)
-os._exit(0)
-'''
+    wall_seconds: float = 10.0  # the whole run, every case included; the trainer kills everything then
+    cpu_seconds: int = 5  # RLIMIT_CPU of each process in the sandbox
+    memory_bytes: int = 1 << 30  # the sandbox's whole process tree (cgroup), and RLIMIT_AS of each process
+    file_bytes: int = 1 << 20  # RLIMIT_FSIZE: the largest file it may write
+    disk_bytes: int = 16 << 20  # the size of its private /tmp (its only writable folder)
+    processes: int = 16  # its whole process tree (cgroup pids.max), and RLIMIT_NPROC of its uid
+    output_bytes: int = 1 << 16  # of stdout and of stderr; a program that prints more is stopped
+    result_bytes: int = 1 << 20  # the largest answer to one call the judge accepts
+    audit_hook: bool = True  # an extra guard inside the confined process; the OS sandbox is the boundary
+    require_full_isolation: bool = False  # refuse to run programs where a layer of `isolation()` is missing
 
 
 @dataclass
@@ -126,52 +76,171 @@ class RunResult:
 
     scores: list[float]
     timed_out: bool
-    returncode: int | None
-    stdout: str
+    returncode: int | None  # the confined process's (bubblewrap's)
+    stdout: str  # the program's, cut at limits.output_bytes
     stderr: str
-    isolation: dict
+    log: str  # the judge's: why each failed case failed
 
 
-def run_tests(code: str, cases: list[str], setup: str = "", limits: Limits = Limits()) -> list[float]:
-    """1.0 for each case (a snippet such as `assert f(2) == 4`) that ran without an exception after the
-    program and `setup`, 0.0 otherwise; a program that fails to start, hangs or crashes scores 0 on the cases
-    it had not passed. Never raises for anything the program does."""
-    return run_program(code, cases, setup, limits).scores
+@dataclass(frozen=True)
+class Isolation:
+    """The layers this machine gives a confined program (LAYERS), and why each missing one is missing."""
+
+    layers: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)
+
+    @property
+    def missing(self) -> list[str]:
+        return [name for name in LAYERS if not self.layers.get(name)]
+
+    def describe(self) -> str:
+        if not self.missing:
+            return "code sandbox: full isolation (" + ", ".join(LAYERS) + ")"
+        return "code sandbox: MISSING " + "; ".join(f"{name} ({self.reasons.get(name, 'not obtained')})"
+                                                   for name in self.missing) + " -- docs/tools.md says what is then not stopped"
 
 
-def run_program(code: str, cases: list[str], setup: str = "", limits: Limits = Limits()) -> RunResult:
-    """`run_tests` with the details: stdout / stderr (cut at limits.output_bytes), timeout, isolation."""
-    key = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as folder:
-        os.chmod(folder, 0o777)  # the nobody user works in it
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-c", BOOTSTRAP, json.dumps(asdict(limits))], cwd=folder, env={},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        payload = key + "\n" + json.dumps([code, list(cases), setup])
-        timed_out = False
+def check_isolation(functions, required: str = "available") -> Isolation | None:
+    """For a run whose rewards or scorer run model-written programs (functions marked `runs_untrusted_code = True`,
+    as rewards.code's are): log which layers this machine gives, a warning naming each missing one; with
+    `required="full"`, raise SandboxUnavailable instead where one is missing. None when no function runs programs."""
+    if not any(getattr(function, "runs_untrusted_code", False) for function in functions):
+        return None
+    layers = isolation()
+    if layers.missing and required == "full":
+        raise SandboxUnavailable(f"--sandbox-isolation full: {layers.describe()}")
+    (logger.warning if layers.missing else logger.info)(layers.describe())
+    return layers
+
+
+def run_tests(program: str, cases: list[str], setup: str = "", limits: Limits = Limits(), *, helpers: str = "",
+              entry_point: str | None = None) -> list[float]:
+    """1.0 for each case (trusted code such as `assert add(2, 3) == 5`) that runs without an exception in the
+    judge, after `helpers` and `setup`, with the program's functions called in the confined process; 0.0
+    otherwise. Never raises for anything the program does."""
+    return run_program(program, cases, setup, limits, helpers=helpers, entry_point=entry_point).scores
+
+
+def run_program(program: str, cases: list[str], setup: str = "", limits: Limits = Limits(), *, helpers: str = "",
+                entry_point: str | None = None) -> RunResult:
+    """`run_tests` with the details: the program's output, the judge's log, the timeout."""
+    layers = isolation()
+    if limits.require_full_isolation and layers.missing:
+        raise SandboxUnavailable(layers.describe())
+    names = proxied_names(program, helpers, entry_point)
+    start = time.monotonic()
+    with _uid_slot() as uid, _Cgroup.make(limits) as cgroup, tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as folder:
+        requests_read, requests_write = os.pipe()
+        answers_read, answers_write = os.pipe()
+        confined_settings = {**_limit_settings(limits), "uid": uid, "unshare_net": not layers.layers["bubblewrap"],
+                             "requests_fd": requests_read, "answers_fd": answers_write, "audit_hook": limits.audit_hook}
+        command = cgroup.enter_command() + _confined_command(confined_settings, limits, layers.layers["bubblewrap"])
+        pipes = []
         try:
-            stdout, stderr = process.communicate(payload.encode(), timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(process.pid)
-            stdout, stderr = process.communicate()
-        except BrokenPipeError:  # it died before reading its input
-            _kill_group(process.pid)
-            stdout, stderr = process.communicate()
-        _kill_group(process.pid)  # anything it left behind in its session
-    scores, isolation = [0.0] * len(cases), {}
-    for line in stdout.decode(errors="replace").splitlines():
-        parts = line.split(" ", 3)
-        if len(parts) >= 3 and parts[0] == key:
-            if parts[1] == "isolation":
-                isolation = json.loads(line.split(" ", 2)[2])
-            elif parts[1] == "case" and len(parts) == 4 and parts[2].isdigit() and int(parts[2]) < len(cases):
-                scores[int(parts[2])] = float(parts[3] == "1")
+            os.chmod(folder, 0o777)  # the working folder without bubblewrap (there, a private tmpfs)
+            confined = subprocess.Popen(command, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, pass_fds=(requests_read, answers_write),
+                                        start_new_session=True)
+            judge = subprocess.Popen([sys.executable, "-I", "-c", JUDGE_SOURCE + "\njudge_main()\n"], env={},
+                                     cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     pass_fds=(requests_write, answers_read), start_new_session=True)
+        finally:
+            for fd in (requests_read, requests_write, answers_read, answers_write):
+                os.close(fd)
+        job = {"program": program, "helpers": helpers or "", "setup": setup or "", "cases": list(cases), "names": names,
+               "wall_seconds": limits.wall_seconds, "memory_bytes": limits.memory_bytes,
+               "result_bytes": limits.result_bytes, "requests_fd": requests_write, "answers_fd": answers_read}
+        try:
+            streams = _collect(judge, confined, json.dumps(job).encode(), start + limits.wall_seconds + 0.5,
+                               limits.output_bytes, verdict_bytes=32 * len(cases) + 256)
+        finally:
+            for process in (judge, confined):
+                _kill_group(process.pid)
+            cgroup.kill()
+            if uid is not None:
+                _kill_uid(uid)
+            for process in (judge, confined):
+                process.wait()
+    scores = [0.0] * len(cases)
+    for line in streams["verdicts"].decode(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "case" and parts[1].isdigit() and int(parts[1]) < len(cases):
+            scores[int(parts[1])] = float(parts[2] == "1")
+    timed_out = judge.returncode != 0 and time.monotonic() >= start + limits.wall_seconds
+    text = {name: data.decode(errors="replace") for name, data in streams.items()}
+    return RunResult(scores, timed_out, confined.returncode, text["stdout"], text["stderr"], text["log"])
 
-    def text(data: bytes) -> str:
-        return data[: limits.output_bytes].decode(errors="replace").replace(key, "<key>")
 
-    return RunResult(scores, timed_out, process.returncode, text(stdout), text(stderr), isolation)
+def proxied_names(program: str, helpers: str, entry_point: str | None) -> list[str]:
+    """The names the tests may call in the program: every top-level name the program binds that the problem's
+    helpers do not (those stay the problem's own, run by the judge), and the entry point."""
+    def bound(code: str) -> set[str]:
+        try:
+            tree = ast.parse(code)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return set()
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(target.id for target in targets if isinstance(target, ast.Name))
+        return names
+
+    names = bound(program) - bound(helpers or "")
+    return sorted(names | ({entry_point} if entry_point else set()))
+
+
+def _limit_settings(limits: Limits) -> dict:
+    return {key: value for key, value in asdict(limits).items()
+            if key in ("cpu_seconds", "memory_bytes", "file_bytes", "processes")}
+
+
+def _collect(judge, confined, job: bytes, deadline: float, cap: int, verdict_bytes: int) -> dict[str, bytes]:
+    """Write the job to the judge and read every pipe until the judge exits (or the deadline), keeping at most `cap`
+    bytes of each output and `verdict_bytes` of the verdicts: the rest is read and dropped, so neither a flood
+    nor a process that holds a pipe open can grow the trainer's memory or hold up the call. A program that prints
+    more than `cap` bytes is stopped there."""
+    kept = {"verdicts": b"", "log": b"", "stdout": b"", "stderr": b""}
+    limits = {"verdicts": verdict_bytes, "log": cap, "stdout": cap, "stderr": cap}
+    seen = dict.fromkeys(kept, 0)
+    selector = selectors.DefaultSelector()
+    for name, pipe in (("verdicts", judge.stdout), ("log", judge.stderr), ("stdout", confined.stdout),
+                       ("stderr", confined.stderr)):
+        os.set_blocking(pipe.fileno(), False)
+        selector.register(pipe, selectors.EVENT_READ, name)
+    os.set_blocking(judge.stdin.fileno(), False)
+    selector.register(judge.stdin, selectors.EVENT_WRITE, "job")
+    judge_open = 3  # the judge's stdin, stdout and stderr
+    try:
+        while judge_open and (remaining := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(min(remaining, 0.25)):
+                name = key.data
+                try:
+                    if name == "job":
+                        job = job[os.write(key.fileobj.fileno(), job):]
+                        chunk = b"x" if job else b""
+                    else:
+                        chunk = os.read(key.fileobj.fileno(), 1 << 16)
+                        kept[name] += chunk[: max(0, limits[name] - len(kept[name]))]
+                        seen[name] += len(chunk)
+                        if name in ("stdout", "stderr") and seen[name] > cap:
+                            _kill_group(confined.pid)  # printing past the cap is over a limit, like CPU time
+                except BlockingIOError:
+                    continue
+                except OSError:  # the judge closed its stdin early: it has failed
+                    chunk = b""
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    judge_open -= name in ("job", "verdicts", "log")
+    finally:
+        selector.close()
+        for pipe in (judge.stdin, judge.stdout, judge.stderr, confined.stdout, confined.stderr):
+            if not pipe.closed:
+                pipe.close()
+    return kept
 
 
 def _kill_group(pid: int) -> None:
@@ -181,7 +250,266 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of `uid` (a slot's own uid: nothing else runs as it), until none is left."""
+    for _ in range(100):
+        found = False
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    if entry.stat().st_uid == uid:
+                        found = True
+                        os.kill(int(entry.name), signal.SIGKILL)
+                except (FileNotFoundError, ProcessLookupError):
+                    pass
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+class _uid_slot:
+    """A uid of its own for this program (root only, else None): slot k of UID_SLOTS, held by a lock file so that
+    programs of other threads and processes on this machine never share one."""
+
+    def __enter__(self) -> int | None:
+        self.handle = None
+        if os.geteuid() != 0:
+            return None
+        folder = Path(tempfile.gettempdir()) / "grpo-sandbox-uids"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        while True:
+            for slot in range(UID_SLOTS):
+                handle = open(folder / str(slot), "w")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.close()
+                    continue
+                self.handle = handle
+                _kill_uid(FIRST_UID + slot)  # a crashed earlier holder's leftovers
+                return FIRST_UID + slot
+            time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        if self.handle is not None:
+            self.handle.close()  # releases the lock
+
+
+# ---------------------------------------------------------------- the confined process's command
+def _confined_command(settings: dict, limits: Limits, bubblewrap: bool) -> list[str]:
+    """bubblewrap (when present) around `python -I -S -c judge.py confined_main() SETTINGS`."""
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    command = [python, "-I", "-S", "-B", "-c", JUDGE_SOURCE + "\nconfined_main()\n", json.dumps(settings)]
+    return _bubblewrap_args(python, limits, root=os.geteuid() == 0) + command if bubblewrap else command
+
+
+def _bubblewrap_args(python: str, limits: Limits, root: bool) -> list[str]:
+    args = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
+    if root:  # the confined process switches to its own uid itself, first thing (judge.confined_main)
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:  # an unprivileged user namespace: the caller's uid outside, no distinct uid
+        args += ["--unshare-user", "--disable-userns"]
+    args += ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for folder in _interpreter_folders(python):
+        parents = [str(parent) for parent in reversed(Path(folder).parents) if str(parent) != "/"]
+        for parent in parents:
+            args += ["--perms", "0755", "--dir", parent]
+        args += ["--ro-bind", folder, folder]
+    for packages in _site_packages():  # the interpreter's installed packages: hidden under an empty tmpfs
+        args += ["--tmpfs", packages]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.disk_bytes),
+             "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    return args
+
+
+def _interpreter_folders(python: str) -> list[str]:
+    """What the interpreter needs outside /usr: its prefix (executable, libpython, standard library)."""
+    folders = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix), os.path.dirname(python)}
+    folders = sorted(folder for folder in folders if not (folder + "/").startswith("/usr/"))
+    return [folder for folder in folders if not any(folder.startswith(other + "/") for other in folders)]
+
+
+def _site_packages() -> list[str]:
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix,
+            "installed_platbase": sys.base_exec_prefix}
+    paths = sysconfig.get_paths(vars=base)
+    return sorted({os.path.realpath(paths[key]) for key in ("purelib", "platlib") if os.path.isdir(paths[key])})
+
+
+# ---------------------------------------------------------------- cgroups: memory and process count over the tree
+class _Cgroup:
+    """A cgroup for one program (v2, or v1's memory and pids hierarchies), or a stand-in that does nothing where
+    none can be made. The confined process enters it before bubblewrap starts (`enter_command`)."""
+
+    def __init__(self, folders: list[Path]):
+        self.folders = folders
+
+    @classmethod
+    def make(cls, limits: Limits) -> _Cgroup:
+        parents = _cgroup_parents()
+        if not parents:
+            return cls([])
+        name = f"grpo-sandbox-{os.getpid()}-{time.monotonic_ns()}"
+        folders = []
+        try:
+            for kind, parent in parents.items():
+                folder = parent / name
+                folder.mkdir()
+                folders.append(folder)
+                if kind in ("v2", "memory"):
+                    memory = "memory.max" if kind == "v2" else "memory.limit_in_bytes"
+                    (folder / memory).write_text(str(limits.memory_bytes))
+                    for swap in ("memory.swap.max", "memory.memsw.limit_in_bytes"):
+                        if (folder / swap).exists():
+                            (folder / swap).write_text("0" if swap == "memory.swap.max" else str(limits.memory_bytes))
+                if kind in ("v2", "pids"):
+                    (folder / "pids.max").write_text(str(limits.processes))
+        except OSError:
+            cls(folders).kill()
+            raise
+        return cls(folders)
+
+    def __enter__(self) -> _Cgroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def enter_command(self) -> list[str]:
+        if not self.folders:
+            return []
+        procs = [str(folder / "cgroup.procs") for folder in self.folders]
+        return ["/bin/sh", "-c", 'for f; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done; '
+                                 'shift; exec "$@"', "sh", *procs, "--"]
+
+    def kill(self) -> None:
+        """SIGKILL whatever is still in the cgroup, then remove it."""
+        for folder in self.folders:
+            for _ in range(200):
+                try:
+                    pids = (folder / "cgroup.procs").read_text().split()
+                except OSError:
+                    break
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.005)
+            for _ in range(200):
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # busy for a moment after its last process died
+                    time.sleep(0.005)
+        self.folders = []
+
+
 @lru_cache(maxsize=1)
-def isolation() -> dict:
-    """What confinement this machine gives a program (network namespace, user), found by running one."""
-    return run_program("", [], "").isolation
+def _cgroup_parents() -> dict[str, Path]:
+    """Where this process may make child cgroups with memory and pids limits: {"v2": dir} or {"memory": dir,
+    "pids": dir} (v1), or {} where it may not (not root, read-only cgroupfs, controllers not delegated)."""
+    try:
+        own = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
+        mounts = [line.split() for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    except OSError:
+        return {}
+    found = {}
+    for fields in mounts:
+        dash = fields.index("-")
+        fstype, root, point, options = fields[dash + 1], fields[3], fields[4], fields[dash + 3].split(",")
+        for kind in ("memory", "pids"):
+            if fstype == "cgroup" and kind in options and kind in own:
+                found[kind] = Path(point) / os.path.relpath(own[kind], root)
+        if fstype == "cgroup2" and "" in own:
+            folder = Path(point) / os.path.relpath(own[""], root)
+            try:
+                enabled = (folder / "cgroup.subtree_control").read_text().split()
+            except OSError:
+                enabled = []
+            if {"memory", "pids"} <= set(enabled):
+                found["v2"] = folder
+    parents = {"v2": found["v2"]} if "v2" in found else {k: found[k] for k in ("memory", "pids") if k in found}
+    if set(parents) not in ({"v2"}, {"memory", "pids"}):
+        return {}
+    try:  # writable? make and remove a probe
+        for parent in parents.values():
+            probe = parent / f"grpo-sandbox-probe-{os.getpid()}"
+            probe.mkdir()
+            probe.rmdir()
+    except OSError:
+        return {}
+    return parents
+
+
+# ---------------------------------------------------------------- what this machine gives
+PROBE = r'''
+import json, os, socket
+facts = {"pid": os.getpid(), "uid": os.getuid(), "interfaces": [name for _, name in socket.if_nameindex()],
+         "root_entries": sorted(os.listdir("/")), "sees_project": os.path.exists(%r), "sees_site": %r,
+         "no_new_privs": open("/proc/self/status").read().split("NoNewPrivs:")[1].split()[0] == "1"}
+try:
+    facts["site_packages"] = [p for p in %r if os.listdir(p)]
+except OSError:
+    facts["site_packages"] = []
+print(json.dumps(facts))
+'''
+
+
+@lru_cache(maxsize=1)
+def isolation() -> Isolation:
+    """The layers a program gets on this machine, each checked by running a probe the way programs are run."""
+    layers, reasons = dict.fromkeys(LAYERS, False), {}
+    layers["resource_limits"] = True  # setrlimit needs no privilege
+    bubblewrap = shutil.which("bwrap")
+    if not bubblewrap:
+        reasons["bubblewrap"] = "bwrap is not installed (Debian: apt-get install bubblewrap)"
+    root = os.geteuid() == 0
+    if not root:
+        reasons["distinct_uid"] = "not root: every program runs as the trainer's uid"
+    parents = _cgroup_parents()
+    layers["memory_cgroup"] = layers["process_cgroup"] = bool(parents)
+    if not parents:
+        reasons["memory_cgroup"] = reasons["process_cgroup"] = (
+            "no writable cgroup with the memory and pids controllers (root and a delegated cgroup are needed): "
+            "the memory and process limits are per process (RLIMIT_AS, RLIMIT_NPROC), not over the tree")
+    project = str(Path(__file__).resolve().parent)
+    if bubblewrap:
+        limits = Limits()
+        settings = {**_limit_settings(limits), "uid": FIRST_UID + UID_SLOTS if root else None}
+        probe = PROBE % (project, _site_packages(), _site_packages())
+        switch = (f"import os; os.setgroups([]); os.setgid({settings['uid']}); os.setuid({settings['uid']})\n"
+                  if root else "")
+        python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        command = _bubblewrap_args(python, limits, root) + [python, "-I", "-S", "-B", "-c", switch + probe]
+        try:
+            done = subprocess.run(command, capture_output=True, timeout=20, env={})
+            facts = json.loads(done.stdout.decode().strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as error:
+            reasons["bubblewrap"] = f"bwrap did not run the probe: {error}"
+            facts = None
+        if facts:
+            layers["bubblewrap"] = True
+            layers["pid_namespace"] = facts["pid"] <= 3
+            layers["network_namespace"] = facts["interfaces"] in ([], ["lo"])
+            layers["filesystem_view"] = not facts["sees_project"] and not facts["site_packages"] and \
+                "home" not in facts["root_entries"] and "etc" not in facts["root_entries"]
+            layers["distinct_uid"] = root and facts["uid"] == settings["uid"] and facts["no_new_privs"]
+            for name in ("pid_namespace", "network_namespace", "filesystem_view", "distinct_uid"):
+                if not layers[name] and name not in reasons:
+                    reasons[name] = f"the probe saw {facts}"
+    if not layers["bubblewrap"]:
+        for name in ("pid_namespace", "network_namespace", "filesystem_view"):
+            reasons.setdefault(name, "needs bubblewrap")
+        layers["distinct_uid"] = root  # confined_main switches to the slot's uid itself
+    return Isolation(layers, reasons)

