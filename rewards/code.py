@@ -44,7 +44,7 @@ def extract_code(completion) -> str:
 def _syntax_tree(code: str) -> ast.Module | None:
     try:
         return ast.parse(code)
-    except (SyntaxError, ValueError):  # ValueError: null bytes
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # null bytes; too deep for the parser
         return None
 
 

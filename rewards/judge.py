@@ -141,6 +141,9 @@ def confined_main() -> None:
         os.setgroups([])
         os.setgid(settings["uid"])
         os.setuid(settings["uid"])
+    _fresh_keyrings()
+    for name in [name for name in sys.modules if name.split(".")[0] in ("ctypes", "_ctypes")]:
+        del sys.modules[name]  # so that a program's `import ctypes` is an import the audit hook sees
     requests, answers = settings["requests_fd"], settings["answers_fd"]
     program = read_frame(requests, 1 << 30)
     if settings["audit_hook"]:
@@ -165,6 +168,27 @@ def confined_main() -> None:
         write_frame(answers, answer)
 
 
+KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 271, "s390x": 280}
+
+
+def _fresh_keyrings() -> None:
+    """Kernel keyrings outlive processes: the uid's user, user-session and persistent keyrings would carry keys from
+    one program of a slot's uid to the next, and the session keyring inherited from the trainer is one for all. So,
+    before the program runs: a new session keyring of its own, and the uid's keyrings emptied."""
+    import ctypes
+
+    number = KEYCTL_SYSCALL.get(os.uname().machine)
+    if number is None:
+        return
+    syscall, long = ctypes.CDLL(None, use_errno=True).syscall, ctypes.c_long
+    syscall(long(number), long(1), None)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
+    for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+        syscall(long(number), long(7), long(keyring))  # KEYCTL_CLEAR
+    persistent = syscall(long(number), long(22), long(-1), long(-3))  # KEYCTL_GET_PERSISTENT, into the new session
+    if persistent > 0:
+        syscall(long(number), long(7), long(persistent))
+
+
 def _describe(error: BaseException) -> list[str]:
     try:
         return [type(error).__name__, str(error)[:300]]
@@ -173,11 +197,13 @@ def _describe(error: BaseException) -> list[str]:
 
 
 def _guard(event, args, blocked=("os.system", "os.fork", "os.forkpty", "os.exec", "os.spawn", "os.posix_spawn",
-                                 "subprocess.Popen", "socket.", "ctypes.", "os.kill", "os.killpg", "os.putenv")):
+                                 "subprocess.Popen", "socket.", "ctypes.", "os.kill", "os.killpg", "os.putenv"),
+           modules=("_posixsubprocess", "ctypes", "_ctypes", "_socket", "socket")):
     """An extra guard inside the confined process (the OS sandbox is the boundary): no new processes, sockets,
-    ctypes or signals. Its settings are default arguments, so the program cannot change them."""
-    if event.startswith(blocked):
-        raise PermissionError(f"sandbox: {event} is not allowed")
+    ctypes or signals, and no import of the modules that reach them without an audit event. Its settings are
+    default arguments, so the program cannot change them."""
+    if event.startswith(blocked) or event == "import" and args[0].split(".")[0] in modules:
+        raise PermissionError(f"sandbox: {event} {args[0] if event == 'import' else ''} is not allowed".strip())
 
 
 # ---------------------------------------------------------------- the judge process
@@ -213,7 +239,9 @@ def judge_main() -> None:
             passed = False
         verdicts.write(f"case {index} {int(passed)}\n")
         verdicts.flush()
-    os._exit(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # without waiting for threads the task's code may have started
 
 
 class Link:
@@ -225,15 +253,16 @@ class Link:
 
     def start(self, program: str) -> None:
         write_frame(self.requests, program)
-        answer = self.receive()
+        answer = self.receive("ready")
         if "error" in answer:
             name, message = answer["error"]
             raise RuntimeError(f"the program raised {name}: {message}")
 
-    def receive(self) -> dict:
+    def receive(self, expected: str) -> dict:
+        """The next answer: a dict with the key `expected` ("ready" or "value") or "error"; Broken otherwise."""
         try:
             answer = read_frame(self.answers, self.limit, self.deadline)
-            if type(answer) is not dict or not ({"ready", "value", "error"} & set(answer)):
+            if type(answer) is not dict or not ({expected, "error"} & set(answer)):
                 raise Broken("an answer that is not one")
             if "error" in answer and not (type(answer["error"]) is list and len(answer["error"]) == 2
                                           and all(type(part) is str for part in answer["error"])):
@@ -251,7 +280,7 @@ class Link:
         except OSError as error:  # BrokenPipeError: it has exited
             self.broken = f"the program's process: {error}"
             raise Broken(self.broken) from None
-        answer = self.receive()
+        answer = self.receive("value")
         if "error" in answer:
             raise _exception(*answer["error"])
         try:

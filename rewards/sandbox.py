@@ -26,6 +26,7 @@ refuses to run them instead. docs/tools.md says what each missing layer leaves u
 from __future__ import annotations
 
 import ast
+import builtins
 import fcntl
 import json
 import logging
@@ -166,14 +167,15 @@ def run_program(program: str, cases: list[str], setup: str = "", limits: Limits 
         parts = line.split()
         if len(parts) == 3 and parts[0] == "case" and parts[1].isdigit() and int(parts[1]) < len(cases):
             scores[int(parts[1])] = float(parts[2] == "1")
-    timed_out = judge.returncode != 0 and time.monotonic() >= start + limits.wall_seconds
+    timed_out = time.monotonic() - start >= limits.wall_seconds
     text = {name: data.decode(errors="replace") for name, data in streams.items()}
     return RunResult(scores, timed_out, confined.returncode, text["stdout"], text["stderr"], text["log"])
 
 
 def proxied_names(program: str, helpers: str, entry_point: str | None) -> list[str]:
-    """The names the tests may call in the program: every top-level name the program binds that the problem's
-    helpers do not (those stay the problem's own, run by the judge), and the entry point."""
+    """The names the tests may call in the program: the entry point where the task names one; else every top-level
+    name the program binds, but for the problem's helpers (they stay the problem's own, run by the judge) and the
+    builtins (a program's `abs` or `range` must not become the tests')."""
     def bound(code: str) -> set[str]:
         try:
             tree = ast.parse(code)
@@ -188,8 +190,9 @@ def proxied_names(program: str, helpers: str, entry_point: str | None) -> list[s
                 names.update(target.id for target in targets if isinstance(target, ast.Name))
         return names
 
-    names = bound(program) - bound(helpers or "")
-    return sorted(names | ({entry_point} if entry_point else set()))
+    if entry_point:
+        return [entry_point]
+    return sorted(bound(program) - bound(helpers or "") - set(dir(builtins)))
 
 
 def _limit_settings(limits: Limits) -> dict:

@@ -139,6 +139,11 @@ ESCAPE = {
     "setuid back to root": "import os\ndef add(a, b):\n    os.setuid(0)\n    return a + b\n",
     "ptrace pid 1 via ctypes": "import ctypes\ndef add(a, b):\n    libc = ctypes.CDLL(None)\n"
                                "    return a + b if libc.ptrace(16, 1, 0, 0) == 0 else None\n",
+    "host /var/tmp": "def add(a, b):\n    open('/var/tmp/pwned-vartmp-{token}', 'w').write('x')\n    return a + b\n",
+    "every pipe under /proc": "import glob, os\ndef add(a, b):\n    wrote = 0\n    for path in glob.glob('/proc/*/fd/*'):\n"
+                              "        try:\n            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)\n"
+                              "            os.write(fd, b'case 0 1\\n')\n            wrote += 1\n        except OSError:\n"
+                              "            pass\n    return None\n",
     "host /dev/shm": "def add(a, b):\n    open('/dev/shm/pwned-shm-{token}', 'w').write('x')\n    return a + b\n",
     "/proc of the host": "import os\ndef add(a, b):\n    pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
                          "    return a + b if len(pids) > 5 else None\n",
@@ -349,3 +354,44 @@ def test_the_reward_function_never_raises_for_what_a_program_does(host, monkeypa
     completions = [f"```python\n{_program(name, host)}```" for name in names]
     rewards = score_rows(parse_reward_specs(["execution"]), rows, completions, [[1]] * len(names), 1)
     assert rewards.tolist() == [[0.0]] * len(names)
+
+
+KEYRINGS = '''
+import ctypes
+libc = ctypes.CDLL(None)
+L = ctypes.c_long
+def keyctl(*args):
+    return libc.syscall(L(250), *[L(a) if isinstance(a, int) else a for a in args])
+RINGS = [-3, -4, -5, keyctl(22, -1, -3)]  # session, user, user-session, persistent
+
+def store(name, value):
+    for ring in RINGS:
+        libc.syscall(L(248), b"user", name, value, L(len(value)), L(ring))  # add_key
+
+def load(name):
+    for ring in RINGS:
+        key = keyctl(10, ring, b"user", name, 0)  # KEYCTL_SEARCH
+        if key > 0:
+            buffer = ctypes.create_string_buffer(16)
+            size = keyctl(11, key, buffer, 16)  # KEYCTL_READ
+            return int(buffer.raw[:size])
+'''
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the attack calls keyctl by its x86_64 syscall number")
+def test_kernel_keyrings_carry_nothing_from_one_program_to_the_next(monkeypatch):
+    """Keyrings outlive processes, per uid: a program that stores its answers there must not hand them to the next
+    program of its uid, nor reach the trainer's session keyring."""
+    monkeypatch.setattr(rewards.sandbox, "UID_SLOTS", 1)  # both programs run as the same uid
+    bare = Limits(**{**LIMITS.__dict__, "audit_hook": False})
+    writer = KEYRINGS + "def add(a, b):\n    store(f'add{a},{b}'.encode(), str(a + b).encode())\n    return load(f'add{a},{b}'.encode())\n"
+    reader = KEYRINGS + "def add(a, b):\n    return load(f'add{a},{b}'.encode())\n"
+    assert run_program(writer, CASES, limits=bare, entry_point="add").scores == [1.0]  # keys work within a run
+    assert run_program(reader, CASES, limits=bare, entry_point="add").scores == [0.0]
+
+
+def test_a_program_cannot_shadow_the_builtins_the_tests_use():
+    """A task without an entry point proxies the program's own functions, never names the tests take from builtins."""
+    cheat = "def add(a, b):\n    return 0\n\ndef abs(x):\n    return 0\n\ndef range(*args):\n    return []\n"
+    cases = ["assert abs(add(1, 2) - 3) < 1e-9", "for i in range(3):\n    assert add(i, 1) == i + 1"]
+    assert run_program(cheat, cases, limits=LIMITS).scores == [0.0, 0.0]
