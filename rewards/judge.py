@@ -55,13 +55,18 @@ def to_plain(value, depth: int = 0):
                     "tuple, dict, set, frozenset)")
 
 
-def from_plain(data):
-    """The value that `to_plain` encoded; ValueError for anything else. Builds only the plain types."""
+HASHED_ITEMS = 2000  # entries of sets and dicts one answer may hold: hashing colliding keys costs n^2 in the judge
+
+
+def from_plain(data, budget: list | None = None):
+    """The value that `to_plain` encoded; ValueError for anything else. Builds only the plain types, and at most
+    HASHED_ITEMS set and dict entries in all (ints that all hash alike would make the judge's work quadratic)."""
+    budget = [HASHED_ITEMS] if budget is None else budget
     kind = type(data)
     if data is None or kind in (bool, int, float, str):
         return data
     if kind is list:
-        return [from_plain(item) for item in data]
+        return [from_plain(item, budget) for item in data]
     if kind is dict and len(data) == 1:
         ((tag, body),) = data.items()
         if tag == "float" and body in ("nan", "inf", "-inf"):
@@ -70,11 +75,15 @@ def from_plain(data):
             return bytes.fromhex(body)
         if type(body) is list:
             if tag == "tuple":
-                return tuple(from_plain(item) for item in body)
+                return tuple(from_plain(item, budget) for item in body)
+            if tag in ("set", "frozenset", "dict"):
+                budget[0] -= len(body)
+                if budget[0] < 0:
+                    raise ValueError(f"more than {HASHED_ITEMS} set and dict entries")
             if tag in ("set", "frozenset"):
-                return (set if tag == "set" else frozenset)(from_plain(item) for item in body)
+                return (set if tag == "set" else frozenset)(from_plain(item, budget) for item in body)
             if tag == "dict" and all(type(pair) is list and len(pair) == 2 for pair in body):
-                return {from_plain(key): from_plain(item) for key, item in body}
+                return {from_plain(key, budget): from_plain(item, budget) for key, item in body}
             if tag == "complex" and len(body) == 2 and all(type(part) is float or type(part) is int for part in body):
                 return complex(*body)
     raise ValueError("not plain data")
@@ -113,9 +122,9 @@ def read_frame(fd: int, limit: int, deadline: float | None = None):
         header += byte
     if not header or int(header) > limit:
         raise Broken(f"a frame of {header.decode()} bytes (the limit is {limit})")
-    size, body = int(header), b""
+    size, body = int(header), bytearray()
     while len(body) < size:
-        body += read(size - len(body))
+        body += read(size - len(body))  # bytearray: appending stays linear, however the sender splits its frame
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as error:

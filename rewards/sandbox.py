@@ -270,6 +270,25 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.01)
 
 
+def _clear_keys(uid: int) -> None:
+    """Empty the kernel keyrings of `uid` when a program left keys there (they outlive processes): one short process
+    as that uid, the confined side's own clearing (judge._fresh_keyrings)."""
+    try:
+        line = next((line for line in Path("/proc/key-users").read_text().splitlines()
+                     if line.split(":")[0].strip() == str(uid)), "")
+    except OSError:
+        return
+    fields = line.split()
+    if len(fields) >= 3 and int(fields[2].split("/")[0]) > 3:  # beyond its user, user-session and persistent keyrings
+        python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        clear = f"os.setgroups([]); os.setgid({uid}); os.setuid({uid}); _fresh_keyrings()\n"
+        command = [python, "-I", "-S", "-c", JUDGE_SOURCE + "\n" + clear]
+        if isolation().layers["bubblewrap"]:  # where the interpreter may not be readable to that uid
+            command = _bubblewrap_args(python, Limits(), root=True) + command
+        subprocess.run(command, env={}, cwd="/", timeout=10, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+
+
 class _uid_slot:
     """A uid of its own for this program (root only, else None): slot k of UID_SLOTS, held by a lock file so that
     programs of other threads and processes on this machine never share one."""
@@ -288,13 +307,14 @@ class _uid_slot:
                 except BlockingIOError:
                     handle.close()
                     continue
-                self.handle = handle
-                _kill_uid(FIRST_UID + slot)  # a crashed earlier holder's leftovers
-                return FIRST_UID + slot
+                self.handle, self.uid = handle, FIRST_UID + slot
+                _kill_uid(self.uid)  # a crashed earlier holder's leftovers
+                return self.uid
             time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:
         if self.handle is not None:
+            _clear_keys(self.uid)
             self.handle.close()  # releases the lock
 
 

@@ -81,6 +81,16 @@ def test_the_judge_compares_plain_data_only():
     assert "not plain data" in result.log
 
 
+def test_plain_data_decoding_is_bounded():
+    from rewards.judge import HASHED_ITEMS, from_plain, to_plain
+
+    assert from_plain(to_plain({"a": {1, 2}, "b": (1, [2.5, None])})) == {"a": {1, 2}, "b": (1, [2.5, None])}
+    with pytest.raises(ValueError, match="set and dict entries"):  # colliding hashes would cost n^2
+        from_plain({"set": list(range(HASHED_ITEMS + 1))})
+    with pytest.raises(ValueError):
+        from_plain({"object": []})
+
+
 def test_the_programs_exceptions_reach_the_tests_as_builtin_classes():
     program = "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
     case = "try:\n    f(-1)\n    raise AssertionError('no error')\nexcept ValueError as error:\n    assert 'negative' in str(error)"
@@ -144,16 +154,17 @@ def test_humaneval_rows_split_their_checks_into_cases():
     train, test = load_humaneval("train"), load_humaneval("test")
     assert (len(train), len(test)) == (124, 40)
     assert not {r["task_id"] for r in train} & {r["task_id"] for r in test}
-    setup, cases = split_check("import math\n\ndef check(candidate):\n    x = 2\n    assert candidate(x) == 4\n"
-                               "    assert True, 'not a case'\n    assert not candidate(0)\n"
-                               "    for i in range(3):\n        assert candidate(i) == i * 2\n"
-                               "    assert candidate(5) is None\n", "double")
-    assert setup == "import math\ncandidate = double"
-    # `assert True` calls no candidate: no case of its own; `not candidate(0)` and `is None`, which a program
-    # returning None passes, join a case
-    assert cases == ["x = 2\nassert candidate(x) == 4",
-                     "assert True, 'not a case'\nassert not candidate(0)\nfor i in range(3):\n"
-                     "    assert candidate(i) == i * 2\nassert candidate(5) is None"]
+    test = ("import math\n\ndef check(candidate):\n    x = 2\n    assert candidate(x) == 4\n"
+            "    assert True, 'not a case'\n    assert not candidate(0)\n    assert candidate(1) == 2\n"
+            "    assert abs(candidate(3) - 6.0) < 1e-6\n    assert candidate(5) is None\n")
+    setup, cases = split_check(test, "double", "def double(x):\n    return 2 * x\n")
+    assert setup == "import math\ncandidate = double\ndef double(x):\n    return 2 * x\n"
+    # The constants: DEFAULT_CONSTANTS and the literals compared with (4, 2, 1e-06, None). The constant 4 passes
+    # `candidate(x) == 4`, so that case waits; `assert True` calls no candidate and is no case; `not candidate(0)`
+    # fails 4: one case of the three. `candidate(1) == 2` is passed by 2, which `abs(candidate(3) - 6.0) < 1e-06`
+    # fails: a second case; `is None` at the end, passed by None, joins it.
+    assert cases == ["x = 2\nassert candidate(x) == 4\nassert True, 'not a case'\nassert not candidate(0)",
+                     "assert candidate(1) == 2\nassert abs(candidate(3) - 6.0) < 1e-06\nassert candidate(5) is None"]
 
 
 @pytest.mark.slow

@@ -104,6 +104,13 @@ FORGE = {
     "error naming a judge class": "import json, os, sys\nfd = json.loads(sys.argv[1])['answers_fd']\n"
                                   "def add(a, b):\n    os.write(fd, b'32\\n{\"error\": [\"Broken\", \"x\"], \"v\": 3}')\n"
                                   "    return a + b\n",
+    "set of colliding hashes": "import json, os, sys\nfd = json.loads(sys.argv[1])['answers_fd']\n"
+                               "def add(a, b):\n    body = json.dumps({'value': {'set': [k * (2 ** 61 - 1) for k in range(1, 40000)]}})\n"
+                               "    os.write(fd, f'{len(body)}\\n{body}'.encode())\n    import time; time.sleep(5)\n",
+    "a frame dribbled byte by byte": "import json, os, sys, time\nfd = json.loads(sys.argv[1])['answers_fd']\n"
+                                     "def add(a, b):\n    body = json.dumps({'value': [0] * 200000}).encode()\n"
+                                     "    os.write(fd, str(len(body)).encode() + b'\\n')\n    for i in range(len(body)):\n"
+                                     "        os.write(fd, body[i:i + 1])\n",
     "a 10**5000 integer": "def add(a, b):\n    return 10 ** 5000\n",
 }
 
@@ -387,6 +394,14 @@ def test_kernel_keyrings_carry_nothing_from_one_program_to_the_next(monkeypatch)
     writer = KEYRINGS + "def add(a, b):\n    store(f'add{a},{b}'.encode(), str(a + b).encode())\n    return load(f'add{a},{b}'.encode())\n"
     reader = KEYRINGS + "def add(a, b):\n    return load(f'add{a},{b}'.encode())\n"
     assert run_program(writer, CASES, limits=bare, entry_point="add").scores == [1.0]  # keys work within a run
+    # what is left of its uid: its user, user-session and persistent keyrings, emptied (the dead session keyring and
+    # its keys go with the kernel's garbage collection, within moments)
+    for _ in range(100):
+        left = {line.split(":")[0].strip(): line.split()[2] for line in Path("/proc/key-users").read_text().splitlines()}
+        if int(left[str(FIRST_UID)].split("/")[0]) <= 3:
+            break
+        time.sleep(0.1)
+    assert int(left[str(FIRST_UID)].split("/")[0]) <= 3, left[str(FIRST_UID)]
     assert run_program(reader, CASES, limits=bare, entry_point="add").scores == [0.0]
 
 
