@@ -279,7 +279,9 @@ def _clear_keys(uid: int) -> None:
     except OSError:
         return
     fields = line.split()
-    if len(fields) >= 3 and int(fields[2].split("/")[0]) > 3:  # beyond its user, user-session and persistent keyrings
+    # beyond its user, user-session and persistent keyrings and the session keyring it joined (until the kernel's
+    # garbage collection takes it, moments after the run)
+    if len(fields) >= 3 and int(fields[2].split("/")[0]) > 4:
         python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
         clear = f"os.setgroups([]); os.setgid({uid}); os.setuid({uid}); _fresh_keyrings()\n"
         command = [python, "-I", "-S", "-c", JUDGE_SOURCE + "\n" + clear]
