@@ -7,9 +7,10 @@ Each run starts two processes (rewards/judge.py holds the code of both):
     confined   the model's program, inside bubblewrap (a maintained sandbox tool, Debian's `bubblewrap`):
                new pid, network, ipc and uts namespaces; a read-only view of the interpreter and the system
                libraries only (site-packages hidden, no project folder, no /etc, no host /tmp or /dev/shm), a
-               private size-capped tmpfs as /tmp; no new privileges; a distinct unprivileged uid for each program
-               running at once (when started as root); RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC; and a
-               memory and process-count limit over its whole process tree (a cgroup, when one can be made)
+               private size-capped tmpfs as /tmp; no new privileges; a seccomp filter (no new namespaces, keyrings,
+               ptrace, mounts, bpf, io_uring); a distinct unprivileged uid for each program running at once (when
+               started as root); RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC; and a memory and process-count
+               limit over its whole process tree (a cgroup, when one can be made)
     judge      trusted: the task's helpers, setup and test cases, with the functions the tests call as proxies
                into the confined process. What comes back is plain data, compared here.
 
@@ -34,6 +35,7 @@ import os
 import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -47,8 +49,8 @@ JUDGE_SOURCE = Path(__file__).with_name("judge.py").read_text()
 FIRST_UID, UID_SLOTS = 1_862_270_976, 64  # one unprivileged uid per program running at once on this machine
 logger = logging.getLogger("grpo.sandbox")
 ISOLATION_CHOICES = ("available", "full")
-LAYERS = ("bubblewrap", "pid_namespace", "network_namespace", "filesystem_view", "distinct_uid", "memory_cgroup",
-          "process_cgroup", "resource_limits")
+LAYERS = ("bubblewrap", "pid_namespace", "network_namespace", "filesystem_view", "distinct_uid", "seccomp",
+          "memory_cgroup", "process_cgroup", "resource_limits")
 
 
 class SandboxUnavailable(ValueError):
@@ -135,19 +137,21 @@ def run_program(program: str, cases: list[str], setup: str = "", limits: Limits 
         answers_read, answers_write = os.pipe()
         confined_settings = {**_limit_settings(limits), "uid": uid, "unshare_net": not layers.layers["bubblewrap"],
                              "requests_fd": requests_read, "answers_fd": answers_write, "audit_hook": limits.audit_hook}
-        command = cgroup.enter_command() + _confined_command(confined_settings, limits, layers.layers["bubblewrap"])
-        pipes = []
+        seccomp_fd = _seccomp_fd() if layers.layers["bubblewrap"] else None
+        command = cgroup.enter_command() + _confined_command(confined_settings, limits, layers.layers["bubblewrap"],
+                                                             seccomp_fd)
         try:
             os.chmod(folder, 0o777)  # the working folder without bubblewrap (there, a private tmpfs)
             confined = subprocess.Popen(command, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, pass_fds=(requests_read, answers_write),
-                                        start_new_session=True)
+                                        stderr=subprocess.PIPE, start_new_session=True,
+                                        pass_fds=[requests_read, answers_write, *[seccomp_fd] * (seccomp_fd is not None)])
             judge = subprocess.Popen([sys.executable, "-I", "-c", JUDGE_SOURCE + "\njudge_main()\n"], env={},
                                      cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      pass_fds=(requests_write, answers_read), start_new_session=True)
         finally:
-            for fd in (requests_read, requests_write, answers_read, answers_write):
-                os.close(fd)
+            for fd in (requests_read, requests_write, answers_read, answers_write, seccomp_fd):
+                if fd is not None:
+                    os.close(fd)
         job = {"program": program, "helpers": helpers or "", "setup": setup or "", "cases": list(cases), "names": names,
                "wall_seconds": limits.wall_seconds, "memory_bytes": limits.memory_bytes,
                "result_bytes": limits.result_bytes, "requests_fd": requests_write, "answers_fd": answers_read}
@@ -321,14 +325,16 @@ class _uid_slot:
 
 
 # ---------------------------------------------------------------- the confined process's command
-def _confined_command(settings: dict, limits: Limits, bubblewrap: bool) -> list[str]:
+def _confined_command(settings: dict, limits: Limits, bubblewrap: bool, seccomp_fd: int | None) -> list[str]:
     """bubblewrap (when present) around `python -I -S -c judge.py confined_main() SETTINGS`."""
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
     command = [python, "-I", "-S", "-B", "-c", JUDGE_SOURCE + "\nconfined_main()\n", json.dumps(settings)]
-    return _bubblewrap_args(python, limits, root=os.geteuid() == 0) + command if bubblewrap else command
+    if not bubblewrap:
+        return command
+    return _bubblewrap_args(python, limits, os.geteuid() == 0, seccomp_fd) + command
 
 
-def _bubblewrap_args(python: str, limits: Limits, root: bool) -> list[str]:
+def _bubblewrap_args(python: str, limits: Limits, root: bool, seccomp_fd: int | None = None) -> list[str]:
     args = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
     if root:  # the confined process switches to its own uid itself, first thing (judge.confined_main)
@@ -350,7 +356,7 @@ def _bubblewrap_args(python: str, limits: Limits, root: bool) -> list[str]:
         args += ["--tmpfs", packages]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.disk_bytes),
              "--tmpfs", "/tmp", "--chdir", "/tmp"]
-    return args
+    return args + (["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else [])
 
 
 def _interpreter_folders(python: str) -> list[str]:
@@ -365,6 +371,57 @@ def _site_packages() -> list[str]:
             "installed_platbase": sys.base_exec_prefix}
     paths = sysconfig.get_paths(vars=base)
     return sorted({os.path.realpath(paths[key]) for key in ("purelib", "platlib") if os.path.isdir(paths[key])})
+
+
+# ---------------------------------------------------------------- seccomp: system calls no program needs
+REFUSED_CALLS = ("unshare", "setns", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv",
+                 "process_vm_writev", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen", "fsconfig",
+                 "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
+                 "open_by_handle_at", "name_to_handle_at", "init_module", "finit_module", "delete_module", "kexec_load")
+SYSCALLS = {  # machine: (AUDIT_ARCH, numbers of the refused calls, clone, clone3)
+    "x86_64": (0xC000003E, (272, 308, 250, 248, 249, 101, 310, 311, 165, 166, 155, 428, 429, 430, 431, 432, 433, 442,
+                            321, 298, 323, 425, 304, 303, 175, 313, 176, 246), 56, 435),
+    "aarch64": (0xC00000B7, (97, 268, 219, 217, 218, 117, 270, 271, 40, 39, 41, 428, 429, 430, 431, 432, 433, 442, 280,
+                             241, 282, 425, 265, 264, 105, 273, 106, 104), 220, 435),
+}
+CLONE_NEW_NAMESPACES = 0x7E020080  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+
+
+def seccomp_filter(machine: str | None = None) -> bytes | None:
+    """A classic-BPF seccomp program for bubblewrap's --seccomp: EPERM for REFUSED_CALLS (new namespaces, keyrings,
+    ptrace, mounts, bpf, perf, userfaultfd, io_uring, modules, kexec, file handles) and for clone with a CLONE_NEW*
+    flag; ENOSYS for clone3, whose flags it cannot read (libc then falls back to clone); the x32 ABI refused; a
+    foreign architecture killed. None on a machine without a table here (the `seccomp` layer is then missing)."""
+    machine = machine or os.uname().machine
+    if machine not in SYSCALLS:
+        return None
+    arch, refused, clone, clone3 = SYSCALLS[machine]
+    load, jump_eq, jump_ge, jump_set, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET
+    allow, kill, eperm, enosys = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)  # struct sock_filter
+
+    program = [op(load, 4), op(jump_eq, arch, 1, 0), op(ret, kill), op(load, 0)]  # seccomp_data.arch, then .nr
+    if machine == "x86_64":
+        program += [op(jump_ge, 0x40000000, 0, 1), op(ret, eperm)]  # the x32 ABI's numbers
+    for number in refused:
+        program += [op(jump_eq, number, 0, 1), op(ret, eperm)]
+    program += [op(jump_eq, clone3, 0, 1), op(ret, enosys),
+                op(jump_eq, clone, 0, 3), op(load, 16), op(jump_set, CLONE_NEW_NAMESPACES, 0, 1), op(ret, eperm),
+                op(ret, allow)]  # clone: args[0] (its flags), low 32 bits
+    return b"".join(program)
+
+
+def _seccomp_fd() -> int | None:
+    """A pipe's read end holding the filter (bubblewrap reads it), or None without one; the caller closes it."""
+    program = seccomp_filter()
+    if program is None:
+        return None
+    read, write = os.pipe()
+    os.write(write, program)  # a few hundred bytes: within the pipe's buffer
+    os.close(write)
+    return read
 
 
 # ---------------------------------------------------------------- cgroups: memory and process count over the tree
@@ -479,10 +536,12 @@ def _cgroup_parents() -> dict[str, Path]:
 
 # ---------------------------------------------------------------- what this machine gives
 PROBE = r'''
-import json, os, socket
+import ctypes, json, os, socket
 facts = {"pid": os.getpid(), "uid": os.getuid(), "interfaces": [name for _, name in socket.if_nameindex()],
-         "root_entries": sorted(os.listdir("/")), "sees_project": os.path.exists(%r), "sees_site": %r,
-         "no_new_privs": open("/proc/self/status").read().split("NoNewPrivs:")[1].split()[0] == "1"}
+         "root_entries": sorted(os.listdir("/")), "sees_project": os.path.exists(%r),
+         "no_new_privs": open("/proc/self/status").read().split("NoNewPrivs:")[1].split()[0] == "1",
+         "seccomp": open("/proc/self/status").read().split("Seccomp:")[1].split()[0] == "2",
+         "new_user_namespace": ctypes.CDLL(None).unshare(0x10000000) == 0}
 try:
     facts["site_packages"] = [p for p in %r if os.listdir(p)]
 except OSError:
@@ -512,17 +571,22 @@ def isolation() -> Isolation:
     if bubblewrap:
         limits = Limits()
         settings = {**_limit_settings(limits), "uid": FIRST_UID + UID_SLOTS if root else None}
-        probe = PROBE % (project, _site_packages(), _site_packages())
+        probe = PROBE % (project, _site_packages())
         switch = (f"import os; os.setgroups([]); os.setgid({settings['uid']}); os.setuid({settings['uid']})\n"
                   if root else "")
         python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-        command = _bubblewrap_args(python, limits, root) + [python, "-I", "-S", "-B", "-c", switch + probe]
+        seccomp_fd = _seccomp_fd()
+        command = _bubblewrap_args(python, limits, root, seccomp_fd) + [python, "-I", "-S", "-B", "-c", switch + probe]
         try:
-            done = subprocess.run(command, capture_output=True, timeout=20, env={})
+            done = subprocess.run(command, capture_output=True, timeout=20, env={},
+                                  pass_fds=[seccomp_fd] * (seccomp_fd is not None))
             facts = json.loads(done.stdout.decode().strip().splitlines()[-1])
         except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as error:
             reasons["bubblewrap"] = f"bwrap did not run the probe: {error}"
             facts = None
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
         if facts:
             layers["bubblewrap"] = True
             layers["pid_namespace"] = facts["pid"] <= 3
@@ -530,11 +594,14 @@ def isolation() -> Isolation:
             layers["filesystem_view"] = not facts["sees_project"] and not facts["site_packages"] and \
                 "home" not in facts["root_entries"] and "etc" not in facts["root_entries"]
             layers["distinct_uid"] = root and facts["uid"] == settings["uid"] and facts["no_new_privs"]
-            for name in ("pid_namespace", "network_namespace", "filesystem_view", "distinct_uid"):
+            layers["seccomp"] = facts["seccomp"] and not facts["new_user_namespace"]
+            if seccomp_filter() is None:
+                reasons["seccomp"] = f"no system-call table for {os.uname().machine} in rewards/sandbox.py"
+            for name in ("pid_namespace", "network_namespace", "filesystem_view", "distinct_uid", "seccomp"):
                 if not layers[name] and name not in reasons:
                     reasons[name] = f"the probe saw {facts}"
     if not layers["bubblewrap"]:
-        for name in ("pid_namespace", "network_namespace", "filesystem_view"):
+        for name in ("pid_namespace", "network_namespace", "filesystem_view", "seccomp"):
             reasons.setdefault(name, "needs bubblewrap")
         layers["distinct_uid"] = root  # confined_main switches to the slot's uid itself
     return Isolation(layers, reasons)

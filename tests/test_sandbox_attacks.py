@@ -212,7 +212,28 @@ RESOURCES = {
                                    "def add(a, b):\n    time.sleep(100)\n",
 }
 
-ATTACKS = {**FORGE, **ESCAPE, **RESOURCES}
+# System calls a program never needs, refused by the seccomp filter (x86_64 numbers; the calls need ctypes, so these
+# matter in the runs without the audit hook). Each returns the right answer only if its call succeeded.
+SYSCALL = "import ctypes\nlibc = ctypes.CDLL(None)\nL = ctypes.c_long\n"
+SYSCALLS = {
+    "raw clone with CLONE_NEWUSER": SYSCALL + "def add(a, b):\n    pid = libc.syscall(L(56), L(0x10000000 | 17), L(0), L(0), L(0), L(0))\n"
+                                    "    if pid == 0:\n        libc._exit(0)\n    return a + b if pid > 0 else None\n",
+    "clone3 with CLONE_NEWUSER": SYSCALL + "def add(a, b):\n    args = (ctypes.c_uint64 * 11)(0x10000000, 0, 0, 0, 17)\n"
+                                 "    pid = libc.syscall(L(435), args, L(88))\n    if pid == 0:\n        libc._exit(0)\n"
+                                 "    return a + b if pid > 0 else None\n",
+    "setns into pid 1's namespaces": SYSCALL + "import os\ndef add(a, b):\n    fd = os.open('/proc/1/ns/net', os.O_RDONLY)\n"
+                                     "    return a + b if libc.setns(fd, 0) == 0 else None\n",
+    "bpf program": SYSCALL + "def add(a, b):\n    attr = ctypes.create_string_buffer(128)\n"
+                   "    return a + b if libc.syscall(L(321), L(0), attr, L(128)) >= 0 else None\n",
+    "perf_event_open": SYSCALL + "def add(a, b):\n    attr = ctypes.create_string_buffer(128)\n"
+                       "    return a + b if libc.syscall(L(298), attr, L(0), L(-1), L(-1), L(0)) >= 0 else None\n",
+    "userfaultfd": SYSCALL + "def add(a, b):\n    return a + b if libc.syscall(L(323), L(0)) >= 0 else None\n",
+    "io_uring_setup": SYSCALL + "def add(a, b):\n    params = ctypes.create_string_buffer(120)\n"
+                      "    return a + b if libc.syscall(L(425), L(4), params) >= 0 else None\n",
+    "keyctl at all": SYSCALL + "def add(a, b):\n    return a + b if libc.syscall(L(250), L(0), L(-4), L(1)) >= 0 else None\n",
+}
+
+ATTACKS = {**FORGE, **ESCAPE, **RESOURCES, **(SYSCALLS if os.uname().machine == "x86_64" else {})}
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +412,9 @@ def test_kernel_keyrings_carry_nothing_from_one_program_to_the_next(monkeypatch)
     program of its uid, nor reach the trainer's session keyring."""
     monkeypatch.setattr(rewards.sandbox, "UID_SLOTS", 1)  # both programs run as the same uid
     bare = Limits(**{**LIMITS.__dict__, "audit_hook": False})
+    assert run_program(KEYRINGS + "def add(a, b):\n    store(b'x', b'3')\n    return load(b'x')\n", CASES, limits=bare,
+                       entry_point="add").scores == [0.0]  # the seccomp filter refuses keyctl and add_key
+    monkeypatch.setattr(rewards.sandbox, "seccomp_filter", lambda: None)  # the keyring clean-up, on its own
     writer = KEYRINGS + "def add(a, b):\n    store(f'add{a},{b}'.encode(), str(a + b).encode())\n    return load(f'add{a},{b}'.encode())\n"
     reader = KEYRINGS + "def add(a, b):\n    return load(f'add{a},{b}'.encode())\n"
     assert run_program(writer, CASES, limits=bare, entry_point="add").scores == [1.0]  # keys work within a run
