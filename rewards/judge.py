@@ -142,15 +142,18 @@ def confined_main() -> None:
                         ("RLIMIT_FSIZE", settings["file_bytes"]), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0),
                         ("RLIMIT_NPROC", settings["processes"])):
         resource.setrlimit(getattr(resource, name), (value, value))
-    if settings["unshare_net"]:  # without bubblewrap: a network namespace of its own, where the kernel allows it
-        import ctypes
+    import ctypes
 
-        ctypes.CDLL(None).unshare(0x40000000)  # CLONE_NEWNET
+    libc = ctypes.CDLL(None, use_errno=True)
+    if settings["unshare_net"]:  # without bubblewrap: a network namespace of its own, where the kernel allows it
+        libc.unshare(0x40000000)  # CLONE_NEWNET
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (bubblewrap sets it too): no setuid program raises it again
     if settings["uid"] is not None:  # started as root: drop to this program's own unprivileged uid for good
         os.setgroups([])
         os.setgid(settings["uid"])
         os.setuid(settings["uid"])
-    _fresh_keyrings()
+    _fresh_keyrings(settings["keyctl"])
+    del libc, ctypes
     for name in [name for name in sys.modules if name.split(".")[0] in ("ctypes", "_ctypes")]:
         del sys.modules[name]  # so that a program's `import ctypes` is an import the audit hook sees
     requests, answers = settings["requests_fd"], settings["answers_fd"]
@@ -177,25 +180,23 @@ def confined_main() -> None:
         write_frame(answers, answer)
 
 
-KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 271, "s390x": 280}
-
-
-def _fresh_keyrings() -> None:
+def _fresh_keyrings(keyctl: int | None) -> None:
     """Kernel keyrings outlive processes: the uid's user, user-session and persistent keyrings would carry keys from
     one program of a slot's uid to the next, and the session keyring inherited from the trainer is one for all. So,
-    before the program runs: a new session keyring of its own, and the uid's keyrings emptied."""
+    before the program runs: a new session keyring of its own, and the uid's keyrings emptied. (Under the seccomp
+    filter every keyctl call is refused, and so is any use of keyrings by the program.) `keyctl`: its system-call
+    number here, from rewards.sandbox."""
+    if keyctl is None:
+        return
     import ctypes
 
-    number = KEYCTL_SYSCALL.get(os.uname().machine)
-    if number is None:
-        return
     syscall, long = ctypes.CDLL(None, use_errno=True).syscall, ctypes.c_long
-    syscall(long(number), long(1), None)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
+    syscall(long(keyctl), long(1), None)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
     for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
-        syscall(long(number), long(7), long(keyring))  # KEYCTL_CLEAR
-    persistent = syscall(long(number), long(22), long(-1), long(-3))  # KEYCTL_GET_PERSISTENT, into the new session
+        syscall(long(keyctl), long(7), long(keyring))  # KEYCTL_CLEAR
+    persistent = syscall(long(keyctl), long(22), long(-1), long(-3))  # KEYCTL_GET_PERSISTENT, into the new session
     if persistent > 0:
-        syscall(long(number), long(7), long(persistent))
+        syscall(long(keyctl), long(7), long(persistent))
 
 
 def _describe(error: BaseException) -> list[str]:
@@ -218,7 +219,7 @@ def _guard(event, args, blocked=("os.system", "os.fork", "os.forkpty", "os.exec"
 # ---------------------------------------------------------------- the judge process
 def judge_main() -> None:
     """Read the job (JSON on stdin), run the trusted code with proxies into the confined process, and write one
-    verdict line `case <i> <0|1>` per case to stdout as each finishes."""
+    verdict line `<token> case <i> <0|1>` per case to stdout as each finishes."""
     import resource
 
     job = json.loads(sys.stdin.read())
@@ -246,7 +247,7 @@ def judge_main() -> None:
         except BaseException as error:  # noqa: BLE001
             print(f"case {index}: {type(error).__name__}: {error}", file=sys.stderr)
             passed = False
-        verdicts.write(f"case {index} {int(passed)}\n")
+        verdicts.write(f"{job['token']} case {index} {int(passed)}\n")
         verdicts.flush()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -307,7 +308,8 @@ class Link:
 
 def _exception(name: str, message: str) -> Exception:
     """The program's exception as the judge's own builtin class of that name (a test may expect ValueError), or
-    RuntimeError; never a class the program defined."""
+    RuntimeError; never a class the program defined. Not StopIteration: raised from a proxy inside
+    `all(map(candidate, xs))` it would end the iteration and pass the case."""
     kind = getattr(builtins, name, None)
     if not (isinstance(kind, type) and issubclass(kind, Exception)) or issubclass(kind, (StopIteration,
                                                                                             StopAsyncIteration)):

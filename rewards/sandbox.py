@@ -15,10 +15,10 @@ Each run starts two processes (rewards/judge.py holds the code of both):
                into the confined process. What comes back is plain data, compared here.
 
 The trainer reads every output pipe with a cap while it streams and kills both processes (and everything in the
-sandbox's pid namespace and cgroup) at the wall deadline, so a call returns within `wall_seconds` plus a fraction
-of a second whatever the program does, and never raises for anything the program does.
+sandbox's pid namespace and cgroup) at the wall deadline, so a call returns within `wall_seconds` plus about a
+second at most (the clean-up) whatever the program does, and never raises for anything the program does.
 
-`isolation()` says which layers this machine gives (each one checked by running a probe in the sandbox); where
+`isolation()` says which layers this machine gives (most checked by running a probe in the sandbox); where
 one is missing (no bubblewrap, not root, no writable cgroup), programs still run with what there is, the run's
 first log line names what is missing, and `Limits(require_full_isolation=True)` (`--sandbox-isolation full`)
 refuses to run them instead. docs/tools.md says what each missing layer leaves unstopped.
@@ -29,18 +29,23 @@ from __future__ import annotations
 import ast
 import builtins
 import fcntl
+import glob
 import json
 import logging
 import os
 import selectors
 import shutil
+import secrets
 import signal
+import site
+import stat
 import struct
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -78,8 +83,7 @@ class RunResult:
     """One program's outcome: a float per case, and what happened."""
 
     scores: list[float]
-    timed_out: bool
-    returncode: int | None  # the confined process's (bubblewrap's)
+    timed_out: bool  # the judge was still running at the wall deadline
     stdout: str  # the program's, cut at limits.output_bytes
     stderr: str
     log: str  # the judge's: why each failed case failed
@@ -126,54 +130,66 @@ def run_tests(program: str, cases: list[str], setup: str = "", limits: Limits = 
 
 def run_program(program: str, cases: list[str], setup: str = "", limits: Limits = Limits(), *, helpers: str = "",
                 entry_point: str | None = None) -> RunResult:
-    """`run_tests` with the details: the program's output, the judge's log, the timeout."""
-    layers = isolation()
-    if limits.require_full_isolation and layers.missing:
-        raise SandboxUnavailable(layers.describe())
-    names = proxied_names(program, helpers, entry_point)
-    start = time.monotonic()
-    with _uid_slot() as uid, _Cgroup.make(limits) as cgroup, tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as folder:
+    """`run_tests` with the details: the program's output, the judge's log, the timeout. The wall limit counts from
+    the start of the two processes (a program may first wait for a free uid slot)."""
+    obtained = isolation()
+    if limits.require_full_isolation and obtained.missing:
+        raise SandboxUnavailable(obtained.describe())
+    token = secrets.token_hex(8)  # verdict lines carry it: where no pid namespace hides the judge, a program
+    job = {"program": program, "helpers": helpers or "", "setup": setup or "", "cases": list(cases), "token": token,
+           "names": proxied_names(program, helpers, entry_point), "wall_seconds": limits.wall_seconds,
+           "memory_bytes": limits.memory_bytes, "result_bytes": limits.result_bytes}
+    with (_uid_slot() as uid, _Cgroup.make(limits) as cgroup,
+          tempfile.TemporaryDirectory(prefix="grpo-sandbox-", ignore_cleanup_errors=True) as folder):
+        if uid is not None:  # the working folder without bubblewrap (with it, a private tmpfs): the program's alone
+            os.chown(folder, uid, uid)
+        streams, timed_out = _run(job, limits, obtained.layers["bubblewrap"], uid, cgroup, folder)
+    scores = [None] * len(cases)
+    for line in streams["verdicts"].decode(errors="replace").splitlines():
+        parts = line.split()  # `<token> case <index> <0|1>`; the first line for a case counts
+        if len(parts) == 4 and parts[:2] == [token, "case"] and parts[2].isdigit() and int(parts[2]) < len(cases):
+            scores[int(parts[2])] = scores[int(parts[2])] if scores[int(parts[2])] is not None else float(parts[3] == "1")
+    text = {name: data.decode(errors="replace") for name, data in streams.items()}
+    return RunResult([score or 0.0 for score in scores], timed_out, text["stdout"], text["stderr"], text["log"])
+
+
+def _run(job: dict, limits: Limits, bubblewrap: bool, uid: int | None, cgroup: _Cgroup, folder: str):
+    """Start the confined process and the judge, joined by two pipes; collect their output (`_collect`); kill both,
+    the cgroup and the uid's processes whatever happens. Returns (streams, timed_out)."""
+    fds, processes = [], []
+    try:
         requests_read, requests_write = os.pipe()
         answers_read, answers_write = os.pipe()
-        confined_settings = {**_limit_settings(limits), "uid": uid, "unshare_net": not layers.layers["bubblewrap"],
-                             "requests_fd": requests_read, "answers_fd": answers_write, "audit_hook": limits.audit_hook}
-        seccomp_fd = _seccomp_fd() if layers.layers["bubblewrap"] else None
-        command = cgroup.enter_command() + _confined_command(confined_settings, limits, layers.layers["bubblewrap"],
-                                                             seccomp_fd)
-        try:
-            os.chmod(folder, 0o777)  # the working folder without bubblewrap (there, a private tmpfs)
-            confined = subprocess.Popen(command, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True,
-                                        pass_fds=[requests_read, answers_write, *[seccomp_fd] * (seccomp_fd is not None)])
-            judge = subprocess.Popen([sys.executable, "-I", "-c", JUDGE_SOURCE + "\njudge_main()\n"], env={},
-                                     cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     pass_fds=(requests_write, answers_read), start_new_session=True)
-        finally:
-            for fd in (requests_read, requests_write, answers_read, answers_write, seccomp_fd):
-                if fd is not None:
-                    os.close(fd)
-        job = {"program": program, "helpers": helpers or "", "setup": setup or "", "cases": list(cases), "names": names,
-               "wall_seconds": limits.wall_seconds, "memory_bytes": limits.memory_bytes,
-               "result_bytes": limits.result_bytes, "requests_fd": requests_write, "answers_fd": answers_read}
-        try:
-            streams = _collect(judge, confined, json.dumps(job).encode(), start + limits.wall_seconds + 0.5,
-                               limits.output_bytes, verdict_bytes=32 * len(cases) + 256)
-        finally:
-            for process in (judge, confined):
-                _kill_group(process.pid)
-            cgroup.kill()
-            if uid is not None:
-                _kill_uid(uid)
-            for process in (judge, confined):
-                process.wait()
-    scores = [0.0] * len(cases)
-    for line in streams["verdicts"].decode(errors="replace").splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "case" and parts[1].isdigit() and int(parts[1]) < len(cases):
-            scores[int(parts[1])] = float(parts[2] == "1")
-    timed_out = time.monotonic() - start >= limits.wall_seconds
-    text = {name: data.decode(errors="replace") for name, data in streams.items()}
-    return RunResult(scores, timed_out, confined.returncode, text["stdout"], text["stderr"], text["log"])
+        fds += [requests_read, requests_write, answers_read, answers_write]
+        seccomp_fd = _seccomp_fd() if bubblewrap else None
+        fds += [seccomp_fd] if seccomp_fd is not None else []
+        settings = {**_limit_settings(limits), "uid": uid, "unshare_net": not bubblewrap, "keyctl": _keyctl_number(),
+                    "requests_fd": requests_read, "answers_fd": answers_write, "audit_hook": limits.audit_hook}
+        command = cgroup.enter_command() + _confined_command(settings, limits, bubblewrap, seccomp_fd)
+        processes.append(subprocess.Popen(
+            command, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, pass_fds=[requests_read, answers_write, *[seccomp_fd] * (seccomp_fd is not None)]))
+        processes.append(subprocess.Popen(
+            [sys.executable, "-I", "-c", JUDGE_SOURCE + "\njudge_main()\n"], env={}, cwd=folder,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(requests_write, answers_read), start_new_session=True))
+        for fd in fds:
+            os.close(fd)
+        fds = []
+        payload = json.dumps({**job, "requests_fd": requests_write, "answers_fd": answers_read}).encode()
+        confined, judge = processes
+        return _collect(judge, confined, payload, time.monotonic() + limits.wall_seconds + 0.5, limits.output_bytes,
+                        verdict_bytes=64 * len(job["cases"]) + 256)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for process in processes:
+            _kill_group(process.pid)
+        cgroup.kill()
+        if uid is not None:
+            _kill_uid(uid)
+        for process in processes:
+            process.wait()
 
 
 def proxied_names(program: str, helpers: str, entry_point: str | None) -> list[str]:
@@ -204,11 +220,11 @@ def _limit_settings(limits: Limits) -> dict:
             if key in ("cpu_seconds", "memory_bytes", "file_bytes", "processes")}
 
 
-def _collect(judge, confined, job: bytes, deadline: float, cap: int, verdict_bytes: int) -> dict[str, bytes]:
+def _collect(judge, confined, job: bytes, deadline: float, cap: int, verdict_bytes: int) -> tuple[dict, bool]:
     """Write the job to the judge and read every pipe until the judge exits (or the deadline), keeping at most `cap`
     bytes of each output and `verdict_bytes` of the verdicts: the rest is read and dropped, so neither a flood
     nor a process that holds a pipe open can grow the trainer's memory or hold up the call. A program that prints
-    more than `cap` bytes is stopped there."""
+    more than `cap` bytes is stopped there. Returns the streams, and whether the deadline came first."""
     kept = {"verdicts": b"", "log": b"", "stdout": b"", "stderr": b""}
     limits = {"verdicts": verdict_bytes, "log": cap, "stdout": cap, "stderr": cap}
     seen = dict.fromkeys(kept, 0)
@@ -219,7 +235,7 @@ def _collect(judge, confined, job: bytes, deadline: float, cap: int, verdict_byt
         selector.register(pipe, selectors.EVENT_READ, name)
     os.set_blocking(judge.stdin.fileno(), False)
     selector.register(judge.stdin, selectors.EVENT_WRITE, "job")
-    judge_open = 3  # the judge's stdin, stdout and stderr
+    judge_open = 3  # the judge's stdin, stdout and stderr, until each reaches its end
     try:
         while judge_open and (remaining := deadline - time.monotonic()) > 0:
             for key, _ in selector.select(min(remaining, 0.25)):
@@ -241,13 +257,14 @@ def _collect(judge, confined, job: bytes, deadline: float, cap: int, verdict_byt
                 if not chunk:
                     selector.unregister(key.fileobj)
                     key.fileobj.close()
-                    judge_open -= name in ("job", "verdicts", "log")
+                    if name in ("job", "verdicts", "log"):
+                        judge_open -= 1
     finally:
         selector.close()
         for pipe in (judge.stdin, judge.stdout, judge.stderr, confined.stdout, confined.stderr):
             if not pipe.closed:
                 pipe.close()
-    return kept
+    return kept, judge_open > 0
 
 
 def _kill_group(pid: int) -> None:
@@ -275,8 +292,9 @@ def _kill_uid(uid: int) -> None:
 
 
 def _clear_keys(uid: int) -> None:
-    """Empty the kernel keyrings of `uid` when a program left keys there (they outlive processes): one short process
-    as that uid, the confined side's own clearing (judge._fresh_keyrings)."""
+    """Empty the kernel keyrings of `uid` when a program left keys there (they outlive processes; the seccomp filter
+    refuses keyrings, so this matters where it is missing): one short process as that uid, the confined side's own
+    clearing (judge._fresh_keyrings)."""
     try:
         line = next((line for line in Path("/proc/key-users").read_text().splitlines()
                      if line.split(":")[0].strip() == str(uid)), "")
@@ -285,43 +303,51 @@ def _clear_keys(uid: int) -> None:
     fields = line.split()
     # beyond its user, user-session and persistent keyrings and the session keyring it joined (until the kernel's
     # garbage collection takes it, moments after the run)
-    if len(fields) >= 3 and int(fields[2].split("/")[0]) > 4:
-        python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-        clear = f"os.setgroups([]); os.setgid({uid}); os.setuid({uid}); _fresh_keyrings()\n"
-        command = [python, "-I", "-S", "-c", JUDGE_SOURCE + "\n" + clear]
-        if isolation().layers["bubblewrap"]:  # where the interpreter may not be readable to that uid
-            command = _bubblewrap_args(python, Limits(), root=True) + command
-        subprocess.run(command, env={}, cwd="/", timeout=10, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    if len(fields) < 3 or int(fields[2].split("/")[0]) <= 4 or _keyctl_number() is None:
+        return
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    clear = f"os.setgroups([]); os.setgid({uid}); os.setuid({uid}); _fresh_keyrings({_keyctl_number()})\n"
+    command = [python, "-I", "-S", "-c", JUDGE_SOURCE + "\n" + clear]
+    if isolation().layers["bubblewrap"]:  # where the interpreter may not be readable to that uid
+        command = _bubblewrap_args(python, Limits(), root=True) + command
+    try:
+        subprocess.run(command, env={}, cwd="/", timeout=2, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, check=False)
+    except (subprocess.SubprocessError, OSError) as error:
+        logger.warning("could not empty the keyrings of uid %d: %s", uid, error)
 
 
-class _uid_slot:
-    """A uid of its own for this program (root only, else None): slot k of UID_SLOTS, held by a lock file so that
-    programs of other threads and processes on this machine never share one."""
-
-    def __enter__(self) -> int | None:
-        self.handle = None
-        if os.geteuid() != 0:
-            return None
-        folder = Path(tempfile.gettempdir()) / "grpo-sandbox-uids"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        while True:
-            for slot in range(UID_SLOTS):
-                handle = open(folder / str(slot), "w")
+@contextmanager
+def _uid_slot():
+    """A uid of its own for this program (root only, else None): slot k of UID_SLOTS, held by a lock file in a
+    root-owned folder, so that programs of other threads and processes on this machine never share one."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    folder = Path("/run/grpo-sandbox")
+    folder.mkdir(mode=0o700, exist_ok=True)
+    status = os.lstat(folder)
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != 0 or status.st_mode & 0o022:
+        raise RuntimeError(f"{folder} is not a folder that only root may write: refusing its lock files")
+    while True:
+        for slot in range(UID_SLOTS):
+            fd = os.open(folder / str(slot), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            uid = FIRST_UID + slot
+            try:
+                _kill_uid(uid)  # a crashed earlier holder's leftovers
+                yield uid
+            finally:
                 try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    handle.close()
-                    continue
-                self.handle, self.uid = handle, FIRST_UID + slot
-                _kill_uid(self.uid)  # a crashed earlier holder's leftovers
-                return self.uid
-            time.sleep(0.05)
-
-    def __exit__(self, *exc) -> None:
-        if self.handle is not None:
-            _clear_keys(self.uid)
-            self.handle.close()  # releases the lock
+                    _clear_keys(uid)
+                finally:
+                    os.close(fd)  # releases the lock
+            return
+        time.sleep(0.05)  # every slot busy: more than UID_SLOTS programs at once on this machine
 
 
 # ---------------------------------------------------------------- the confined process's command
@@ -352,11 +378,22 @@ def _bubblewrap_args(python: str, limits: Limits, root: bool, seccomp_fd: int | 
         for parent in parents:
             args += ["--perms", "0755", "--dir", parent]
         args += ["--ro-bind", folder, folder]
-    for packages in _site_packages():  # the interpreter's installed packages: hidden under an empty tmpfs
+    hidden = _site_packages()
+    for packages in hidden:  # the interpreter's installed packages: hidden under an empty tmpfs
         args += ["--tmpfs", packages]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.disk_bytes),
              "--tmpfs", "/tmp", "--chdir", "/tmp"]
-    return args + (["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else [])
+    # Read-only: the new root, /dev (its device nodes stay usable) and the hiding tmpfs, which in a user namespace
+    # would belong to the program: /tmp is its only writable folder, and its size is the disk limit.
+    for mount in ["/", "/dev", *hidden]:
+        args += ["--remount-ro", mount]
+    return [_bwrap()] + args[1:] + (["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else [])
+
+
+@lru_cache(maxsize=1)
+def _bwrap() -> str | None:
+    """bubblewrap's path, found once on the trainer's PATH (programs start with an empty environment)."""
+    return shutil.which("bwrap")
 
 
 def _interpreter_folders(python: str) -> list[str]:
@@ -367,10 +404,15 @@ def _interpreter_folders(python: str) -> list[str]:
 
 
 def _site_packages() -> list[str]:
+    """The base interpreter's package folders (site-packages, and Debian's dist-packages) that the read-only view
+    would otherwise show."""
     base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix,
             "installed_platbase": sys.base_exec_prefix}
     paths = sysconfig.get_paths(vars=base)
-    return sorted({os.path.realpath(paths[key]) for key in ("purelib", "platlib") if os.path.isdir(paths[key])})
+    candidates = [paths["purelib"], paths["platlib"], *site.getsitepackages([sys.base_prefix, sys.base_exec_prefix]),
+                  *glob.glob("/usr/lib/python3*/dist-packages"), *glob.glob("/usr/local/lib/python3*/dist-packages"),
+                  *glob.glob("/usr/local/lib/python3*/site-packages")]
+    return sorted({os.path.realpath(path) for path in candidates if os.path.isdir(path)})
 
 
 # ---------------------------------------------------------------- seccomp: system calls no program needs
@@ -396,7 +438,9 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
     if machine not in SYSCALLS:
         return None
     arch, refused, clone, clone3 = SYSCALLS[machine]
-    load, jump_eq, jump_ge, jump_set, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET
+    # opcodes of linux/filter.h (BPF_LD|BPF_W|BPF_ABS; BPF_JMP|BPF_JEQ, JGE, JSET|BPF_K; BPF_RET|BPF_K), actions of
+    # linux/seccomp.h (SECCOMP_RET_ALLOW, KILL_PROCESS, ERRNO | errno), AUDIT_ARCH_* of linux/audit.h
+    load, jump_eq, jump_ge, jump_set, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, kill, eperm, enosys = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
 
     def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
@@ -413,14 +457,25 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
     return b"".join(program)
 
 
+def _keyctl_number() -> int | None:
+    """keyctl's system-call number on this machine (judge._fresh_keyrings calls it through libc's syscall)."""
+    machine = os.uname().machine
+    return SYSCALLS[machine][1][REFUSED_CALLS.index("keyctl")] if machine in SYSCALLS else None
+
+
 def _seccomp_fd() -> int | None:
     """A pipe's read end holding the filter (bubblewrap reads it), or None without one; the caller closes it."""
     program = seccomp_filter()
     if program is None:
         return None
     read, write = os.pipe()
-    os.write(write, program)  # a few hundred bytes: within the pipe's buffer
-    os.close(write)
+    try:
+        os.write(write, program)  # a few hundred bytes: within the pipe's buffer
+    except OSError:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
     return read
 
 
@@ -437,7 +492,7 @@ class _Cgroup:
         parents = _cgroup_parents()
         if not parents:
             return cls([])
-        name = f"grpo-sandbox-{os.getpid()}-{time.monotonic_ns()}"
+        name = f"grpo-sandbox-{os.getpid()}-{secrets.token_hex(6)}"
         folders = []
         try:
             for kind, parent in parents.items():
@@ -464,6 +519,8 @@ class _Cgroup:
         self.kill()
 
     def enter_command(self) -> list[str]:
+        """A shell that writes its own pid into the cgroup, then execs the command: the process is in the cgroup
+        before it can fork (preexec_fn is unsafe beside threads; moving it after Popen would race its children)."""
         if not self.folders:
             return []
         procs = [str(folder / "cgroup.procs") for folder in self.folders]
@@ -541,21 +598,29 @@ facts = {"pid": os.getpid(), "uid": os.getuid(), "interfaces": [name for _, name
          "root_entries": sorted(os.listdir("/")), "sees_project": os.path.exists(%r),
          "no_new_privs": open("/proc/self/status").read().split("NoNewPrivs:")[1].split()[0] == "1",
          "seccomp": open("/proc/self/status").read().split("Seccomp:")[1].split()[0] == "2",
+         "writes_outside_tmp": [],
          "new_user_namespace": ctypes.CDLL(None).unshare(0x10000000) == 0}
 try:
     facts["site_packages"] = [p for p in %r if os.listdir(p)]
 except OSError:
     facts["site_packages"] = []
+for folder in ["/", "/dev", *%r]:
+    try:
+        open(os.path.join(folder, "probe"), "w").close()
+        facts["writes_outside_tmp"].append(folder)
+    except OSError:
+        pass
 print(json.dumps(facts))
 '''
 
 
 @lru_cache(maxsize=1)
 def isolation() -> Isolation:
-    """The layers a program gets on this machine, each checked by running a probe the way programs are run."""
+    """The layers a program gets on this machine: the namespaces, the view, the uid and the filter checked by a probe
+    run the way programs are run; the cgroups by making one; the resource limits need no privilege."""
     layers, reasons = dict.fromkeys(LAYERS, False), {}
     layers["resource_limits"] = True  # setrlimit needs no privilege
-    bubblewrap = shutil.which("bwrap")
+    bubblewrap = _bwrap()
     if not bubblewrap:
         reasons["bubblewrap"] = "bwrap is not installed (Debian: apt-get install bubblewrap)"
     root = os.geteuid() == 0
@@ -565,15 +630,14 @@ def isolation() -> Isolation:
     layers["memory_cgroup"] = layers["process_cgroup"] = bool(parents)
     if not parents:
         reasons["memory_cgroup"] = reasons["process_cgroup"] = (
-            "no writable cgroup with the memory and pids controllers (root and a delegated cgroup are needed): "
-            "the memory and process limits are per process (RLIMIT_AS, RLIMIT_NPROC), not over the tree")
+            "no cgroup this process may make children in with the memory and pids controllers (root, and cgroup v1's "
+            "hierarchies or a v2 subtree delegated with those controllers on): the memory and process limits are "
+            "per process (RLIMIT_AS, RLIMIT_NPROC), not over the tree")
     project = str(Path(__file__).resolve().parent)
     if bubblewrap:
-        limits = Limits()
-        settings = {**_limit_settings(limits), "uid": FIRST_UID + UID_SLOTS if root else None}
-        probe = PROBE % (project, _site_packages())
-        switch = (f"import os; os.setgroups([]); os.setgid({settings['uid']}); os.setuid({settings['uid']})\n"
-                  if root else "")
+        limits, probe_uid = Limits(), FIRST_UID + UID_SLOTS  # a uid outside the slots
+        probe = PROBE % (project, _site_packages(), _site_packages())
+        switch = f"import os; os.setgroups([]); os.setgid({probe_uid}); os.setuid({probe_uid})\n" if root else ""
         python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
         seccomp_fd = _seccomp_fd()
         command = _bubblewrap_args(python, limits, root, seccomp_fd) + [python, "-I", "-S", "-B", "-c", switch + probe]
@@ -591,9 +655,9 @@ def isolation() -> Isolation:
             layers["bubblewrap"] = True
             layers["pid_namespace"] = facts["pid"] <= 3
             layers["network_namespace"] = facts["interfaces"] in ([], ["lo"])
-            layers["filesystem_view"] = not facts["sees_project"] and not facts["site_packages"] and \
-                "home" not in facts["root_entries"] and "etc" not in facts["root_entries"]
-            layers["distinct_uid"] = root and facts["uid"] == settings["uid"] and facts["no_new_privs"]
+            layers["filesystem_view"] = not (facts["sees_project"] or facts["site_packages"] or facts["writes_outside_tmp"]
+                                             or {"home", "etc"} & set(facts["root_entries"]))
+            layers["distinct_uid"] = root and facts["uid"] == probe_uid and facts["no_new_privs"]
             layers["seccomp"] = facts["seccomp"] and not facts["new_user_namespace"]
             if seccomp_filter() is None:
                 reasons["seccomp"] = f"no system-call table for {os.uname().machine} in rewards/sandbox.py"

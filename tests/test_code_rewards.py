@@ -58,6 +58,10 @@ def test_a_completion_that_continues_the_prompt_is_tested_as_its_body():
     scores = execution(None, [chat("    return a + b\n"), chat("    return a * b\n")], [CASES[:2]] * 2,
                        prompt_code=[prompt_code] * 2, entry_point=["add"] * 2)
     assert scores == [1.0, 0.0]
+    # a prompt that is a bare signature (it does not parse alone) works the same way
+    scores = execution(None, [chat("    return a + b\n"), chat("    return a * b\n")], [CASES[:2]] * 2,
+                       prompt_code=["def add(a, b):\n"] * 2, entry_point=["add"] * 2)
+    assert scores == [1.0, 0.0]
 
 
 def test_cases_passed_before_a_crash_still_count():
@@ -110,7 +114,7 @@ def test_helpers_and_setup_are_the_tasks_own():
 def test_isolation_names_each_missing_layer_and_full_refuses(monkeypatch, caplog):
     import rewards.sandbox as sandbox
 
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sandbox, "_bwrap", lambda: None)  # as where bubblewrap is not installed
     sandbox.isolation.cache_clear()
     try:
         layers = sandbox.isolation()
