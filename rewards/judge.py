@@ -29,7 +29,6 @@ import time
 
 # ---------------------------------------------------------------- plain data, by exact type (never isinstance:
 # a subclass of int or str can override __eq__)
-TAGGED = ("tuple", "set", "frozenset", "dict", "bytes", "complex", "float")
 
 
 def to_plain(value, depth: int = 0):
