@@ -30,7 +30,7 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> d
     import torch
 
     from grpo.evaluation import evaluate
-    from grpo.generation import GroupSampler
+    from grpo.rollout import GroupSampler
     from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
     from grpo.setup import tool_set

@@ -34,9 +34,10 @@ def main(argv=None) -> int:
     try:
         trainer = Trainer(config)
         if main_process:
-            print(f"device={trainer.device} precision={trainer.precision} steps={trainer.total_steps} "
+            micro_batches = config.completions_per_step // trainer.world.size // config.micro_batch_size
+            print(f"device={trainer.models.device} precision={trainer.precision} steps={trainer.total_steps} "
                   f"completions/step={config.completions_per_step} processes={trainer.world.size} "
-                  f"({trainer.distributed}) micro-batches/update/process={trainer.local_micro_batches}"
+                  f"({trainer.models.distributed}) micro-batches/update/process={micro_batches}"
                   + (f" (resumed at step {trainer.step})" if trainer.resume_from else ""))
         result = trainer.train()
         trainer.world.close()

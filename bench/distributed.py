@@ -57,9 +57,9 @@ def rank_main(args) -> None:
     times = []
     original = trainer.train_on_rollout
 
-    def timed(rollout, shuffle=True):
+    def timed(rollout):
         started = time.perf_counter()
-        metrics = original(rollout, shuffle)
+        metrics = original(rollout)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
@@ -79,7 +79,7 @@ def rank_main(args) -> None:
             "optimizer": local_bytes([v for state in trainer.optimizer.state.values() for v in state.values()
                                       if torch.is_tensor(v) and v.dim() > 0])}
     peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    result = {"rank": trainer.world.rank, "mode": trainer.distributed, "held_mib": {k: v / 2**20 for k, v in held.items()},
+    result = {"rank": trainer.world.rank, "mode": trainer.models.distributed, "held_mib": {k: v / 2**20 for k, v in held.items()},
               "peak_mib": peak / 2**20, "update_s": statistics.median(times[1:] or times), "run_s": total}
     Path(args.report).with_suffix(f".{trainer.world.rank}.json").write_text(json.dumps(result))
 

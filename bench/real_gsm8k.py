@@ -118,16 +118,33 @@ def run_ours(args, model: Path, seed: int, run_dir: Path) -> dict:
 
     from grpo.metrics import read_jsonl
 
+    import grpo.trainer
+    import grpo.update
+
     argv = ["--model", str(model), "--output-dir", str(run_dir), *train_flags(args, seed)]
     print("$ python train.py " + " ".join(argv), flush=True)
-    if train.main(argv) != 0:
-        raise RuntimeError("train.py failed")
+    references, passes, update = [], grpo.update.no_grad_logprobs, grpo.trainer.train_on_rollout
+
+    def timed_passes(*pass_args, **kwargs):  # the reference pass's time (CPU: no queued work to wait for)
+        started = time.perf_counter()
+        out = passes(*pass_args, **kwargs)
+        references[-1] += time.perf_counter() - started
+        return out
+
+    def counted(*update_args, **kwargs):
+        references.append(0.0)
+        return update(*update_args, **kwargs)
+
+    grpo.update.no_grad_logprobs, grpo.trainer.train_on_rollout = timed_passes, counted
+    try:
+        if train.main(argv) != 0:
+            raise RuntimeError("train.py failed")
+    finally:
+        grpo.update.no_grad_logprobs, grpo.trainer.train_on_rollout = passes, update
     steps = []
-    for m in read_jsonl(run_dir / "metrics.jsonl"):
-        if "step_time" not in m:
-            continue
-        steps.append({"step": m["step"], "time": m["step_time"], "sample": m["sample_time"],
-                      "reference": m["reference_time"], "reward": m["reward"],
+    for m, reference in zip((m for m in read_jsonl(run_dir / "metrics.jsonl") if "step_time" in m), references):
+        steps.append({"step": m["step"], "time": m["step_time"], "sample": m["sample_time"], "reference": reference,
+                      "reward": m["reward"],
                       "length": m["completions/mean_length"],
                       **{name: m[f"rewards/{name}/mean"] for name in args.rewards}})
     final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]

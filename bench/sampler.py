@@ -167,7 +167,7 @@ def main(argv=None):
 
     model, tokenizer = build_tiny_model(shape, seed=0)
     if cuda:
-        use_packed_decode_attention(model)  # as grpo.generation.GroupSampler does with the compiled decode step
+        use_packed_decode_attention(model)  # as grpo.rollout.GroupSampler does with the compiled decode step
     model = model.to(args.device, dtype)
     rows = make_synthetic_gsm8k(num_prompts, seed=0)
     prompts = [tokenizer.apply_chat_template(build_prompt(r["question"]), add_generation_prompt=True, return_dict=False) for r in rows]

@@ -87,7 +87,7 @@ def profiled(trainer, run, path: Path, device: str):
     import grpo.update
 
     passes = {(grpo.update, "no_grad_logprobs"): "reference/old log-probs",
-              (grpo.update, "micro_batch_loss"): "micro-batch loss forward",
+              (trainer.functions, "update_loss"): "micro-batch loss forward",
               (torch.Tensor, "backward"): "micro-batch backward", (trainer.optimizer, "step"): "optimizer step"}
     cuda = device == "cuda"
     with contextlib.ExitStack() as stack:
@@ -122,7 +122,11 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
     padded, unshared, padded_trunk = (kernels == name for name in ("auto-padded", "auto-unshared", "auto-padded-trunk"))
     kernels = "auto" if padded or unshared or padded_trunk else kernels
     from data import add_prompts, make_synthetic_gsm8k
+    import torch
+
+    import grpo.update
     from grpo.config import GRPOConfig
+    from grpo.loss import LossOptions
     from grpo.metrics import read_jsonl
     from grpo.trainer import Trainer
 
@@ -145,12 +149,25 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = False
     if padded_trunk or unshared:  # the trunk's projections and MLPs on every position, padding included
         trainer.kernels.unpadded_trunk = False
-    trainer.step_functions = trainer.kernels.step_functions(  # the update's functions, from the flags as set here
-        trainer.loss_options, config.temperature, config.logprob_chunk_size, config.cast_lm_head_to_fp32)
-    lengths, train_on_rollout = [], trainer.train_on_rollout
+    if trainer.kernels is not None:  # the update's functions, from the flags as set here
+        trainer.functions = trainer.kernels.step_functions(
+            LossOptions.from_config(config), config.temperature, config.logprob_chunk_size, config.cast_lm_head_to_fp32)
+    lengths, reference_times, train_on_rollout = [], [], trainer.train_on_rollout
+    passes = grpo.update.no_grad_logprobs
+
+    def timed_passes(*args, **kwargs):  # the reference / old-policy passes' time, their queued GPU work included
+        started = time.perf_counter()
+        out = passes(*args, **kwargs)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        reference_times[-1] += time.perf_counter() - started
+        return out
+
+    grpo.update.no_grad_logprobs = timed_passes
 
     def recording(rollout, **kwargs):  # each step's real prompt and completion tokens per row, for the floor
         lengths.append({"prompt": rollout.prompt_mask.sum(-1).tolist(), "completion": rollout.completion_mask.sum(-1).tolist()})
+        reference_times.append(0.0)
         return train_on_rollout(rollout, **kwargs)
 
     trainer.train_on_rollout = recording
@@ -161,11 +178,15 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
             return profiled(trainer, lambda: train_on_rollout(rollout, **kwargs), Path(profile), device)
 
         trainer.train_on_rollout = profiled_last
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        grpo.update.no_grad_logprobs = passes
     metrics = read_jsonl(Path(out_dir) / "metrics.jsonl")[:steps]
     return {"step_times": [m["step_time"] for m in metrics],
-            "phases": [{"sample": m["sample_time"], "reference": m["reference_time"],
-                        "update": m["step_time"] - m["sample_time"] - m["reference_time"]} for m in metrics],
+            "phases": [{"sample": m["sample_time"], "reference": reference,
+                        "update": m["step_time"] - m["sample_time"] - reference}
+                       for m, reference in zip(metrics, reference_times)],
             "tokens": [m["completions/mean_length"] * config.completions_per_step for m in metrics],
             "lengths": lengths, "peak_mib": _peak_memory_mib(device)}
 

@@ -30,12 +30,9 @@ def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) 
     """Unbiased standard deviation ignoring NaNs; NaN where fewer than two values are present."""
     if dim is None:
         values, dim = values.reshape(-1), 0
-    mean = torch.nanmean(values, dim=dim, keepdim=True)
     count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
-    squares = torch.nansum((values - mean) ** 2, dim=dim, keepdim=True)
-    variance = squares / (count - 1).clamp(min=1)
-    variance = torch.where(count > 1, variance, torch.full_like(variance, float("nan")))
-    std = variance.sqrt()
+    squares = torch.nansum((values - torch.nanmean(values, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=True)
+    std = (squares / (count - 1).clamp(min=1)).sqrt().masked_fill(count < 2, float("nan"))  # / (count - 1): unbiased
     return std if keepdim else std.squeeze(dim)
 
 
@@ -51,8 +48,6 @@ def group_advantages(
     rewards: torch.Tensor, group_size: int, scale_rewards: str = "group"
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(N,) weighted rewards (NaN = unscorable) -> (N,) advantages and the logger's reward statistics."""
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     num_rows = rewards.shape[0]
     if group_size < 1 or num_rows % group_size:
         raise ValueError(f"{num_rows} rewards do not split into groups of {group_size}")

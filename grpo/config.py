@@ -20,15 +20,16 @@ from data.prompts import SYSTEM_PROMPT
 
 from grpo.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from grpo.distributed import DISTRIBUTED_CHOICES
-from grpo.generation import GENERATION_BACKENDS
-from grpo.kernels import KERNEL_CHOICES
+from grpo.rollout import GENERATION_BACKENDS
 from grpo.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from grpo.metrics import REPORT_TO
-from grpo.models import LR_SCHEDULERS, OPTIMIZERS, PRECISIONS
+from grpo.models import OPTIMIZERS, PRECISIONS
 from grpo.prompts import LONG_PROMPTS
+from grpo.update import LR_SCHEDULERS
 from rewards.sandbox import ISOLATION_CHOICES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+KERNEL_CHOICES = ("auto", "plain")  # --kernels: grpo/kernels/ where each applies, or none
 GSM8K_RECIPE_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
 

@@ -210,6 +210,9 @@ def gathered(module):
     token, and so no collective inside the loop: a rank whose completions end early does not wait for the
     others), resharded afterwards. A no-op for DDP and single-process models."""
     modules = fsdp_modules(module)
+    if not modules:  # a single process or DDP: the weights are whole already
+        yield
+        return
     for m in modules:
         m.unshard()
     layers = modules[1:]  # the root is never run here (generation calls the model inside it); only layers are

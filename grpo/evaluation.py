@@ -15,20 +15,19 @@ import contextlib
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from data.answers import canonical_number, extract_last_number, gold_from_column
 from data.prompts import SYSTEM_PROMPT
-from grpo.config import ConfigMixin, option
-from grpo.distributed import gathered
-from grpo.kernels import KERNEL_CHOICES
+from grpo.config import KERNEL_CHOICES, ConfigMixin, option
 from grpo.models import PRECISIONS
 from grpo.prompts import encode_prompts
 from grpo.sampler import SamplingParams
 from grpo.advantages import weighted_rewards
-from grpo.generation import GroupSampler
+from grpo.rollout import GroupSampler
 from rewards import load_function, score_rows
 from rewards.gsm8k import extract_xml_answer, strict_format
 from rewards.sandbox import ISOLATION_CHOICES, check_isolation
@@ -146,7 +145,7 @@ def evaluate(
 ) -> tuple[list[dict], dict]:
     """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary of means).
 
-    `backend`: a grpo.generation backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
+    `backend`: a grpo.rollout backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
     `chat_template_kwargs`: as in training (grpo.prompts.encode_prompt).
     """
     backend = backend or GroupSampler(model, tokenizer.pad_token_id)
@@ -190,20 +189,10 @@ def summarize(records: list[dict]) -> dict:
     return summary
 
 
-def evaluate_run(run) -> dict:
-    """A training run's evaluation (grpo.trainer.Trainer.run_eval): greedy completions of the held-out slice,
-    scored; every rank evaluates it (FSDP2 gathers the weights for it), rank 0 writes eval/step-*.json and the
-    samples. Returns the summary as eval/* metrics."""
-    cfg = run.config
-    with gathered(run.policy_call):
-        records, summary = evaluate(run.policy, run.tokenizer, run.eval_rows, run.eos_token_ids, cfg.max_prompt_length,
-                                    cfg.eval_max_completion_length or cfg.max_completion_length, cfg.eval_batch_size,
-                                    autocast=run.autocast, scorer=run.eval_scorer, backend=run.generation,
-                                    progress=run.world.is_main, chat_template_kwargs=run.template_kwargs)
-    if run.world.is_main:
-        folder = run.run_dir / "eval"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"step-{run.step:06d}.json").write_text(json.dumps(summary, indent=2))
-        with (folder / f"step-{run.step:06d}.samples.jsonl").open("w") as handle:
-            handle.writelines(json.dumps(record) + "\n" for record in records)
-    return {f"eval/{key}": value for key, value in summary.items()}
+def save_evaluation(run_dir, step: int, records: list[dict], summary: dict) -> None:
+    """A training run's evaluation at `step`: eval/step-*.json (the summary) and eval/step-*.samples.jsonl."""
+    folder = Path(run_dir) / "eval"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"step-{step:06d}.json").write_text(json.dumps(summary, indent=2))
+    with (folder / f"step-{step:06d}.samples.jsonl").open("w") as handle:
+        handle.writelines(json.dumps(record) + "\n" for record in records)

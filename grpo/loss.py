@@ -40,14 +40,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from grpo.entropy import EntropyControl, entropy_bonus, high_entropy_mask  # noqa: F401 (the first two re-exported)
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO clipped surrogate
 LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def check_loss_type(loss_type: str) -> None:
+    """The one check of a loss_type name (LossOptions and aggregate_loss, which also takes a bare name)."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,7 @@ class LossOptions:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                              f"got {self.importance_sampling_level!r}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        check_loss_type(self.loss_type)
 
     @property
     def clip_high(self) -> float:
@@ -92,6 +97,85 @@ class LossOptions:
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
+# ----------------------------------------------------------------------------- token entropy ("80/20", Skywork-OR1)
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """(n, T) bool: real tokens whose entropy is at least the (1 - quantile) quantile of the real tokens' entropies.
+
+    quantile = 0.2 keeps the 20% highest-entropy tokens ("Beyond the 80/20 rule"); 0 keeps the highest one(s).
+    """
+    real = mask.bool()
+    values = entropy.detach()[real].float()  # (M,)
+    if values.numel() == 0:
+        return torch.zeros_like(real)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return (entropy.detach() * mask >= threshold) & real
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, num_micro_batches: int = 1) -> torch.Tensor:
+    """mean_t H_t over the tokens in `mask` (the completion mask times the entropy mask), / num_micro_batches.
+
+    The trainer subtracts coef * this from the loss (trl 1.16): the same meaning for every loss type.
+    entropy (n, T) with grad.
+    """
+    mask = mask.to(entropy.dtype)
+    return (entropy * mask).sum() / mask.sum().clamp(min=1.0) / num_micro_batches
+
+
+@dataclass
+class EntropyControl:
+    """The entropy bonus's coefficient: constant, or adapted once per optimizer step (Skywork-OR1).
+
+    Adaptive: the bonus applies only while the last step's entropy was <= target; after each step the
+    coefficient moves by `delta` towards more bonus when the step's token-mean entropy was <= target and
+    towards less otherwise, within [coef_min, coef_max]. `last_entropy` starts at +inf (no bonus until
+    a step has been measured), as trl. `state_dict` is saved in checkpoints.
+    """
+
+    coef: float = 0.0
+    adaptive: bool = False
+    coef_min: float = 0.0
+    coef_max: float = 1.0
+    delta: float = 0.005
+    target: float = 0.2
+    last_entropy: float = math.inf
+
+    @classmethod
+    def from_config(cls, config) -> "EntropyControl":
+        return cls(config.entropy_coef, config.use_adaptive_entropy, config.entropy_coef_min, config.entropy_coef_max,
+                   config.entropy_coef_delta, config.entropy_target)
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef != 0.0 or self.adaptive
+
+    def applied(self) -> float | None:
+        """The coefficient every micro-batch of the coming optimizer step uses; None when the bonus is off."""
+        if not self.enabled:
+            return None
+        if self.adaptive:
+            return self.coef if self.last_entropy <= self.target else 0.0
+        return self.coef
+
+    def update(self, entropy_sum: float, token_count: float) -> None:
+        """After an optimizer step: the step's entropy (sum and count over its micro-batches) moves the coefficient."""
+        if not self.adaptive:
+            return
+        entropy = entropy_sum / max(token_count, 1.0)
+        if entropy <= self.target:
+            self.coef = min(self.coef + self.delta, self.coef_max)
+        else:
+            self.coef = max(self.coef - self.delta, self.coef_min)
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict:
+        return {"coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])
+
+
+# ----------------------------------------------------------------------------- the per-token terms
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """k3 estimate of KL(pi || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0, 0 when equal."""
     delta = ref_logps - logps  # (n, T)
@@ -103,11 +187,9 @@ def log_importance_weights(
 ) -> torch.Tensor:
     """log rho: (n, T) per token, or (n, 1) per sequence (the masked mean of the token log-ratios)."""
     log_ratio = logps - old_logps  # (n, T)
-    if level == "token":
-        return log_ratio
     if level == "sequence":
         return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (n, 1)
-    raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}")
+    return log_ratio  # "token" (LossOptions checked the name)
 
 
 @torch.no_grad()
@@ -156,14 +238,25 @@ def _objective(logps, log_ratio, token_log_ratio, advantages, mask, options: Los
     if options.loss_type == "sapo":
         tau = torch.where(advantages > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, ratio, None
-    if options.loss_type == "vespo":
-        phi = vespo_weights(advantages, token_log_ratio, mask, options)  # (n, 1)
-        return -phi * advantages * logps, ratio, phi
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {options.loss_type!r}")
+    phi = vespo_weights(advantages, token_log_ratio, mask, options)  # vespo (LossOptions checked the name): (n, 1)
+    return -phi * advantages * logps, ratio, phi
 
 
-def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptions, entropy=None):
-    """l = p * masks + beta kl (differentiable), and (rho, kl, phi, entropy mask) for the statistics."""
+class LossTerms(NamedTuple):
+    """A micro-batch's per-token loss and the terms its logged statistics read (computed once, by loss_terms)."""
+
+    loss: torch.Tensor  # (n, T) or (n, 1): l = p * masks + beta kl, differentiable
+    ratio: torch.Tensor  # (n, T) or (n, 1): rho after the `delta` cap
+    kl: torch.Tensor | None  # (n, T) when beta != 0
+    phi: torch.Tensor | None  # (n, 1) vespo's weights
+    entropy_mask: torch.Tensor | None  # (n, T) when top_entropy_quantile < 1
+
+
+def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptions, entropy=None) -> LossTerms:
+    """l = p * masks + beta kl (differentiable), with rho, kl, phi and the entropy mask for the statistics.
+
+    logps (n, T) with grad; old_logps (n, T); advantages (n, 1); mask (n, T) float; ref_logps (n, T) or None.
+    """
     token_log_ratio = logps - old_logps  # (n, T)
     log_ratio = log_importance_weights(logps, old_logps, mask, options.importance_sampling_level)
     kl = None
@@ -184,7 +277,7 @@ def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptio
         loss = loss * entropy_mask
     if kl is not None:
         loss = loss + options.beta * kl  # after clipping and masks
-    return loss, ratio, kl, phi, entropy_mask
+    return LossTerms(loss, ratio, kl, phi, entropy_mask)
 
 
 def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
@@ -197,8 +290,7 @@ def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.T
     if options.loss_type == "vespo" or options.off_policy_mask_threshold is not None or options.needs_entropy:
         raise ValueError("token_loss is elementwise: vespo and the token masks need per_token_loss")
     options = dataclasses.replace(options, importance_sampling_level="token")
-    loss, _, _, _, _ = loss_terms(logps, old_logps, advantages, torch.ones_like(logps), ref_logps, options)
-    return loss
+    return loss_terms(logps, old_logps, advantages, torch.ones_like(logps), ref_logps, options).loss
 
 
 def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -210,9 +302,8 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: tor
     rho = 1 and the REINFORCE gradient); advantages (n,); mask (n, T); ref_logps (n, T) if beta != 0;
     entropy (n, T) if top_entropy_quantile < 1.
     """
-    loss, _, _, _, _ = loss_terms(logps, old_logps, advantages[:, None], mask.to(logps.dtype), ref_logps, options,
-                                   entropy)  # advantages (n, 1)
-    return loss
+    return loss_terms(logps, old_logps, advantages[:, None], mask.to(logps.dtype), ref_logps, options,
+                      entropy).loss  # advantages (n, 1)
 
 
 def aggregate_loss(
@@ -234,6 +325,7 @@ def aggregate_loss(
                                   when micro-batches hold equal numbers of tokens. This is trl's definition;
                                   `dapo` is the variant that is exact under any split.
     """
+    check_loss_type(loss_type)
     mask = mask.to(loss.dtype)
     if loss_type in ("grpo", "sapo"):
         # Each row's token mean (1/|o_i|), then the mean over rows; / micro-batches for accumulation.
@@ -250,12 +342,11 @@ def aggregate_loss(
     if loss_type == "luspo":
         # Each row's token sum (a sequence-level term scaled by its length), mean over rows (LUSPO).
         return (loss * mask).sum(-1).mean() / num_micro_batches
-    if loss_type in ("dapo", "cispo", "vespo"):
-        # Token sum / real completion tokens of the optimizer step: every token of the step weighs the same.
-        if num_items_in_batch is None:
-            raise ValueError(f"loss_type={loss_type!r} needs num_items_in_batch (completion tokens in the step)")
-        return (loss * mask).sum() / max(float(num_items_in_batch), 1.0)
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    # dapo, cispo, vespo (check_loss_type above): token sum / real completion tokens of the optimizer
+    # step, so every token of the step weighs the same.
+    if num_items_in_batch is None:
+        raise ValueError(f"loss_type={loss_type!r} needs num_items_in_batch (completion tokens in the step)")
+    return (loss * mask).sum() / max(float(num_items_in_batch), 1.0)
 
 
 def aggregation_weights(mask: torch.Tensor, loss_type: str, **kwargs) -> torch.Tensor:
@@ -267,3 +358,86 @@ def aggregation_weights(mask: torch.Tensor, loss_type: str, **kwargs) -> torch.T
     with torch.enable_grad():
         (weights,) = torch.autograd.grad(aggregate_loss(probe, mask, loss_type, **kwargs), probe)
     return weights
+
+
+# ----------------------------------------------------------------------------- what is logged (trl's statistics)
+
+@dataclass
+class LossStats:
+    """Detached statistics of one micro-batch, as trl logs them (means over real completion tokens)."""
+
+    kl: float | None
+    clip_low: float | None  # clipped loss types only
+    clip_high: float | None
+    clip_region: float | None
+    entropy: float | None = None
+    cispo_clip: float | None = None  # cispo: share of tokens whose weight was capped (A > 0)
+    vespo_phi: float | None = None  # vespo: mean phi(w) over completions
+    policy_loss: float | None = None  # the aggregated loss before the entropy bonus, not divided by micro-batches
+    entropy_sum: float | None = None  # sum and count of the entropies the bonus acts on (adaptive control)
+    entropy_count: float | None = None
+    tokens: float = 0.0  # what the means are over: real tokens, and rows (for one-per-completion values)
+    rows: float = 0.0
+    per_row: bool = False  # the ratio statistics are one per completion (sequence-level ratios)
+
+    def weights(self) -> dict[str, float]:
+        """Each logged statistic's weight, so that sum(value * weight) / sum(weight) over micro-batches (and
+        ranks) is the mean over the step's tokens or rows, whatever the micro-batches hold."""
+        ratio_weight = self.rows if self.per_row else self.tokens
+        return {"kl": self.tokens, "entropy": self.tokens, "clip_low": ratio_weight, "clip_high": ratio_weight,
+                "clip_region": ratio_weight, "cispo_clip": ratio_weight, "vespo_phi": self.rows, "policy_loss": 1.0}
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over real tokens, or over rows when `values` is one value per row (n, 1)."""
+    if values.shape[-1] == 1:
+        return values.float().mean().item()
+    return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
+
+
+@torch.no_grad()
+def loss_statistics(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    ref_logps: torch.Tensor | None = None, options: LossOptions = LossOptions(),
+                    entropy: torch.Tensor | None = None) -> LossStats:
+    """terms_statistics of the terms of detached log-probs: for a loss computed elsewhere (a fused kernel).
+    advantages (n,); the other arguments as per_token_loss takes them."""
+    mask = mask.to(logps.dtype)
+    terms = loss_terms(logps, old_logps, advantages[:, None], mask, ref_logps, options, entropy)
+    return terms_statistics(terms, advantages, mask, options, entropy)
+
+
+@torch.no_grad()
+def terms_statistics(terms: LossTerms, advantages: torch.Tensor, mask: torch.Tensor, options: LossOptions,
+                     entropy: torch.Tensor | None = None) -> LossStats:
+    """What trl logs of one micro-batch, from its loss terms: mean KL, the clipped fractions (low, high,
+    either), the entropy, and the statistics of cispo (capped weights) and vespo (mean phi).
+
+    A token counts as clipped low when rho < 1 - epsilon with A < 0 (the clip removes its gradient), high
+    when rho > 1 + epsilon_high with A > 0; rho after the `delta` cap, as trl. entropy_sum / entropy_count
+    are over the tokens the entropy bonus acts on (the completion mask, times the entropy mask if any).
+    advantages (n,); mask (n, T) float; entropy (n, T) or None.
+    """
+    advantages = advantages[:, None]  # (n, 1)
+    ratio, kl = terms.ratio.detach(), None if terms.kl is None else terms.kl.detach()
+    stats = LossStats(kl=None if kl is None else _masked_mean(kl, mask), clip_low=None, clip_high=None,
+                      clip_region=None, entropy=None if entropy is None else _masked_mean(entropy.detach(), mask),
+                      tokens=mask.sum().item(), rows=float(mask.shape[0]), per_row=ratio.shape[-1] == 1)
+    if options.loss_type in CLIPPED_LOSS_TYPES:
+        is_low = (ratio < 1 - options.epsilon) & (advantages < 0)
+        is_high = (ratio > 1 + options.clip_high) & (advantages > 0)
+        stats.clip_low = _masked_mean(is_low.float(), mask)
+        stats.clip_high = _masked_mean(is_high.float(), mask)
+        stats.clip_region = _masked_mean((is_low | is_high).float(), mask)
+    elif options.loss_type == "cispo":
+        stats.cispo_clip = _masked_mean(((ratio > options.clip_high) & (advantages > 0)).float(), mask)
+    elif options.loss_type == "vespo":
+        stats.vespo_phi = _masked_mean(terms.phi, mask)
+    if entropy is not None:
+        acting = mask if terms.entropy_mask is None else mask * terms.entropy_mask
+        stats.entropy_sum, stats.entropy_count = (entropy.detach() * acting).sum().item(), acting.sum().item()
+    return stats
+
+
+def policy_loss_value(aggregated: float, loss_type: str, num_micro_batches: int) -> float:
+    """trl's logged `policy_loss`: the micro-batch's aggregated loss before the division for accumulation."""
+    return aggregated if loss_type in ("dapo", "cispo", "vespo") else aggregated * num_micro_batches

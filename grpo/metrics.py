@@ -161,43 +161,38 @@ def tool_metrics(world, rollout, device) -> dict:
             "tools/failure_frequency": failed / calls if calls else 0.0}
 
 
-def step_metrics(run, rollout, loss_mask, all_rewards, all_advantages, record) -> dict:
+# trl's metric name -> the LossStats field it averages (over the step's tokens, or rows; LossStats.weights)
+LOSS_STAT_METRICS = {"entropy": "entropy", "clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high",
+                     "clip_ratio/region_mean": "clip_region", "cispo_clip_ratio": "cispo_clip",
+                     "vespo/phi_seq_mean": "vespo_phi", "policy_loss": "policy_loss", "kl": "kl"}
+
+
+def step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, update, reward_names: list[str],
+                 learning_rate: float, skipped_updates: int) -> dict:
     """A step's logged metrics, with trl's names, over every rank: rewards, advantages, the loss statistics of
     every micro-batch weighted by the tokens (or rows) they are over, lengths (the model's own tokens: tool
-    results not counted, as trl), tool calls. `record`: grpo.update's."""
-    world, device = run.world, run.device
+    results not counted, as trl), tool calls. `update`: grpo.update.UpdateResult, its losses and statistics.
+    A statistic no micro-batch has (kl with beta = 0, cispo's with another loss type) is left out."""
+    device = loss_mask.device
     lengths = world.gather_rows(loss_mask.sum(-1).float())  # after mask_truncated_completions
     raw_lengths = world.gather_rows(rollout.loss_mask.sum(-1).float().to(device))
-    stats = record["micro_batch_stats"]
-
-    def mean_of(name):
-        """Over the step's tokens (or rows) on every rank, whatever the micro-batches held."""
-        pairs = [(getattr(s, name), s.weights()[name]) for s in stats if getattr(s, name) is not None]
-        total = world.sum(sum(value * weight for value, weight in pairs))
-        count = world.sum(sum(weight for _, weight in pairs))
-        return total / count if count > 0 else None
-
     metrics = {
-        **reward_function_stats(all_rewards, [spec.name for spec in run.rewards]),
+        **reward_function_stats(all_rewards, reward_names),
         "advantages/abs_mean": all_advantages.abs().mean().item(),
-        "loss": sum(record["step_losses"]) / len(record["step_losses"]),
-        "grad_norm": record["grad_norms"][-1],
-        "learning_rate": run.scheduler.get_last_lr()[0],
-        "entropy": mean_of("entropy"),
-        "clip_ratio/low_mean": mean_of("clip_low"),
-        "clip_ratio/high_mean": mean_of("clip_high"),
-        "clip_ratio/region_mean": mean_of("clip_region"),
-        "cispo_clip_ratio": mean_of("cispo_clip"),
-        "vespo/phi_seq_mean": mean_of("vespo_phi"),
-        "policy_loss": mean_of("policy_loss"),
-        "entropy_coef": record["entropy_coefs"][-1] if record["entropy_coefs"] else None,
-        "kl": mean_of("kl") if run.config.beta != 0.0 else None,
+        "loss": sum(update.step_losses) / len(update.step_losses),
+        "grad_norm": update.grad_norms[-1],
+        "learning_rate": learning_rate,
+        "entropy_coef": update.entropy_coefs[-1] if update.entropy_coefs else None,
         "completions/mean_length": raw_lengths.mean().item(),
         "completions/min_length": raw_lengths.min().item(),
         "completions/max_length": raw_lengths.max().item(),
         "completions/clipped_ratio": world.gather_rows(rollout.truncated.float().to(device)).mean().item(),
         "num_tokens": int(lengths.sum().item()),
-        "skipped_updates": run.skipped_updates,
+        "skipped_updates": skipped_updates,
         **tool_metrics(world, rollout, device),
     }
+    for metric, name in LOSS_STAT_METRICS.items():  # over the step's tokens (or rows) on every rank
+        pairs = [(getattr(s, name), s.weights()[name]) for s in update.micro_batch_stats if getattr(s, name) is not None]
+        count = world.sum(sum(weight for _, weight in pairs))
+        metrics[metric] = world.sum(sum(value * weight for value, weight in pairs)) / count if count > 0 else None
     return {key: value for key, value in metrics.items() if value is not None}  # what this loss type logs

@@ -136,7 +136,6 @@ def _dequantized_model(folder: Path, gguf_file: str):
 
 
 OPTIMIZERS = ("adamw", "adamw_8bit")
-LR_SCHEDULERS = ("cosine", "constant", "linear")
 PRECISIONS = ("auto", "fp32", "bf16", "bf16-pure")
 
 
@@ -302,24 +301,6 @@ def make_optimizer(name: str, groups: list[dict], config, device: torch.device) 
             raise ValueError("--optim adamw_8bit needs bitsandbytes: pip install -e '.[bnb]'") from error
         return bitsandbytes.optim.AdamW8bit(groups, **options)
     raise ValueError(f"optim must be one of {OPTIMIZERS}, got {name!r}")
-
-
-def make_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup: int, total: int):
-    """The learning-rate schedule, as transformers' get_scheduler computes it: `constant` (no warmup, as theirs),
-    `linear` and `cosine` (a half cosine to 0) after `warmup` linear steps, over `total` optimizer updates."""
-    def factor(step: int) -> float:
-        if name == "constant":
-            return 1.0
-        if step < warmup:
-            return step / max(1, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        if name == "linear":
-            return max(0.0, (total - step) / max(1, total - warmup))
-        if name == "cosine":
-            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-        raise ValueError(f"lr_scheduler_type must be one of {LR_SCHEDULERS}, got {name!r}")
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def main(argv=None) -> int:

@@ -1,18 +1,65 @@
-"""What one step trains on (`Rollout`), and how the loop makes one (`sample_rollout`: sample, then reward).
+"""What one step trains on (`Rollout`), and how the loop makes one: the step's prompts (`step_prompts`), the
+generation seam (`make_generation_backend`), then `sample_rollout` (sample, then reward).
 
 A Rollout is the seam between sampling and learning: the trainer builds one from its own sampler,
 and tests or users can build one from any prompts, completions and rewards (`from_token_lists`)
 and hand it to `Trainer.train_on_rollout`, skipping sampling. The trl parity suite does that.
+
+Seeds: the loop draws its data order, sampling noise and micro-batch shuffles from `seeded` generators whose
+stream depends only on the numbers given (seed, step, position, ...), so a resumed run and a run on another
+world size draw the same numbers as an uninterrupted single-process one.
+
+The generation seam, the one way the trainer and evaluation get completions:
+    backend.generate(prompt_ids, num_generations, params, generator) -> GroupSample
+    backend.after_update()      called after every optimizer update (a backend that keeps its own copy of
+                                the weights, such as an inference server, refreshes it there)
+Backends (`--generation-backend`):
+    sampler        ours: grpo.sampler.sample_groups, or grpo.kernels.sampling.FastSampler with --kernels auto
+                   (on CUDA with the compiled decode step; if compiling fails it says so once and decodes
+                   eagerly from then on); grpo.setup.step_functions says which
+    transformers   `model.generate`, for models our sampler does not support; the prompt is prefilled G
+                   times, as trl does without vLLM
+Both return rows grouped [prompt 0 x G, prompt 1 x G, ...], the completion mask up to and including the
+first EOS, and (when asked) the sampler's per-token log-probs under softmax(logits / temperature).
+
+Notation: B prompts, G completions per prompt, N = B * G rows, P prompt tokens, T completion tokens.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from grpo.prompts import encode_prompt, encode_prompts  # noqa: F401 (re-exported: their earlier home)
+from grpo.sampler import GroupSample, RowUniforms, SamplingParams, left_pad, sample_groups, token_logprobs
 from rewards import score_rows
+
+logger = logging.getLogger("grpo")
+
+GENERATION_BACKENDS = ("sampler", "transformers")
+
+
+# ----------------------------------------------------------------------------- seeds and the step's prompts
+
+def seeded(*numbers: int) -> torch.Generator:
+    """A CPU generator seeded by a hash of `numbers`."""
+    seed = 0
+    for number in numbers:
+        seed = (seed * 1_000_003 + number) % (2**63)
+    return torch.Generator().manual_seed(seed)
+
+
+def step_prompts(step: int, count: int, dataset_size: int, seed: int, shuffle: bool = True) -> list[int]:
+    """The `count` prompt indices of a step: the dataset read in a fresh seeded permutation per epoch (its own
+    order without shuffle), `count` at a time, so any step's prompts follow from (seed, step) alone."""
+    first, last = step * count, (step + 1) * count  # positions in the endless stream of epochs
+    epochs = range(first // dataset_size, (last - 1) // dataset_size + 1)  # a step spans at most a few epochs
+    stream = torch.cat([torch.randperm(dataset_size, generator=seeded(seed, epoch)) if shuffle
+                        else torch.arange(dataset_size) for epoch in epochs])  # (len(epochs) * dataset_size,)
+    return stream[first - epochs[0] * dataset_size : last - epochs[0] * dataset_size].tolist()
+
 
 
 @dataclass
@@ -99,7 +146,7 @@ class Rollout:
 
 def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt_ids: list[list[int]], group: int,
                    params, noise) -> tuple[Rollout, list, list]:
-    """G completions for each of the B rows' prompts from the generation backend (grpo.generation), decoded and
+    """G completions for each of the B rows' prompts from the generation backend (grpo.rollout), decoded and
     scored by every reward function (rewards.score_rows). Returns (rollout, prompts, texts), N = B * G rows."""
     sample = generation.generate(prompt_ids, group, params, noise)  # rows [prompt 0 x G, prompt 1 x G, ...]
     completion_ids = [ids[mask].tolist() for ids, mask in
@@ -116,3 +163,87 @@ def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt
         tool_mask=sample.tool_mask, tool_calls=sample.tool_calls,
     )
     return rollout, prompts, texts
+
+
+# ----------------------------------------------------------------------------- the generation seam
+
+class GenerationBackend(Protocol):
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 generator: torch.Generator | None = None, return_logprobs: bool = False) -> GroupSample: ...
+
+    def after_update(self) -> None: ...
+
+
+class GroupSampler:
+    """Our group sampler (one prefill per prompt): `sample` is grpo.sampler.sample_groups, or the kernel the
+    run's KernelChoice hands over (grpo.kernels.sampling.FastSampler), called the same way. With `tools`
+    (grpo.tools.ToolSet) it is sample_groups, whose loop feeds tool results to the rows that call one."""
+
+    def __init__(self, model, pad_token_id: int, sample=sample_groups, tools=None):
+        self.model, self.pad_token_id, self.sample, self.tools = model, pad_token_id, sample, tools
+
+    def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False) -> GroupSample:
+        if self.tools is not None:
+            return sample_groups(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
+                                 return_logprobs, tools=self.tools)
+        return self.sample(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
+                           return_logprobs)
+
+    def after_update(self) -> None:
+        """Nothing to refresh: the sampler reads the live model."""
+
+
+class TransformersGenerate:
+    """`model.generate` behind the same seam: each prompt repeated G times, sampled with transformers."""
+
+    def __init__(self, model, pad_token_id: int):
+        self.model, self.pad_token_id = model, pad_token_id
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False) -> GroupSample:
+        device = next(self.model.parameters()).device
+        prompt, prompt_mask = left_pad(prompt_ids, self.pad_token_id, device)  # (B, P)
+        options = dict(do_sample=params.temperature > 0, max_new_tokens=params.max_completion_length,
+                       eos_token_id=list(params.eos_token_ids), pad_token_id=self.pad_token_id,
+                       output_logits=return_logprobs, return_dict_in_generate=True)
+        if params.temperature > 0:
+            options.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
+                           min_p=params.min_p or None)
+        # generate draws from the global RNG: seed it from `generator`, and leave the caller's state as it was.
+        if isinstance(generator, RowUniforms):  # model.generate takes no per-row noise: one seed from it
+            seed = generator.seed
+        else:
+            seed = int(torch.randint(2**62, (1,), generator=generator)) if generator is not None else None
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(input_ids=prompt.repeat_interleave(num_generations, 0),  # (N, P)
+                                      attention_mask=prompt_mask.repeat_interleave(num_generations, 0), **options)
+        completion_ids = out.sequences[:, prompt.shape[1]:]  # (N, T)
+        is_eos = torch.isin(completion_ids, torch.tensor(list(params.eos_token_ids), device=device))  # (N, T)
+        truncated = ~is_eos.any(-1)  # (N,)
+        first_eos = torch.where(truncated, completion_ids.shape[1] - 1, is_eos.int().argmax(-1))  # (N,)
+        positions = torch.arange(completion_ids.shape[1], device=device)
+        completion_mask = (positions[None, :] <= first_eos[:, None]).long()  # (N, T)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_token_id)
+        logprobs = None
+        if return_logprobs:
+            logits = torch.stack(out.logits, dim=1).float()  # (N, T, V) the model's raw logits per step
+            rows = [token_logprobs(logits[:, t], completion_ids[:, t], params.temperature)
+                    for t in range(completion_ids.shape[1])]
+            logprobs = torch.stack(rows, dim=1) * completion_mask  # (N, T)
+        return GroupSample(prompt_ids=prompt, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                           completion_mask=completion_mask, truncated=truncated,
+                           num_generated_tokens=int(completion_mask.sum()), logprobs=logprobs)
+
+    def after_update(self) -> None:
+        """Nothing to refresh: generate reads the live model."""
+
+
+def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups,
+                            tools=None) -> GenerationBackend:
+    """`sample`: the group sampler our backend calls (grpo.setup.step_functions says which); `tools`:
+    grpo.tools.ToolSet, which only our sampler can feed (GRPOConfig.validate checks that)."""
+    if name == "transformers":
+        return TransformersGenerate(model, pad_token_id)
+    return GroupSampler(model, pad_token_id, sample, tools)

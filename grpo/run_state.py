@@ -1,12 +1,11 @@
 """A run's state beyond its weights, saved with every checkpoint and restored on --resume.
 
-    step, optimizer updates, skipped-update counters, the LR schedule, the entropy coefficient,
-    every random generator (torch, CUDA, Python, the sampler's), the world size it was saved at
+    step, optimizer updates, skipped-update counters, the LR schedule, the entropy coefficient
+    (grpo.update.StepState), every random generator (torch, CUDA, Python), the world size it was saved at
     the optimizer state, keyed by parameter names (torch.distributed.checkpoint.state_dict), so any world
     size can load it; under torchrun the optimizer is saved sharded and each rank's generators apart
 
 Checkpoints are written atomically by grpo.checkpoint; the trainer state is read back with weights_only=True.
-`run` is the Trainer.
 """
 
 from __future__ import annotations
@@ -18,9 +17,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from grpo.checkpoint import (REFERENCE, SHARDED, load_sharded_optimizer, load_trainer_state, save_checkpoint,
+from grpo.checkpoint import (REFERENCE, SHARDED, latest_checkpoint, load_sharded_optimizer, load_trainer_state, save_checkpoint,
                              save_distributed_checkpoint)
 from grpo.lora import merged_model
+from grpo.update import Models, StepState
 from rewards import describe_rewards
 
 logger = logging.getLogger("grpo")
@@ -34,78 +34,75 @@ def rng_state() -> dict:
     }
 
 
-def trainer_state(run, with_optimizer: bool = True) -> dict:
-    """Everything but the weights."""
-    state = {
-        "step": run.step,
-        "scheduler": run.scheduler.state_dict(),
+def trainer_state(state: StepState, scheduler, world, optimizer=None, policy_call=None) -> dict:
+    """Everything but the weights (the optimizer's state too when it is given, keyed by parameter names)."""
+    saved = {
+        "step": state.step,
+        "scheduler": scheduler.state_dict(),
         **rng_state(),
-        "sample_generator": run.sample_generator.get_state(),
-        "consecutive_bad_steps": run.consecutive_bad_steps,
-        "skipped_updates": run.skipped_updates,
-        "updates": run.updates,
-        "entropy_control": run.entropy_control.state_dict(),
-        "world_size": run.world.size,
+        "consecutive_bad_steps": state.consecutive_bad_steps,
+        "skipped_updates": state.skipped_updates,
+        "updates": state.updates,
+        "entropy_control": state.entropy.state_dict(),
+        "world_size": world.size,
     }
-    if with_optimizer:
-        state["optimizer"] = get_optimizer_state_dict(run.policy_call, run.optimizer)
-    return state
+    if optimizer is not None:
+        saved["optimizer"] = get_optimizer_state_dict(policy_call, optimizer)
+    return saved
 
 
-def run_record(run) -> dict:
+def run_record(config, reward_specs, task: str, kernels, generation: str, world_size: int, distributed: str) -> dict:
     """The settings and what actually ran: the reward functions (also those passed from Python), the task,
-    the kernels and the generation backend (run_config.json, and each checkpoint's)."""
-    return {**run.config.to_dict(), "reward_functions": describe_rewards(run.rewards), "task": run.task,
-            "kernels_used": run.kernels.used(), "kernels_off": run.kernels.reasons,
-            "generation": type(run.generation).__name__, "world_size": run.world.size,
-            "distributed_mode": run.distributed}
+    the kernels (a grpo.kernels.KernelChoice, None under --kernels plain) and the generation backend
+    (run_config.json, and each checkpoint's)."""
+    used, off = (kernels.used(), kernels.reasons) if kernels is not None else ({}, {"all": "--kernels plain"})
+    return {**config.to_dict(), "reward_functions": describe_rewards(reward_specs), "task": task,
+            "kernels_used": used, "kernels_off": off, "generation": generation, "world_size": world_size,
+            "distributed_mode": distributed}
 
 
-def save(run) -> Path:
-    """An atomic checkpoint of the run at its current step; returns its folder."""
-    config = run.config
+def save(run_dir: Path, config, state: StepState, models: Models, optimizer, scheduler, world, tokenizer,
+         record: dict) -> Path:
+    """An atomic checkpoint of the run at its current step; returns its folder. `record`: run_record's."""
     sync = config.sync_ref_model  # TR-DPO's mixed reference is state
-    model = run.peft_model if run.peft_model is not None else run.policy  # LoRA: the adapter, peft's format
-    merged = merged_model(run.peft_model) if config.save_merged and run.world.is_main else None
-    if run.distributed != "none":  # DDP / FSDP2 (also at one process): sharded state, gathered weights
+    model = models.peft_model if models.peft_model is not None else models.policy  # LoRA: the adapter, peft's format
+    merged = merged_model(models.peft_model) if config.save_merged and world.is_main else None
+    if models.distributed != "none":  # DDP / FSDP2 (also at one process): sharded state, gathered weights
         return save_distributed_checkpoint(
-            run.run_dir, run.step, run.world, run.policy_call, run.optimizer, model, run.tokenizer,
-            trainer_state(run, with_optimizer=False), rng_state(), run_record(run), config.save_total_limit,
-            reference_call=run.ref_call if sync else None, merged=merged)
-    return save_checkpoint(run.run_dir, run.step, model, run.tokenizer, trainer_state(run), run_record(run),
-                           config.save_total_limit, reference=run.ref_model if sync else None, merged=merged)
+            run_dir, state.step, world, models.policy_call, optimizer, model, tokenizer,
+            trainer_state(state, scheduler, world), rng_state(), record, config.save_total_limit,
+            reference_call=models.reference_call if sync else None, merged=merged)
+    return save_checkpoint(run_dir, state.step, model, tokenizer,
+                           trainer_state(state, scheduler, world, optimizer, models.policy_call), record,
+                           config.save_total_limit, reference=models.reference if sync else None, merged=merged)
 
 
-def restore(run, checkpoint: Path) -> None:
-    """Load a checkpoint's trainer state into `run` (its weights were loaded with the models)."""
-    state = load_trainer_state(checkpoint)
-    run.step = state["step"]
+def restore(checkpoint: Path, state: StepState, models: Models, optimizer, scheduler, world, config) -> None:
+    """Load a checkpoint's trainer state into `state`, the optimizer and the schedule (its weights were loaded
+    with the models), and every random generator."""
+    saved = load_trainer_state(checkpoint)
+    state.step = saved["step"]
     if (checkpoint / SHARDED).is_dir():  # saved under torchrun: resharded for this world
-        load_sharded_optimizer(checkpoint, run.policy_call, run.optimizer)
-    elif all(isinstance(key, int) for key in state["optimizer"]["state"]):  # older checkpoints
-        run.optimizer.load_state_dict(state["optimizer"])
+        load_sharded_optimizer(checkpoint, models.policy_call, optimizer)
     else:
-        set_optimizer_state_dict(run.policy_call, run.optimizer, optim_state_dict=state["optimizer"],
+        set_optimizer_state_dict(models.policy_call, optimizer, optim_state_dict=saved["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
-    run.scheduler.load_state_dict(state["scheduler"])
-    rank_file = checkpoint / f"rank-{run.world.rank:05d}.pt"
-    rng = torch.load(rank_file, weights_only=True) if rank_file.exists() else state
+    scheduler.load_state_dict(saved["scheduler"])
+    rank_file = checkpoint / f"rank-{world.rank:05d}.pt"
+    rng = torch.load(rank_file, weights_only=True) if rank_file.exists() else saved
     torch.set_rng_state(rng["torch_rng"])
     if rng["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda_rng"])
     random.setstate(rng["python_rng"])
-    run.sample_generator.set_state(state["sample_generator"])
-    run.consecutive_bad_steps = state["consecutive_bad_steps"]
-    run.skipped_updates = state["skipped_updates"]
-    run.updates = state.get("updates", run.step * run.config.num_iterations * run.config.updates_per_generation)
-    if "entropy_control" in state:
-        run.entropy_control.load_state_dict(state["entropy_control"])
-    if run.config.sync_ref_model and not (checkpoint / REFERENCE).is_dir():
+    state.consecutive_bad_steps = saved["consecutive_bad_steps"]
+    state.skipped_updates = saved["skipped_updates"]
+    state.updates = saved["updates"]
+    state.entropy.load_state_dict(saved["entropy_control"])
+    if config.sync_ref_model and not (checkpoint / REFERENCE).is_dir():
         logger.warning("%s holds no synced reference model (%s/): the reference restarts from --model",
                        checkpoint, REFERENCE)
-    saved_world = state.get("world_size", 1)
-    if saved_world != run.world.size:
+    saved_world = saved.get("world_size", 1)
+    if saved_world != world.size:
         logger.info("checkpoint saved by %d process(es), resumed by %d: the optimizer state is resharded; "
-                    "sampling is seeded per prompt, so the run continues as it would have", saved_world,
-                    run.world.size)
-    logger.info("resumed from %s at step %d", checkpoint, run.step)
+                    "sampling is seeded per prompt, so the run continues as it would have", saved_world, world.size)
+    logger.info("resumed from %s at step %d", checkpoint, state.step)

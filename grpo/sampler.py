@@ -193,13 +193,11 @@ def sample_groups(
     pad_token_id: int,
     generator: "torch.Generator | RowUniforms | None" = None,
     return_logprobs: bool = False,
-    step_callback=None,
     tools=None,
 ) -> GroupSample:
     """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
 
-    `step_callback(step, logits)`, if given, sees each step's (N, V) fp32 logits before sampling
-    (tests use it to check that sharing the prefill changes no logit). `tools` (a grpo.tools.ToolSet): a row
+    `tools` (a grpo.tools.ToolSet): a row
     whose turn calls a tool takes the result as its next tokens, then samples on (grpo.tools).
     """
     prompt_ids, prompt_mask, num_rows = prepare_prompts(model, prompts, group_size, params, pad_token_id)  # (B, P)
@@ -222,8 +220,6 @@ def sample_groups(
     lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)  # (N,)
     turns = tools.start(num_rows, max_new, device) if tools is not None else None
     for step in range(max_new):
-        if step_callback is not None:
-            step_callback(step, logits)
         uniform = draw_uniform(generator, num_rows, step, device) if params.temperature > 0 else None  # (N, 1)
         tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p,
                                    uniform=uniform)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -19,8 +20,11 @@ import torch
 from data import add_prompts, load_task_rows
 from grpo.checkpoint import REFERENCE, latest_checkpoint
 from grpo.lora import add_lora
+from grpo.loss import LossOptions
+from grpo.sampler import sample_groups
+from grpo.update import make_scheduler, plain_step_functions
 from grpo.tools import ToolSet, check_template_renders_tools, load_tools
-from grpo.models import cast_head_to_fp32, disable_dropout, load_model, make_optimizer, make_scheduler
+from grpo.models import cast_head_to_fp32, disable_dropout, load_model, make_optimizer
 from rewards import RewardSpec, parse_reward_specs
 from rewards.sandbox import check_isolation
 from rewards.shaping import overlong_penalty
@@ -172,3 +176,35 @@ def optimizer_and_schedule(config, policy, device, total_steps: int):
     scheduler = make_scheduler(config.lr_scheduler_type, optimizer, math.ceil(config.warmup_ratio * total_updates),
                                total_updates)
     return optimizer, scheduler
+
+
+def step_functions(config, device, policy, distributed: str, entropy_bonus: bool):
+    """(StepFunctions, group sampler, KernelChoice or None): the calls the update and the generation seam make.
+    `--kernels plain`: grpo/'s own functions, no KernelChoice, and grpo/kernels/ is never imported; `auto`:
+    grpo.kernels.select_kernels decides, once, which kernels apply (and logs why the others do not)."""
+    options = LossOptions.from_config(config)
+    if config.kernels == "plain":
+        functions = plain_step_functions(options, config.temperature, config.logprob_chunk_size,
+                                         config.cast_lm_head_to_fp32)
+        return functions, sample_groups, None
+    from grpo.kernels import select_kernels
+
+    choice = select_kernels(config.kernels, device, options, policy, entropy_bonus=entropy_bonus,
+                            fp32_head=config.cast_lm_head_to_fp32, sharded=distributed == "fsdp",
+                            gradient_checkpointing=config.gradient_checkpointing)
+    choice.log_reasons()
+    if config.generation_backend == "sampler":  # what our sampler's kernels need of the model (generate: nothing)
+        choice.prepare_model(policy)
+    functions = choice.step_functions(options, config.temperature, config.logprob_chunk_size,
+                                      config.cast_lm_head_to_fp32)
+    return functions, choice.sampler(config.max_prompt_length), choice
+
+
+def use_cpu_huge_pages() -> None:
+    """Ask PyTorch's CPU allocator to back tensors of 2 MiB and more with transparent huge pages.
+
+    A training step allocates vocabulary-sized tensors; with 4 KiB pages their page faults cost more than
+    the arithmetic. PyTorch reads THP_MEM_ALLOC_ENABLE once, at its first such allocation, so this must be
+    called before any large tensor exists (train.py and Trainer call it first). A value the user set wins.
+    """
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

@@ -7,40 +7,41 @@
                   micro-batches -> log-probs -> per-token loss -> aggregate   functions.update_loss, grpo.loss
                   (- entropy bonus) -> backward, the gradients accumulating
                 -> clip the norm -> AdamW -> LR step (-> TR-DPO reference sync, entropy control)
-    metrics     trl's names, over every rank's tokens and rows
+    metrics     trl's names, over every rank's tokens and rows              grpo.metrics
 
-`functions` (StepFunctions) are the calls that compute log-probs, the loss and the micro-batches, chosen once
-by grpo.kernels.select_kernels: under `--kernels plain` they are `plain_step_functions` below, grpo/'s own
-code; under `auto`, kernels that compute the same numbers. `run` is the Trainer: its models (ModelCalls,
-wrapped in DDP / FSDP2 under torchrun), optimizer, scheduler, counters and config. Collectives go through
-`run.world` and are identities at world size one.
+`train_on_rollout` takes what it reads as arguments: the config, the models (`Models`), the optimizer and
+its schedule, the step's counters (`StepState`, the only thing it changes besides the weights), the world
+(collectives, identities at world size one) and `functions` (StepFunctions): the calls that compute
+log-probs, the loss and the micro-batches. Under `--kernels plain` these are `plain_step_functions` below;
+under `auto`, grpo.kernels hands over functions that compute the same numbers. It returns an `UpdateResult`:
+the step's metrics and every intermediate value (advantages, old and reference log-probs, each micro-batch's
+loss and statistics), for researchers and for the parity tests.
 
 Notation: N rows of this rank's rollout, n of a micro-batch, P prompt tokens, T completion tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
 import torch
 
 from grpo.advantages import decoupled_advantages, group_advantages, weighted_rewards
-from grpo.checkpoint import latest_checkpoint
-from grpo.distributed import accumulating, full_tensor
-from grpo.entropy import entropy_bonus, high_entropy_mask
+from grpo.distributed import World, accumulating, full_tensor
 from grpo.logprobs import completion_logprobs
-from grpo.loss import LossOptions, aggregate_loss, per_token_loss
-from grpo.loss_stats import loss_statistics, policy_loss_value
+from grpo.loss import (EntropyControl, LossOptions, LossStats, aggregate_loss, entropy_bonus, loss_terms,
+                       policy_loss_value, terms_statistics)
 from grpo.metrics import step_metrics
-from grpo.rollout import Rollout
-from grpo.seeding import seeded
+from grpo.rollout import Rollout, seeded
 
 logger = logging.getLogger("grpo")
+
+LR_SCHEDULERS = ("cosine", "constant", "linear")  # --lr-scheduler-type (make_scheduler)
 
 
 class TrainingError(RuntimeError):
@@ -48,15 +49,57 @@ class TrainingError(RuntimeError):
 
 
 @dataclass
+class StepState:
+    """What changes from one step to the next besides the weights and the optimizer (saved in checkpoints)."""
+
+    step: int = 0  # steps (rollouts) done
+    updates: int = 0  # optimizer updates applied (the reference syncs count them, as trl's global_step)
+    consecutive_bad_steps: int = 0  # updates skipped in a row (non-finite loss or gradient)
+    skipped_updates: int = 0
+    entropy: EntropyControl = field(default_factory=EntropyControl)  # the entropy bonus's coefficient
+
+
+@dataclass
+class Models:
+    """The models an update calls. `*_call`: as the loop calls them (ModelCall, or a DDP / FSDP2 wrapper under
+    torchrun): `call(fn, *args)` = fn(model, *args) inside the wrapper's forward (grpo.distributed)."""
+
+    policy: torch.nn.Module  # the trained weights (clipping, the reference sync)
+    policy_call: torch.nn.Module
+    reference: torch.nn.Module | None = None  # frozen; None when beta = 0 (or LoRA: the adapters switched off)
+    reference_call: torch.nn.Module | None = None
+    device: torch.device = torch.device("cpu")  # where the rollout's tensors go
+    autocast: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)  # bf16 or nothing
+    peft_model: torch.nn.Module | None = None  # LoRA: the adapted model, saved in peft's format
+    distributed: str = "none"  # how the *_call wrappers were made: none, ddp or fsdp (grpo.distributed)
+
+
+@dataclass
 class StepFunctions:
     """What the update calls to get log-probs, a micro-batch's loss and the micro-batches (chosen once)."""
 
     logprobs: Callable  # (model, ids, attention_mask, completion_mask) -> ((n, T) logps, None); no grad passes
-    update_loss: Callable  # (model, ids, attention_mask, loss_mask, advantages, old, ref, aggregation)
-    #                        -> (loss, (n, T) logps, (n, T) entropy); old None when on-policy; the completion
-    #                        the model reads is attention_mask's last T columns, loss_mask the tokens counted
+    update_loss: Callable  # (model, ids, attention_mask, loss_mask, advantages, old, ref, aggregation,
+    #                        entropy_coef) -> (loss, LossStats); old None when on-policy; entropy_coef None: no
+    #                        bonus; the completion the model reads is attention_mask's last T columns
     batches: Callable  # (lengths (N,), micro_batch_size) -> [rows]: the reference / old passes' micro-batches
-    update_batches: Callable  # (order (N,), lengths (N,), micro_batch_size, num_updates) -> [rows], in order
+    update_batches: Callable  # (rows (N/k,), lengths (N,), micro_batch_size) -> [rows]: one update's micro-batches
+
+
+@dataclass
+class UpdateResult:
+    """An update's metrics and intermediate values (this rank's rows)."""
+
+    metrics: dict  # trl's names, over every rank
+    advantages: torch.Tensor  # (N,)
+    ref_logps: torch.Tensor | None  # (N, T) when beta != 0
+    old_logps: torch.Tensor | None  # (N, T) when the rollout feeds more than one update
+    micro_batch_losses: list[float] = field(default_factory=list)  # in the order they ran
+    micro_batch_stats: list[LossStats] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list)  # per optimizer update, over every rank
+    grad_norms: list[float] = field(default_factory=list)  # per optimizer update
+    entropy_coefs: list[float] = field(default_factory=list)  # per optimizer update, when the bonus is on
+    num_items_in_batch: float = 0.0  # real completion tokens of one optimizer update over every rank
 
 
 def plain_batches(lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
@@ -64,20 +107,30 @@ def plain_batches(lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Te
     return list(torch.arange(lengths.shape[0], device=lengths.device).split(micro_batch_size))
 
 
-def plain_update_batches(order, lengths, micro_batch_size: int, num_updates: int) -> list[torch.Tensor]:
-    """`order` cut into micro-batches; update u takes the u-th num_micro of them."""
-    return list(order.split(micro_batch_size))
+def plain_update_batches(rows: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+    """One update's rows, in their random order, cut into consecutive micro-batches (`lengths`: for kernels that
+    group rows by length, grpo.kernels.batching)."""
+    return list(rows.split(micro_batch_size))
 
 
 def logprob_loss(logprobs: Callable, options: LossOptions) -> Callable:
-    """The update loss as the paper writes it: log-probs -> per-token loss -> aggregation."""
+    """The update loss as the paper writes it: log-probs -> per-token loss -> aggregation (- entropy bonus)."""
 
-    def update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation):
+    def update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation,
+                    entropy_coef=None):
         completion_mask = attention_mask[:, -loss_mask.shape[1]:]  # (n, T) tool results included
         logps, entropy = logprobs(model, ids, attention_mask, completion_mask, with_entropy=True)  # (n, T)
         old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
-        token_losses = per_token_loss(logps, old, advantages, loss_mask, ref_logps, options, entropy)
-        return aggregate_loss(token_losses, loss_mask, options.loss_type, **aggregation), logps, entropy
+        mask = loss_mask.to(logps.dtype)  # (n, T)
+        terms = loss_terms(logps, old, advantages[:, None], mask, ref_logps, options, entropy)
+        loss = aggregate_loss(terms.loss, mask, options.loss_type, **aggregation)
+        stats = terms_statistics(terms, advantages, mask, options, entropy)
+        if entropy_coef is not None:  # loss - coef * mean entropy over the tokens the policy loss keeps
+            num_micro = aggregation["num_micro_batches"]
+            stats.policy_loss = policy_loss_value(loss.item(), options.loss_type, num_micro)
+            acting = mask if terms.entropy_mask is None else mask * terms.entropy_mask
+            loss = loss - entropy_coef * entropy_bonus(entropy, acting, num_micro)
+        return loss, stats
 
     return update_loss
 
@@ -110,57 +163,39 @@ def advantages_of(rewards_per_func: torch.Tensor, weights: torch.Tensor, config)
 
 
 @torch.no_grad()
-def no_grad_logprobs(run, call, tensors) -> torch.Tensor:
+def no_grad_logprobs(call, tensors, logprobs: Callable, batches: Callable, micro_batch_size: int,
+                     autocast) -> torch.Tensor:
     """(N, T) log-probs of the completions under `call`'s model, micro-batch by micro-batch, without grad."""
-    functions, completion_mask = run.step_functions, tensors[3]
+    completion_mask = tensors[3]  # (N, T)
     out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=completion_mask.device)
-    for rows in functions.batches(completion_mask.sum(-1), run.config.micro_batch_size):
+    for rows in batches(completion_mask.sum(-1), micro_batch_size):
         ids, attention_mask, mask = micro_batch(tensors, rows)
-        with run.autocast:
-            logps, _ = call(functions.logprobs, ids, attention_mask, attention_mask[:, -mask.shape[1]:])  # (n, T')
+        with autocast:
+            logps, _ = call(logprobs, ids, attention_mask, attention_mask[:, -mask.shape[1]:])  # (n, T')
         out[rows, : mask.shape[1]] = logps
     return out
 
 
-def micro_batch_loss(run, ids, attention_mask, mask, advantages, old_logps, ref_logps, aggregation,
-                     entropy_coef=0.0):
-    """One micro-batch's aggregated loss (grad attached) and its statistics; old_logps None when on-policy.
-
-    log-probs -> per-token loss -> aggregation (grpo.logprobs, grpo.loss), minus the entropy bonus when on.
-    """
-    options, num_micro = run.loss_options, aggregation["num_micro_batches"]
-    with run.autocast:
-        loss, logps, entropy = run.policy_call(run.step_functions.update_loss, ids, attention_mask, mask, advantages,
-                                               old_logps, ref_logps, aggregation)
-    detached = logps.detach()
-    stats = loss_statistics(detached, detached if old_logps is None else old_logps, advantages, mask, ref_logps,
-                            options, entropy.detach())
-    if run.entropy_control.enabled:  # loss - coef * mean entropy over the tokens the policy loss keeps
-        stats.policy_loss = policy_loss_value(loss.item(), options.loss_type, num_micro)
-        acting = mask if options.top_entropy_quantile >= 1.0 else mask * high_entropy_mask(
-            entropy, mask, options.top_entropy_quantile)
-        loss = loss - entropy_coef * entropy_bonus(entropy, acting, num_micro)
-    return loss, stats
+def micro_batch_order(num_rows: int, seed: int, step: int, iteration: int, rank: int) -> torch.Tensor:
+    """(N,) the rows in the order an iteration cuts into micro-batches: a permutation seeded by
+    (seed, step, iteration, rank), so a resumed run draws the same one."""
+    return torch.randperm(num_rows, generator=seeded(seed, step, iteration, rank))
 
 
-def accumulate_gradients(run, batches, tensors, advantages, old_logps, ref_logps, aggregation, entropy_coef):
-    """loss.backward() over the update's micro-batches (their gradients add up in .grad).
+def make_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup: int, total: int):
+    """The learning-rate schedule, as transformers' get_scheduler computes it: `constant` (no warmup, as theirs),
+    `linear` and `cosine` (a half cosine to 0) after `warmup` linear steps, over `total` optimizer updates."""
 
-    Returns (finite on this rank, the micro-batch losses, their statistics)."""
-    finite, losses, stats = True, [], []
-    for index, rows in enumerate(batches):
-        rows = rows.to(advantages.device)
-        ids, attention_mask, mask = micro_batch(tensors, rows)
-        ref = None if ref_logps is None else ref_logps[rows, : mask.shape[1]]
-        old = None if old_logps is None else old_logps[rows, : mask.shape[1]]
-        with accumulating(run.policy_call, last=index == len(batches) - 1):  # DDP: one all-reduce, at the end
-            loss, micro_stats = micro_batch_loss(run, ids, attention_mask, mask, advantages[rows], old, ref,
-                                                 aggregation, entropy_coef)
-            finite = finite and bool(torch.isfinite(loss))
-            loss.backward()  # also when not finite: every rank takes part in each gradient sync
-        losses.append(loss.item())
-        stats.append(micro_stats)
-    return finite, losses, stats
+    def factor(update: int) -> float:  # the learning rate's share of --learning-rate after `update` updates
+        if name == "constant":
+            return 1.0
+        if update < warmup:
+            return update / max(1, warmup)
+        if name == "linear":
+            return max(0.0, (total - update) / max(1, total - warmup))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (update - warmup) / max(1, total - warmup))))  # cosine
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def sync_reference(ref_model, policy, alpha: float) -> None:
@@ -170,68 +205,66 @@ def sync_reference(ref_model, policy, alpha: float) -> None:
             ref_param.mul_(1.0 - alpha).add_(param.to(ref_param.dtype), alpha=alpha)
 
 
-def apply_update(run, finite: bool, stats: list) -> float:
+def apply_update(config, models: Models, optimizer, scheduler, state: StepState, world: World, finite: bool,
+                 stats: list[LossStats], after_update: Callable[[], None]) -> float:
     """Clip the accumulated gradient, then AdamW and the LR step (skipped, everywhere, when any rank's loss or
     the norm is not finite); the reference sync and entropy control after a step. Returns the gradient norm."""
-    cfg, world = run.config, run.world
     finite = not world.any(not finite)  # a non-finite loss on any rank skips the update everywhere
-    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.policy.parameters(), max_norm)).item()
+    max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(models.policy.parameters(), max_norm)).item()
     if not finite or not math.isfinite(grad_norm):
-        skip_update(run, grad_norm if finite else float("nan"))
+        skip_update(state, grad_norm if finite else float("nan"), config.max_bad_steps)
     else:
-        run.optimizer.step()
-        run.scheduler.step()
-        run.updates += 1
-        run.generation.after_update()  # a backend with its own copy of the weights refreshes it
-        run.consecutive_bad_steps = 0
-        if cfg.sync_ref_model and run.updates % cfg.ref_model_sync_steps == 0:
-            sync_reference(run.ref_model, run.policy, cfg.ref_model_mixup_alpha)
-        if run.entropy_control.adaptive:  # the update's entropy over every rank's tokens
-            run.entropy_control.update(world.sum(sum(s.entropy_sum for s in stats)),
-                                       world.sum(sum(s.entropy_count for s in stats)))
+        optimizer.step()
+        scheduler.step()
+        state.updates += 1
+        state.consecutive_bad_steps = 0
+        after_update()  # a generation backend with its own copy of the weights refreshes it
+        if config.sync_ref_model and state.updates % config.ref_model_sync_steps == 0:
+            sync_reference(models.reference, models.policy, config.ref_model_mixup_alpha)
+        if state.entropy.adaptive:  # the update's entropy over every rank's tokens
+            state.entropy.update(world.sum(sum(s.entropy_sum for s in stats)),
+                                 world.sum(sum(s.entropy_count for s in stats)))
     # Kept allocated: the vocabulary-sized gradients are then added into .grad in place each micro-batch
     # instead of being copied into new tensors.
-    run.optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=False)
     return grad_norm
 
 
-def skip_update(run, grad_norm: float) -> None:
-    run.consecutive_bad_steps += 1
-    run.skipped_updates += 1
+def skip_update(state: StepState, grad_norm: float, max_bad_steps: int) -> None:
+    state.consecutive_bad_steps += 1
+    state.skipped_updates += 1
     logger.warning("step %d: non-finite loss or gradient (grad_norm=%s): update skipped (%d in a row, limit %d)",
-                   run.step + 1, grad_norm, run.consecutive_bad_steps, run.config.max_bad_steps)
-    if run.consecutive_bad_steps >= run.config.max_bad_steps:
-        raise TrainingError(
-            f"{run.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient; stopping. "
-            f"The last good checkpoint is {latest_checkpoint(run.run_dir) or 'none (no checkpoint was saved yet)'}. Lower "
-            "the learning rate, check the reward functions, or use --precision fp32.")
+                   state.step + 1, grad_norm, state.consecutive_bad_steps, max_bad_steps)
+    if state.consecutive_bad_steps >= max_bad_steps:
+        raise TrainingError(f"{state.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient; "
+                            "stopping. Lower the learning rate, check the reward functions, or use --precision fp32.")
 
 
-def check_rollout(run, rollout: Rollout) -> None:
-    cfg, world = run.config, run.world
-    expected = cfg.completions_per_generation // world.size
-    if rollout.num_rows != expected or rollout.num_rows % cfg.num_generations:
-        raise ValueError(f"a rollout needs {cfg.prompts_per_generation // world.size} prompts x num_generations = "
-                         f"{expected} rows grouped by {cfg.num_generations} (per process, of {world.size}), "
+def check_rollout(config, world: World, rollout: Rollout, num_updates: int) -> None:
+    prompts = config.prompts_per_step * num_updates // world.size  # this rank's share of k * B prompts
+    if rollout.num_rows != prompts * config.num_generations:
+        raise ValueError(f"a rollout needs {prompts} prompts x num_generations = {prompts * config.num_generations} "
+                         f"rows grouped by {config.num_generations} (per process, of {world.size}), "
                          f"got {rollout.num_rows}")
 
 
-def train_on_rollout(run, rollout: Rollout, shuffle: bool = True) -> dict:
+def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, scheduler, state: StepState,
+                     world: World, functions: StepFunctions, reward_specs, num_updates: int = 1,
+                     after_update=lambda: None) -> UpdateResult:
     """Advantages, reference/old log-probs, then num_iterations x k optimizer updates on one rollout.
 
     `rollout` holds this rank's rows (all of them at world size one). k = updates_per_generation: the
-    rollout's micro-batches are split into k disjoint slices, one per update. Returns the step's metrics
-    (over every rank). Micro-batch losses are summed into the accumulated gradient, so each update equals
-    the full-slice one (grpo.loss.aggregate_loss says exactly when); DDP / FSDP2 average it over ranks.
-    shuffle=False: micro-batches of consecutive rows in rollout order, never regrouped (the parity tests).
-    Each of `run.observers` is called with the step's intermediate values (advantages, log-probs, losses).
+    rollout's micro-batches are split into k disjoint slices, one per update. Micro-batch losses are summed
+    into the accumulated gradient, so each update equals the full-slice one (grpo.loss.aggregate_loss says
+    exactly when); DDP / FSDP2 average it over ranks. `reward_specs` (rewards.RewardSpec): the weights and
+    names of the reward columns. `num_updates`: k (GRPOConfig.updates_per_generation). `after_update`: called
+    after each optimizer update (the generation backend's).
     """
-    check_rollout(run, rollout)
-    cfg, world, device = run.config, run.world, run.device
-    num_rows, num_updates = rollout.num_rows, cfg.updates_per_generation
+    check_rollout(config, world, rollout, num_updates)
+    device, num_rows = models.device, rollout.num_rows
     completion_mask, loss_mask = rollout.completion_mask.to(device), rollout.loss_mask.to(device)  # (N, T)
-    if cfg.mask_truncated_completions:  # drops them from attention and loss, as trl
+    if config.mask_truncated_completions:  # drops them from attention and loss, as trl
         kept = (~rollout.truncated.to(device))[:, None]
         completion_mask, loss_mask = completion_mask * kept, loss_mask * kept
     tensors = (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
@@ -239,48 +272,52 @@ def train_on_rollout(run, rollout: Rollout, shuffle: bool = True) -> dict:
 
     # --- advantages: over every rank's rows, as one process would compute them ---
     all_rewards = world.gather_rows(rollout.rewards_per_func)  # (N_all, K)
-    all_advantages, reward_stats = advantages_of(all_rewards, run.reward_weights, cfg)  # (N_all,)
+    weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)  # (K,)
+    all_advantages, reward_stats = advantages_of(all_rewards, weights, config)  # (N_all,)
     advantages = world.local_rows(all_advantages).to(device)  # (N,)
 
     # --- reference and old log-probs, without grad ---
-    started = time.perf_counter()
-    ref_logps = no_grad_logprobs(run, run.ref_call, tensors) if cfg.beta != 0.0 else None
-    off_policy = cfg.num_iterations * num_updates > 1  # some update runs after the policy moved
-    old_logps = no_grad_logprobs(run, run.policy_call, tensors) if off_policy else None
-    if device.type == "cuda":  # wait for the queued GPU work, so the time is the passes' own
-        torch.cuda.synchronize(device)
-    reference_time = time.perf_counter() - started
+    passes = partial(no_grad_logprobs, tensors=tensors, logprobs=functions.logprobs, batches=functions.batches,
+                     micro_batch_size=config.micro_batch_size, autocast=models.autocast)
+    ref_logps = passes(models.reference_call) if config.beta != 0.0 else None
+    off_policy = config.num_iterations * num_updates > 1  # some update runs after the policy moved
+    old_logps = passes(models.policy_call) if off_policy else None
 
     # --- num_iterations x k x (micro-batches -> loss -> backward; clip; AdamW; LR) ---
     # dapo / cispo / vespo divide by the real tokens of one update over all ranks (the rollout's / k, as trl),
     # / world size because DDP and FSDP2 average the ranks' gradients
     num_items_in_batch = world.sum(loss_mask.sum().item()) / num_updates / world.size
-    aggregation = dict(num_micro_batches=run.local_micro_batches, max_completion_length=cfg.max_completion_length,
+    num_micro = num_rows // num_updates // config.micro_batch_size  # micro-batches of one update on this rank
+    aggregation = dict(num_micro_batches=num_micro, max_completion_length=config.max_completion_length,
                        num_items_in_batch=num_items_in_batch)
     lengths = completion_mask.sum(-1).cpu()  # (N,)
-    record = {"micro_batch_losses": [], "micro_batch_stats": [], "entropy_coefs": [], "step_losses": [],
-              "grad_norms": []}
-    for iteration in range(cfg.num_iterations):
-        if shuffle:
-            order = torch.randperm(num_rows, generator=seeded(cfg.seed, run.step, iteration, world.rank))
-            batches = run.step_functions.update_batches(order, lengths, cfg.micro_batch_size, num_updates)
-        else:
-            batches = plain_update_batches(torch.arange(num_rows), lengths, cfg.micro_batch_size, num_updates)
-        for update in range(num_updates):
-            coef = run.entropy_control.applied()  # the same for every micro-batch of this update
-            slice_ = batches[update * run.local_micro_batches : (update + 1) * run.local_micro_batches]
-            finite, losses, stats = accumulate_gradients(run, slice_, tensors, advantages, old_logps, ref_logps,
-                                                         aggregation, coef)
-            record["grad_norms"].append(apply_update(run, finite, stats))
-            if run.entropy_control.enabled:
-                record["entropy_coefs"].append(run.entropy_control.coef)
-            record["step_losses"].append(world.sum(sum(losses)) / world.size)  # the loss whose gradient was applied
-            record["micro_batch_losses"] += losses
-            record["micro_batch_stats"] += stats
+    result = UpdateResult({}, advantages, ref_logps, old_logps, num_items_in_batch=num_items_in_batch * world.size)
+    for iteration in range(config.num_iterations):
+        order = micro_batch_order(num_rows, config.seed, state.step, iteration, world.rank)  # (N,)
+        for update_rows in order.chunk(num_updates):  # (N / k,) each update its own slice of the rows
+            coef = state.entropy.applied()  # the same for the whole update; None: no entropy bonus
+            finite, losses = True, []
+            for index, rows in enumerate(functions.update_batches(update_rows, lengths, config.micro_batch_size)):
+                rows = rows.to(device)
+                ids, attention_mask, mask = micro_batch(tensors, rows)
+                ref = None if ref_logps is None else ref_logps[rows, : mask.shape[1]]
+                old = None if old_logps is None else old_logps[rows, : mask.shape[1]]
+                with accumulating(models.policy_call, last=index == num_micro - 1):  # DDP: one all-reduce
+                    with models.autocast:
+                        loss, stats = models.policy_call(functions.update_loss, ids, attention_mask, mask,
+                                                         advantages[rows], old, ref, aggregation, coef)
+                    finite = finite and bool(torch.isfinite(loss))
+                    loss.backward()  # also when not finite: every rank takes part in each gradient sync
+                losses.append(loss.item())
+                result.micro_batch_stats.append(stats)
+            result.grad_norms.append(apply_update(config, models, optimizer, scheduler, state, world, finite,
+                                                  result.micro_batch_stats[-num_micro:], after_update))
+            if coef is not None:
+                result.entropy_coefs.append(state.entropy.coef)
+            result.step_losses.append(world.sum(sum(losses)) / world.size)  # the loss whose gradient was applied
+            result.micro_batch_losses += losses
 
-    record.update(advantages=advantages, ref_logps=ref_logps, old_logps=old_logps,
-                  num_items_in_batch=num_items_in_batch * world.size)
-    for observe in run.observers:
-        observe(record)
-    metrics = step_metrics(run, rollout, loss_mask, all_rewards, all_advantages, record)
-    return {**reward_stats, **metrics, "reference_time": reference_time}
+    result.metrics = {**reward_stats, **step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, result,
+                                                     [spec.name for spec in reward_specs],
+                                                     scheduler.get_last_lr()[0], state.skipped_updates)}
+    return result

@@ -23,7 +23,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from rewards.sandbox import Limits, run_tests
-from rewards.text import completion_text
+from rewards.scoring import completion_text
 
 FENCE = re.compile(r"```(python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 UNSAFE_PATTERNS = (r"\bos\.system\b", r"\bsubprocess\b", r"\bsocket\b", r"\bshutil\.rmtree\b", r"\bos\.remove\b",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 
 from data.answers import canonical_number, gold_from_column
-from rewards.text import completion_text
+from rewards.scoring import completion_text
 
 # One block of content that holds no tag of ours, so a duplicated tag cannot hide inside `.*?`.
 _NO_TAG = r"(?:(?!</?(?:reasoning|answer)>).)*?"

@@ -9,27 +9,15 @@ import importlib
 import importlib.util
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from rewards.gsm8k import GSM8K_REWARDS
-from rewards.text import completion_text
+from rewards.scoring import RewardFn, RewardSpec, completion_text
 from rewards.code import CODE_REWARDS
 from rewards.tools import TOOL_REWARDS
 from rewards.toy import TOY_REWARDS
 
-RewardFn = Callable[..., list]
-
 REWARD_FUNCTIONS: dict[str, RewardFn] = {**GSM8K_REWARDS, **TOY_REWARDS, **TOOL_REWARDS, **CODE_REWARDS}
-
-
-@dataclass(frozen=True)
-class RewardSpec:
-    """One reward function with its weight in the weighted sum r_i = sum_k w_k r_ik."""
-
-    name: str
-    fn: RewardFn
-    weight: float = 1.0
 
 
 def load_function(reference: str, what: str = "reward") -> Callable:

@@ -1,4 +1,6 @@
-"""Calling the reward functions safely and stacking their outputs into the (N, K) rewards of a rollout.
+"""Calling the reward functions safely and stacking their outputs into the (N, K) rewards of a rollout; what a
+reward is (`RewardSpec`: a function and its weight) and the text of a completion in either of trl's two shapes
+(`completion_text`).
 
 `score_completions` is the single place where user reward code runs during training; anything it returns that
 the loss could not use (wrong length, a non-number, NaN or inf) or any exception it raises stops the step with
@@ -10,11 +12,36 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from rewards.registry import RewardSpec
+
+
+RewardFn = Callable[..., list]
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward function with its weight in the weighted sum r_i = sum_k w_k r_ik."""
+
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+
+
+def completion_text(completion) -> str:
+    """The assistant text of a completion: a plain string, or chat messages whose last content is used."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content") or "")
+    if isinstance(completion, dict):
+        return str(completion.get("content") or "")
+    raise TypeError(
+        f"a completion must be a string or a list of chat messages, got {type(completion).__name__}"
+    )
 
 
 class RewardError(RuntimeError):

@@ -8,7 +8,7 @@ about 0.03 per completion of 32 tokens and a policy that learned to emit tags sc
 
 from __future__ import annotations
 
-from rewards.text import completion_text
+from rewards.scoring import completion_text
 
 FORMAT_TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
 

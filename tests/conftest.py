@@ -64,9 +64,33 @@ def both_kernels(request, monkeypatch):
             pytest.skip("this test chooses its kernels itself")
         return request.param
     if request.param == "plain":
-        import grpo.kernels
-        import grpo.trainer
+        import dataclasses
 
-        real = grpo.kernels.select_kernels
-        monkeypatch.setattr(grpo.trainer, "select_kernels", lambda kernels, *args, **kwargs: real("plain", *args, **kwargs))
+        import grpo.setup
+
+        real = grpo.setup.step_functions
+        monkeypatch.setattr(grpo.setup, "step_functions",
+                            lambda config, *args: real(dataclasses.replace(config, kernels="plain"), *args))
     return request.param
+
+
+def batch_indices(trainer, step: int) -> list[int]:
+    """The step's k * B prompt indices, as the trainer draws them (grpo.rollout.step_prompts)."""
+    from grpo.rollout import step_prompts
+
+    cfg = trainer.config
+    return step_prompts(step, trainer.prompts_per_generation, len(trainer.train_rows), cfg.seed, cfg.shuffle_dataset)
+
+
+def record_updates(trainer) -> list:
+    """Every grpo.update.UpdateResult the trainer makes from now on: its public `update` call, wrapped on this
+    instance (the loop reaches it through train_on_rollout)."""
+    records, update = [], trainer.update
+
+    def recording(rollout):
+        result = update(rollout)
+        records.append(result)
+        return result
+
+    trainer.update = recording
+    return records

@@ -28,6 +28,7 @@ from grpo.config import GRPOConfig  # noqa: E402
 from grpo.distributed import unwrap  # noqa: E402
 from grpo.distributed import full_tensor as _full  # noqa: E402
 from grpo.trainer import Trainer  # noqa: E402
+from tests.conftest import batch_indices  # noqa: E402
 
 BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_generations=4, micro_batch_size=4,
             max_prompt_length=128, max_completion_length=8, learning_rate=1e-3, reward=["tags"], device="cpu",
@@ -36,7 +37,7 @@ BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_genera
 
 
 def full_params(trainer) -> dict:
-    return {name: _full(p.detach()).clone() for name, p in unwrap(trainer.policy_call).named_parameters()}
+    return {name: _full(p.detach()).clone() for name, p in unwrap(trainer.models.policy_call).named_parameters()}
 
 
 def main():
@@ -46,17 +47,17 @@ def main():
     config = GRPOConfig(**{**BASE, "output_dir": str(out / "run"), **overrides})
     trainer = Trainer(config)
     rank = trainer.world.rank
-    record = {"steps": [], "world_size": trainer.world.size, "mode": trainer.distributed}
-    ref_before = None if trainer.ref_model is None else full_params_of(trainer.ref_call)
+    models = trainer.models
+    record = {"steps": [], "world_size": trainer.world.size, "mode": models.distributed}
+    ref_before = None if models.reference is None else full_params_of(models.reference_call)
 
-    collect, train_on_rollout, step_fn = trainer.collect_rollout, trainer.train_on_rollout, trainer.optimizer.step
+    collect, update, step_fn = trainer.collect_rollout, trainer.update, trainer.optimizer.step
     current = {}
-    updates = []  # each update's intermediate values (grpo.update.train_on_rollout's observers)
-    trainer.observers.append(updates.append)
 
     def collecting(step):
         rollout, prompts, texts, metrics = collect(step)
-        indices, _ = trainer.local_slice(trainer.batch_indices(step))
+        size = config.prompts_per_generation // trainer.world.size  # this rank's slice of the step's prompts
+        indices = batch_indices(trainer, step)[rank * size : (rank + 1) * size]
         completions = {}
         for position, index in enumerate(indices):
             rows = range(position * config.num_generations, (position + 1) * config.num_generations)
@@ -68,25 +69,24 @@ def main():
             raise RuntimeError("a deliberate failure on rank 1")
         return rollout, prompts, texts, metrics
 
-    def training(rollout, shuffle=True):
-        metrics = train_on_rollout(rollout, shuffle)
-        last = updates[-1]
-        record["steps"].append({**current, "metrics": metrics,
-                                "advantages": trainer.world.gather_rows(last["advantages"].cpu()),
-                                "ref_logps": None if last["ref_logps"] is None else last["ref_logps"].cpu()})
-        return metrics
+    def updating(rollout):  # the public call with every intermediate value
+        last = update(rollout)
+        record["steps"].append({**current, "metrics": last.metrics,
+                                "advantages": trainer.world.gather_rows(last.advantages.cpu()),
+                                "ref_logps": None if last.ref_logps is None else last.ref_logps.cpu()})
+        return last
 
     def stepping():
         if current.get("grads") is None:  # the first update of the step: its averaged full gradient
             current["grads"] = {name: _full(p.grad).clone() for name, p in
-                                unwrap(trainer.policy_call).named_parameters() if p.grad is not None}
+                                unwrap(models.policy_call).named_parameters() if p.grad is not None}
         return step_fn()
 
-    trainer.collect_rollout, trainer.train_on_rollout, trainer.optimizer.step = collecting, training, stepping
+    trainer.collect_rollout, trainer.update, trainer.optimizer.step = collecting, updating, stepping
     result = trainer.train(until_step=until)
     record.update(result=result, params=full_params(trainer))
     if ref_before is not None:
-        after = full_params_of(trainer.ref_call)
+        after = full_params_of(models.reference_call)
         record["ref_unchanged"] = all(torch.equal(ref_before[k], after[k]) for k in ref_before)
     torch.save(record, out / f"rank-{rank}.pt")
     trainer.world.close()  # as train.py does: the process group is gone before the interpreter exits

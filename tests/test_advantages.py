@@ -103,8 +103,10 @@ def test_reward_function_stats_and_nanstd():
 def test_bad_group_size_is_reported():
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         group_advantages(torch.zeros(6), 4)
+    from grpo.config import GRPOConfig  # the choice is validated once, by the config
+
     with pytest.raises(ValueError, match="scale_rewards must be one of"):
-        group_advantages(torch.zeros(4), 2, "grp")
+        GRPOConfig(scale_rewards="grp").validate()
 
 
 def test_normalize_then_sum_hand_derived():

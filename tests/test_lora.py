@@ -12,6 +12,7 @@ import torch
 peft = pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[peft]'")
 
 from grpo.config import GRPOConfig  # noqa: E402
+from tests.conftest import record_updates
 from grpo.lora import AdaptersOff, add_lora  # noqa: E402
 from grpo.logprobs import completion_logprobs  # noqa: E402
 from grpo.metrics import read_jsonl  # noqa: E402
@@ -101,7 +102,7 @@ LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
 def test_lora_training_holds_no_reference_copy_and_resumes_exactly(tmp_path, kernels):
     overrides = dict(max_steps=4, save_steps=2, beta=0.04, kernels=kernels, **LORA)
     straight = Trainer(make_config(tmp_path / "a", **overrides))
-    assert straight.ref_model is None and isinstance(straight.ref_call, AdaptersOff)
+    assert straight.models.reference is None and isinstance(straight.models.reference_call, AdaptersOff)
     before = params_of(straight.policy)
     straight.train()
     after = params_of(straight.policy)
@@ -150,12 +151,11 @@ def test_starting_adapter_is_trained_and_is_the_reference(tmp_path):
     for name, value in params_of(first.policy).items():  # starts where the adapter left off
         assert torch.equal(value, dict(second.policy.named_parameters())[name]), name
     rollout, _, _, _ = second.collect_rollout(0)
-    records = []
-    second.observers.append(records.append)
+    records = record_updates(second)
     second.train_on_rollout(rollout)
-    assert records[-1]["ref_logps"] is not None
+    assert records[-1].ref_logps is not None
     # Its reference is that starting adapter (frozen), not the bare base: on-policy, the first KL is 0.
-    assert records[-1]["micro_batch_stats"][0].kl == pytest.approx(0.0, abs=1e-7)
+    assert records[-1].micro_batch_stats[0].kl == pytest.approx(0.0, abs=1e-7)
     trainable = [n for n, p in second.policy.named_parameters() if p.requires_grad]
     assert trainable and all(".default." in n for n in trainable)
 

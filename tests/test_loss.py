@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from grpo.entropy import EntropyControl, entropy_bonus, high_entropy_mask
+from grpo.loss import EntropyControl, entropy_bonus, high_entropy_mask
 from grpo.loss import LOSS_TYPES, LossOptions, aggregate_loss, k3_kl, off_policy_mask, per_token_loss, token_loss
-from grpo.loss_stats import loss_statistics
+from grpo.loss import loss_statistics
 
 T_MAX = 6
 

@@ -21,6 +21,7 @@ from grpo.metrics import read_jsonl
 from grpo.models import ModelError, load_model, load_tokenizer
 from grpo.trainer import Trainer, TrainingError
 from rewards import RewardError
+from tests.conftest import batch_indices
 from tests.test_trainer import fixed_rollout, make_config
 
 pytestmark = pytest.mark.usefixtures("both_kernels")  # in-process tests under --kernels auto and plain (conftest.py)
@@ -178,7 +179,7 @@ def test_reward_raising_on_one_row_stops_before_any_update(tmp_path):
 
     trainer = Trainer(make_config(tmp_path, max_steps=2), reward_functions=[fragile], train_rows=rows)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
-    boom_row = [trainer.train_rows[i]["question"] for i in trainer.batch_indices(0)].index("boom") * 4
+    boom_row = [trainer.train_rows[i]["question"] for i in batch_indices(trainer, 0)].index("boom") * 4
     with pytest.raises(RewardError, match=rf"reward 'fragile' raised ZeroDivisionError on row {boom_row}"):
         trainer.train()
     assert trainer.step == 0 and not trainer.optimizer.state  # no optimizer step was taken
@@ -201,7 +202,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, caplog):
         assert torch.equal(param, before[name])
     poison["on"] = False
     assert trainer.train_on_rollout(fixed_rollout(trainer, 1))["skipped_updates"] == 1  # a good step resets the count
-    assert trainer.consecutive_bad_steps == 0
+    assert trainer.state.consecutive_bad_steps == 0
     poison["on"] = True
     trainer.train_on_rollout(fixed_rollout(trainer, 2))
     with pytest.raises(TrainingError, match=r"2 consecutive steps had a non-finite loss or gradient; stopping"):

@@ -65,14 +65,20 @@ def test_greedy_matches_generate_with_and_without_early_eos(peaked, prompts, tok
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
-def test_prefix_sharing_changes_no_logit(peaked, prompts, tokenizer, sampler):
+def test_prefix_sharing_changes_no_logit(peaked, prompts, tokenizer, sampler, monkeypatch):
     from transformers import DynamicCache
 
     group_size, pad = 3, tokenizer.pad_token_id
     seen = []
     params = SamplingParams(max_completion_length=6, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,))
-    sample = SAMPLERS[sampler](peaked, prompts, group_size, params, pad, generator=torch.Generator().manual_seed(0),
-                           step_callback=lambda step, logits: seen.append(logits.clone()))
+    generator, watch = torch.Generator().manual_seed(0), {}
+    if sampler == "plain":  # each step's logits, as the plain sampler hands them to sample_next_token
+        draw = grpo.sampler.sample_next_token
+        monkeypatch.setattr(grpo.sampler, "sample_next_token",
+                            lambda logits, *args, **kwargs: seen.append(logits.clone()) or draw(logits, *args, **kwargs))
+    else:  # the kernel's shifted base-2 frames are turned back into logits by its own callback
+        watch["step_callback"] = lambda step, logits: seen.append(logits.clone())
+    sample = SAMPLERS[sampler](peaked, prompts, group_size, params, pad, generator=generator, **watch)
     # Without sharing: each prompt repeated G times is prefilled as its own row, then the same tokens decoded.
     mask = sample.prompt_mask.repeat_interleave(group_size, 0)  # (N, P)
     ids = sample.prompt_ids.repeat_interleave(group_size, 0)

@@ -111,7 +111,7 @@ def test_eval_py_on_a_prompt_task_with_a_scorer_file(tmp_path, tiny_model_dir, c
 def test_transformers_generate_backend_behind_the_seam(tiny_model_and_tokenizer):
     # Greedy decoding has one answer: model.generate behind the seam must give our sampler's tokens, mask and
     # truncation flags, grouped the same way, and the log-probs of the tokens it drew.
-    from grpo.generation import GroupSampler, TransformersGenerate
+    from grpo.rollout import GroupSampler, TransformersGenerate
     from grpo.sampler import SamplingParams
 
     model, tokenizer = tiny_model_and_tokenizer

@@ -15,7 +15,8 @@ import torch
 
 from data.calculator import calculator
 from rewards.tools import tool_call_format, tool_success
-from grpo.generation import make_generation_backend
+from grpo.rollout import make_generation_backend
+from tests.conftest import record_updates
 from grpo.sampler import SamplingParams, sample_groups
 from grpo.tools import ToolSet, load_tools, parse_tool_calls, run_tool_call, tool_suffix_ids
 
@@ -288,15 +289,14 @@ def test_a_training_step_on_tool_rollouts(tmp_path):
     plans = [call + [eos] + [None] * len(result) + answer + [eos], answer + [eos]] * 2
     plans[1][0] = plans[3][0] = call[0]  # each group's rows share their first token
     trainer.generation.model = Scripted(trainer.policy, plans, group=2)
-    records = []
-    trainer.observers.append(records.append)
+    records = record_updates(trainer)
     trainer.train()
 
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
     assert metrics["tools/call_frequency"] == 0.5 and metrics["tools/failure_frequency"] == 0.0
     model_tokens = [len(call) + 1 + len(answer) + 1, len(answer) + 1] * 2
     assert metrics["completions/mean_length"] == sum(model_tokens) / 4  # the results are not the model's tokens
-    assert records[0]["num_items_in_batch"] == sum(model_tokens)  # the loss's token count leaves them out
+    assert records[0].num_items_in_batch == sum(model_tokens)  # the loss's token count leaves them out
     assert [m["role"] for m in seen["completions"][0]] == ["assistant", "tool", "assistant"]
     assert seen["completions"][0][1]["content"] == "5"
 

@@ -5,9 +5,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.config import GRPOConfig
+from grpo.loss import LossOptions
 from grpo.metrics import read_jsonl
 from grpo.rollout import Rollout
 from grpo.trainer import Trainer
+from tests.conftest import batch_indices, record_updates
 
 pytestmark = pytest.mark.usefixtures("both_kernels")  # every test under --kernels auto and plain (conftest.py)
 
@@ -45,8 +47,8 @@ def params_of(model):
 def refresh_kernels(trainer: Trainer) -> None:
     """After a test changed trainer.kernels' flags: the functions the update calls, built again from them."""
     cfg = trainer.config
-    trainer.step_functions = trainer.kernels.step_functions(trainer.loss_options, cfg.temperature,
-                                                            cfg.logprob_chunk_size, cfg.cast_lm_head_to_fp32)
+    trainer.functions = trainer.kernels.step_functions(LossOptions.from_config(cfg), cfg.temperature,
+                                                       cfg.logprob_chunk_size, cfg.cast_lm_head_to_fp32)
 
 
 def record_gradients(trainer: Trainer) -> list[dict]:
@@ -115,17 +117,17 @@ def test_resume_is_exact(tmp_path, options):
     if options:
         keys += ["entropy_coef", "policy_loss", "rewards/overlong/mean", "dynamic_sampling/rounds"]
         assert a[-1]["entropy_coef"] > options["entropy_coef"]  # the controller moved
-        assert straight.updates == 6 * 2 * 2 == resumed.updates  # steps x num_iterations x updates per generation
+        assert straight.state.updates == 6 * 2 * 2 == resumed.state.updates  # steps x num_iterations x updates per generation
     for key in keys:
         assert [m[key] for m in a] == [m[key] for m in b], key
     for name, value in params_of(straight.policy).items():
         assert torch.equal(value, dict(resumed.policy.named_parameters())[name]), name
     if options:  # the mixed reference was saved and resumed, not reloaded from --model
-        start = Trainer(make_config(tmp_path / "c", **overrides)).ref_model
-        for name, value in straight.ref_model.named_parameters():
-            assert torch.equal(value, dict(resumed.ref_model.named_parameters())[name]), name
+        start = Trainer(make_config(tmp_path / "c", **overrides)).models.reference
+        for name, value in straight.models.reference.named_parameters():
+            assert torch.equal(value, dict(resumed.models.reference.named_parameters())[name]), name
         assert any(not torch.equal(value, dict(start.named_parameters())[name])
-                   for name, value in straight.ref_model.named_parameters()), "the reference never synced"
+                   for name, value in straight.models.reference.named_parameters()), "the reference never synced"
 
 
 # Learning: a random tiny policy writes a format tag in ~1% of its tokens (4 tags in a ~520-token
@@ -159,14 +161,14 @@ def test_bf16_autocast_tracks_fp32(tmp_path):
         losses[precision] = [trainer.train_on_rollout(fixed_rollout(trainer, seed))["loss"] for seed in range(3)]
         if precision == "bf16":
             assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())  # master weights
-            assert next(trainer.ref_model.parameters()).dtype == torch.bfloat16
+            assert next(trainer.models.reference.parameters()).dtype == torch.bfloat16
     torch.testing.assert_close(torch.tensor(losses["bf16"]), torch.tensor(losses["fp32"]), rtol=0, atol=1e-3)
     assert losses["fp32"] != losses["bf16"]  # the bf16 path really ran in bf16
 
 
 def test_beta_zero_loads_no_reference_model(tmp_path):
     trainer = Trainer(make_config(tmp_path, beta=0.0))
-    assert trainer.ref_model is None
+    assert trainer.models.reference is None
     metrics = trainer.train_on_rollout(fixed_rollout(trainer))
     assert "kl" not in metrics
 
@@ -230,9 +232,10 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path):
         # Under checkpointing the update cannot share its prompts (select_kernels): both runs take the same kernels,
         # so only checkpointing differs (k_proj's bias has a gradient of 0 up to rounding, which AdamW's first step
         # turns into +-lr: another order of sums would move it).
-        assert not trainer.kernels.shared_prompt_update or not checkpointing
-        trainer.kernels.shared_prompt_update = False
-        refresh_kernels(trainer)
+        if trainer.kernels is not None:  # auto (plain: no kernels at all)
+            assert not trainer.kernels.shared_prompt_update or not checkpointing
+            trainer.kernels.shared_prompt_update = False
+            refresh_kernels(trainer)
         trainer.train_on_rollout(fixed_rollout(trainer))
         params.append(params_of(trainer.policy))
     for name in params[0]:
@@ -337,10 +340,9 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
         monkeypatch.setattr(update_module, "micro_batch", recording)
         grads[grouping] = record_gradients(trainer)
         rollout = fixed_rollout(trainer, num_prompts=trainer.config.prompts_per_generation)
-        records = []
-        trainer.observers.append(records.append)
+        records = record_updates(trainer)
         metrics[grouping] = trainer.train_on_rollout(rollout)
-        losses[grouping] = records[-1]["micro_batch_losses"]
+        losses[grouping] = records[-1].micro_batch_losses
     assert len(grads[True]) == len(grads[False]) == options.get("num_iterations", 1) * options.get("steps_per_generation", 8) // 8
     for grouped_step, random_step in zip(grads[True], grads[False], strict=True):
         for name, random_grad in random_step.items():
@@ -418,7 +420,7 @@ def test_length_grouping_steps_aside_where_the_grouping_changes_the_loss(tmp_pat
 @pytest.mark.own_kernels
 def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     from grpo.cli import config_from_args
-    from grpo.generation import GroupSampler
+    from grpo.rollout import GroupSampler
     from grpo.kernels.sampling import FastSampler
     from grpo.sampler import sample_groups
     from grpo.update import plain_step_functions
@@ -431,9 +433,9 @@ def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     assert plain.generation.sample is sample_groups and not (plain.kernels.fused_loss or plain.kernels.fast_logprobs)
     # under plain the update calls grpo/'s own functions
     own = plain_step_functions(plain.loss_options, plain.config.temperature)
-    assert plain.step_functions.batches is own.batches and plain.step_functions.update_batches is own.update_batches
-    assert plain.step_functions.logprobs.func is own.logprobs.func  # grpo.logprobs.completion_logprobs
-    assert trainer.step_functions.logprobs.func is not own.logprobs.func  # auto: the kernel's
+    assert plain.functions.batches is own.batches and plain.functions.update_batches is own.update_batches
+    assert plain.functions.logprobs.func is own.logprobs.func  # grpo.logprobs.completion_logprobs
+    assert trainer.functions.logprobs.func is not own.logprobs.func  # auto: the kernel's
     with pytest.raises(ValueError, match="kernels must be one of"):
         make_config(tmp_path, kernels="fast").validate()
     for old in ("fused_loss", "compile_decode", "static_cache"):  # a config file with an old key
@@ -472,14 +474,13 @@ def test_one_generation_feeds_several_updates(tmp_path):
     config = make_config(tmp_path, steps_per_generation=2, num_iterations=1, max_steps=0, epochs=1.0)
     trainer = Trainer(config)
     assert (config.updates_per_generation, config.prompts_per_generation) == (2, 4)
-    assert trainer.total_steps == 64 // 4 and len(trainer.batch_indices(0)) == 4
+    assert trainer.total_steps == 64 // 4 and len(batch_indices(trainer, 0)) == 4
     with pytest.raises(ValueError, match="a rollout needs 4 prompts x num_generations = 16 rows"):
         trainer.train_on_rollout(fixed_rollout(trainer))
-    records = []
-    trainer.observers.append(records.append)
+    records = record_updates(trainer)
     metrics = trainer.train()
-    assert trainer.updates == 2 * trainer.total_steps and metrics["status"] == "finished"
-    assert records[-1]["old_logps"] is not None  # the second update is off-policy
+    assert trainer.state.updates == 2 * trainer.total_steps and metrics["status"] == "finished"
+    assert records[-1].old_logps is not None  # the second update is off-policy
     with pytest.raises(ValueError, match="steps_per_generation must be a positive multiple of the accumulation steps"):
         make_config(tmp_path, steps_per_generation=3, micro_batch_size=4).validate()
     with pytest.raises(ValueError, match="set steps_per_generation or generation_batch_size, not both"):
@@ -491,12 +492,12 @@ def test_one_generation_feeds_several_updates(tmp_path):
 def test_data_order_is_a_seeded_permutation_per_epoch_or_the_datasets_own(tmp_path):
     # 64 prompts, 2 a step: an epoch is 32 steps. Shuffled: every prompt once an epoch, in a new order each epoch.
     shuffled = Trainer(make_config(tmp_path / "a"))
-    epochs = [sum((shuffled.batch_indices(step) for step in range(e * 32, (e + 1) * 32)), []) for e in (0, 1)]
+    epochs = [sum((batch_indices(shuffled, step) for step in range(e * 32, (e + 1) * 32)), []) for e in (0, 1)]
     assert all(sorted(order) == list(range(64)) for order in epochs)
     assert epochs[0] != list(range(64)) and epochs[0] != epochs[1]
     in_order = Trainer(make_config(tmp_path / "b", shuffle_dataset=False, steps_per_generation=2))  # 4 prompts a step
-    assert [in_order.batch_indices(step) for step in (0, 1, 16)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
-    assert [in_order.train_rows[i]["prompt"] for i in in_order.batch_indices(1)] == \
+    assert [batch_indices(in_order, step) for step in (0, 1, 16)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+    assert [in_order.train_rows[i]["prompt"] for i in batch_indices(in_order, 1)] == \
         [shuffled.train_rows[i]["prompt"] for i in range(4, 8)]  # the dataset's rows in its order
 
 
@@ -520,7 +521,7 @@ def test_dynamic_sampling_keeps_informative_groups(tmp_path):
     trainer = Trainer(config, reward_functions=spec)
     rollout, prompts, texts, metrics = trainer.collect_rollout(0)
     rewards = rollout.rewards_per_func[:, 0].view(4, 4)
-    first = [trainer.train_rows[i]["prompt"] for i in trainer.batch_indices(0)]
+    first = [trainer.train_rows[i]["prompt"] for i in batch_indices(trainer, 0)]
     tied_first = sum(_tied_prompt(p) for p in first)
     assert 0 < tied_first < 4  # the first round has tied groups to drop (else this test checks nothing)
     assert metrics["dynamic_sampling/rounds"] >= 2
@@ -557,7 +558,7 @@ def test_schedules_are_the_ones_transformers_computes(name):
     # bitsandbytes when they are installed); it must give get_scheduler's factors step for step.
     from transformers import get_scheduler
 
-    from grpo.models import make_scheduler
+    from grpo.update import make_scheduler
 
     for warmup, total in [(0, 10), (3, 17), (5, 5), (2, 3)]:
         ours = make_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup, total)
@@ -606,14 +607,14 @@ def test_reference_sync_mixes_the_policy_in_every_sync_steps_updates(tmp_path):
     # TR-DPO: every ref_model_sync_steps optimizer updates, ref <- alpha * policy + (1 - alpha) * ref.
     trainer = Trainer(make_config(tmp_path, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2,
                                   ref_model_mixup_alpha=0.6))
-    start = params_of(trainer.ref_model)
+    start = params_of(trainer.models.reference)
     trainer.train_on_rollout(fixed_rollout(trainer, seed=0))  # update 1: no sync yet
-    for name, value in params_of(trainer.ref_model).items():
+    for name, value in params_of(trainer.models.reference).items():
         torch.testing.assert_close(value, start[name], rtol=0, atol=0)
     trainer.train_on_rollout(fixed_rollout(trainer, seed=1))  # update 2: the sync
     policy = params_of(trainer.policy)
     moved = 0
-    for name, value in params_of(trainer.ref_model).items():
+    for name, value in params_of(trainer.models.reference).items():
         torch.testing.assert_close(value, 0.6 * policy[name] + 0.4 * start[name], rtol=1e-6, atol=1e-7, msg=name)
         moved += not torch.equal(value, start[name])
     assert moved > 0

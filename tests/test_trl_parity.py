@@ -22,6 +22,7 @@ rtol is 1e-5 times max(1, |k - lambda|) of the configuration.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 
@@ -34,6 +35,7 @@ datasets = pytest.importorskip("datasets")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from data import add_prompts, make_synthetic_gsm8k  # noqa: E402
+import grpo.update  # noqa: E402
 from grpo.config import GRPOConfig  # noqa: E402
 from grpo.loss import CLIPPED_LOSS_TYPES  # noqa: E402
 from grpo.prompts import encode_prompt  # noqa: E402
@@ -248,12 +250,17 @@ def our_step(trainer, inputs, completions, grads_out, tool_masks=None):
         grads_out.append({n: None if p.grad is None else p.grad.clone() for n, p in trainer.policy.named_parameters()})
         return step()
 
+    # trl cuts each update's micro-batches from consecutive rows: ours takes the rows in rollout order too (no
+    # seeded shuffle, no length grouping), then the public call that returns every intermediate value.
+    order, functions = grpo.update.micro_batch_order, trainer.functions
+    grpo.update.micro_batch_order = lambda num_rows, *seeds: torch.arange(num_rows)
+    trainer.functions = dataclasses.replace(functions, update_batches=grpo.update.plain_update_batches)
     trainer.optimizer.step = capture
     try:
-        trainer.train_on_rollout(rollout, shuffle=False)
+        result = trainer.update(rollout)
     finally:
-        trainer.optimizer.step = step
-    return rollout
+        trainer.optimizer.step, grpo.update.micro_batch_order, trainer.functions = step, order, functions
+    return rollout, result
 
 
 BASE = dict(loss_type="grpo", scale="group", beta=0.04, bias_kl=True, iterations=1, epsilon=0.2, epsilon_high=0.2,
@@ -381,8 +388,6 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
     trl_trainer, trl_state = make_trl(model_dir, rows, settings, completions_for, max_len, tmp_path / "trl", lr)
     ours = make_ours(model_dir, rows, settings, tmp_path, kernels, max_len, lr)
     ours_named = dict(ours.policy.named_parameters())
-    records = []  # each update's intermediate values (grpo.update.train_on_rollout's observers)
-    ours.observers.append(records.append)
     if "lora" in settings:  # the adapters' random init differs: start ours from trl's A and B
         with torch.no_grad():
             for name, param in trl_trainer.model.named_parameters():
@@ -401,23 +406,23 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
         trl_record = trl_step(trl_trainer, trl_state, inputs, index, settings["ga"], settings["iterations"], k)
         metrics_before = {key: list(values) for key, values in trl_trainer._metrics["train"].items()}
         our_grads = []
-        rollout = our_step(ours, inputs, trl_state["completions"], our_grads, trl_state["tool_masks"])
-        batch, last = trl_record["batch"], records[-1]
+        rollout, last = our_step(ours, inputs, trl_state["completions"], our_grads, trl_state["tool_masks"])
+        batch = trl_record["batch"]
 
         # Advantages (weighted rewards with None rows, group/batch/none scaling, or GDPO's per-reward normalisation).
-        torch.testing.assert_close(last["advantages"], batch["advantages"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(last.advantages, batch["advantages"], rtol=1e-5, atol=1e-6)
         # Masks: the same completion tokens count (truncation masking included).
         width = rollout.completion_ids.shape[1]
         trl_mask = batch["completion_mask"][:, :width]
         # Reference (after any TR-DPO sync) and old-policy per-token log-probs.
         if settings["beta"]:
-            torch.testing.assert_close(last["ref_logps"] * trl_mask, batch["ref_per_token_logps"][:, :width] * trl_mask,
+            torch.testing.assert_close(last.ref_logps * trl_mask, batch["ref_per_token_logps"][:, :width] * trl_mask,
                                        rtol=1e-5, atol=1e-6 * floor)
         if settings["iterations"] * k > 1:
-            torch.testing.assert_close(last["old_logps"] * trl_mask, batch["old_per_token_logps"][:, :width] * trl_mask,
+            torch.testing.assert_close(last.old_logps * trl_mask, batch["old_per_token_logps"][:, :width] * trl_mask,
                                        rtol=1e-5, atol=1e-6 * floor)
         # The loss of every micro-batch (already divided for accumulation) and the accumulated gradient.
-        torch.testing.assert_close(torch.tensor(last["micro_batch_losses"]), torch.tensor(trl_record["losses"]),
+        torch.testing.assert_close(torch.tensor(last.micro_batch_losses), torch.tensor(trl_record["losses"]),
                                    rtol=_loss_rtol(settings), atol=1e-6 * floor)
         assert len(our_grads) == len(trl_record["grads"]) == settings["iterations"] * k
         for update, (ours_grad, trl_grad) in enumerate(zip(our_grads, trl_record["grads"])):
@@ -439,7 +444,7 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
                 torch.testing.assert_close(ours_grad[_trl_name(name)], expected, rtol=1e-5, atol=atol,
                                            msg=lambda m, name=name, at=(index, update): f"{name}, rollout and update {at}: {m}")
         # Logged metrics, one value per micro-batch as trl appends them (entropy_coef: one per optimizer step).
-        stats = last["micro_batch_stats"]
+        stats = last.micro_batch_stats
         count = len(stats)
         pairs = [("entropy", "entropy")] + ([("kl", "kl")] if settings["beta"] else [])
         if settings["loss_type"] in CLIPPED_LOSS_TYPES:
@@ -449,8 +454,8 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
             settings["loss_type"], [])
         if settings.get("entropy_coef") or settings.get("use_adaptive_entropy"):
             pairs.append(("policy_loss", "policy_loss"))
-            expected = metrics_before["entropy_coef"][-len(last["entropy_coefs"]):]
-            torch.testing.assert_close(torch.tensor(last["entropy_coefs"], dtype=torch.float64),
+            expected = metrics_before["entropy_coef"][-len(last.entropy_coefs):]
+            torch.testing.assert_close(torch.tensor(last.entropy_coefs, dtype=torch.float64),
                                        torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-9)
         for ours_key, trl_key in pairs:
             expected = metrics_before[trl_key][-count:]
@@ -464,7 +469,7 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
             assert any(s.clip_region > 0 for s in stats), "the off-policy update should clip some ratios"
 
     if settings.get("sync_ref_model"):  # the mixed reference itself, after every sync of the run
-        ours_ref = dict(ours.ref_model.named_parameters())
+        ours_ref = dict(ours.models.reference.named_parameters())
         for name, param in trl_trainer.ref_model.named_parameters():
             torch.testing.assert_close(ours_ref[name], param, rtol=0, atol=5e-3 * lr * floor, msg=name)
     # Parameters after all the optimizer steps.

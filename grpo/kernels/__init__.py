@@ -16,26 +16,26 @@
 `--kernels auto` (the default) takes each kernel where it applies. `select_kernels` is the only place
 that decides. The `KernelChoice` it returns says which kernels apply (and why the others do not), and
 hands the run the functions it calls: `step_functions()` for the update (grpo.update.StepFunctions) and
-`sampler()` for the generation seam; under `plain` these are grpo/'s own functions, and the loop never
-asks which. tests/test_kernels.py pins every kernel to the plain path. Importing this package changes
-nothing outside it; `use_cpu_huge_pages` and `prepare_model` are explicit calls.
+`sampler()` for the generation seam; the loop never asks which. A run with `--kernels plain` never imports
+this package (grpo.setup.step_functions hands it grpo/'s own functions). tests/test_kernels.py pins every
+kernel to the plain path. Importing this package changes nothing outside it; `prepare_model` is an explicit
+call.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
+from grpo.config import KERNEL_CHOICES
 from grpo.kernels.buffers import Buffers
 from grpo.update import StepFunctions, logprob_loss, plain_step_functions
 
 logger = logging.getLogger("grpo")
 
-KERNEL_CHOICES = ("auto", "plain")
 
 
 @dataclass
@@ -116,17 +116,22 @@ class KernelChoice:
 
 
 def _fused_update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation,
-                       options, **kernel_args):
-    """grpo.kernels.fused_loss with the aggregation's weights: the same loss as grpo.update.logprob_loss (the
-    weights are 0 on the tokens the loss mask leaves out, such as tool results)."""
+                       entropy_coef=None, *, options, **kernel_args):
+    """grpo.kernels.fused_loss with the aggregation's weights: the same loss and statistics as
+    grpo.update.logprob_loss (the weights are 0 on the tokens the loss mask leaves out, such as tool results).
+    select_kernels leaves it off with an entropy bonus (entropy_coef is then None)."""
     from grpo.kernels.fused_loss import fused_completion_loss
-    from grpo.loss import aggregation_weights
+    from grpo.loss import aggregation_weights, loss_statistics
 
     with torch.autocast(loss_mask.device.type, enabled=False):
         weights = aggregation_weights(loss_mask, options.loss_type, **aggregation)  # (n, T)
     completion_mask = attention_mask[:, -loss_mask.shape[1]:]  # (n, T) the tokens the model reads
-    return fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, old_logps, ref_logps,
-                                 weights, options, **kernel_args)
+    loss, logps, entropy = fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, old_logps,
+                                                 ref_logps, weights, options, **kernel_args)
+    detached = logps.detach()  # the statistics from the same terms, recomputed from the kernel's log-probs
+    stats = loss_statistics(detached, detached if old_logps is None else old_logps, advantages, loss_mask,
+                            ref_logps, options, entropy.detach())
+    return loss, stats
 
 
 def _holding(*pairs: tuple[bool, str]) -> list[str]:
@@ -231,13 +236,3 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
             if reason is not None:
                 choice.reasons["lean_decode"] = reason
     return choice
-
-
-def use_cpu_huge_pages() -> None:
-    """Ask PyTorch's CPU allocator to back tensors of 2 MiB and more with transparent huge pages.
-
-    A training step allocates vocabulary-sized tensors; with 4 KiB pages their page faults cost more than
-    the arithmetic. PyTorch reads THP_MEM_ALLOC_ENABLE once, at its first such allocation, so this must be
-    called before any large tensor exists (train.py and Trainer call it first). A value the user set wins.
-    """
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

@@ -22,16 +22,10 @@ from __future__ import annotations
 import torch
 
 
-def length_grouped(order: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int, num_updates: int) -> list[torch.Tensor]:
-    """The micro-batches of `order` (N,) row indices: as `order.split(micro_batch_size)` gives them, each update's
-    rows (its consecutive N / num_updates of `order`) sorted by lengths[row] (stable) before the split."""
-    per_update = order.shape[0] // num_updates
-    batches = []
-    for update in range(num_updates):
-        rows = order[update * per_update : (update + 1) * per_update]  # (N / k,)
-        rows = rows[torch.sort(lengths[rows], stable=True).indices]
-        batches += list(rows.split(micro_batch_size))
-    return batches
+def length_grouped(rows: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+    """One update's micro-batches: as grpo.update.plain_update_batches cuts `rows` (N / k,), after sorting them
+    by lengths[row] (stable), so each update sees the same rows, in other micro-batches."""
+    return list(rows[torch.sort(lengths[rows], stable=True).indices].split(micro_batch_size))
 
 
 def length_sorted(lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ Same result as the decode step of `grpo.sampler.sample_groups` (the model's forw
 with a DynamicCache), faster on GPUs because a small model's decode step is bound by kernel launches,
 which a CUDA graph replays without Python. Chosen by `--kernels auto` on CUDA (grpo.kernels.select),
 through `grpo.kernels.sampling.FastSampler`; a compile failure is reported once and decoding continues
-eagerly (grpo.generation). Pinned to the plain path by tests/test_kernels.py and tests/test_sampler.py
+eagerly (grpo.rollout). Pinned to the plain path by tests/test_kernels.py and tests/test_sampler.py
 (the static and compiled steps give the same tokens and logits as the dynamic cache; on CPU the compile
 runs the trunk only) and tests/test_gpu.py on a GPU.
 

@@ -1,0 +1,107 @@
+"""The lines one training step runs: coverage over the product (grpo/, rewards/, data/, train.py) while the
+smoke preset's trainer takes one step, set-up excluded.
+
+    python bench/step_trace.py                     # --kernels plain: the table, the totals, the kernel imports
+    python bench/step_trace.py --kernels auto      # the same with the kernels
+    python bench/step_trace.py --lines             # also each file's executed line numbers
+    python bench/step_trace.py --check-readme      # exit 1 unless README.md's step table is this trace
+
+One step is `Trainer.train_step()` (sample -> reward -> advantages -> reference/old log-probs -> micro-batches
+-> clip -> optimizer -> metrics) and the metrics line it logs; evaluation and checkpoints, which run every
+eval_steps / save_steps, are not in it. A first step runs untraced, so one-time work (lazy imports, caches) is
+not counted. The README's table "One step, file by file" is this script's `--markdown` output; tests/test_docs.py
+checks that they agree. Also printed: the grpo.kernels modules the whole run imported (none under plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = ("grpo", "rewards", "data")
+TABLE_TITLE = "One step, file by file"
+LINE_BUDGET, FILE_BUDGET = 450, 12  # issue #40: a plain step a reader can follow
+
+
+def trace_step(kernels: str = "plain") -> dict[str, list[int]]:
+    """{product file (relative path): executed line numbers} of one smoke-preset step under `kernels`."""
+    import coverage
+
+    sys.path.insert(0, str(ROOT))
+    from grpo.cli import PRESETS
+    from grpo.config import GRPOConfig
+    from grpo.metrics import MetricsLogger
+    from grpo.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = GRPOConfig(**{**PRESETS["smoke"], "kernels": kernels, "output_dir": folder})
+        trainer = Trainer(config)
+        logger = MetricsLogger(folder)
+        trainer.train_step()  # untraced: one-time work is set-up
+        include = [str(ROOT / package / "*") for package in PRODUCT] + [str(ROOT / "train.py")]
+        tracer = coverage.Coverage(data_file=None, include=include)
+        tracer.start()
+        try:
+            output = trainer.train_step()
+            logger.log(trainer.step, output.metrics, console=False)
+        finally:
+            tracer.stop()
+        logger.close()
+        data = tracer.get_data()
+        return {str(Path(path).relative_to(ROOT)): sorted(data.lines(path)) for path in sorted(data.measured_files())
+                if data.lines(path)}
+
+
+def markdown(trace: dict[str, list[int]]) -> str:
+    """The README's table: one row per file, in the order a reader meets them, with its executed lines."""
+    rows = ["| file | lines run |", "|---|---|"]
+    rows += [f"| `{path}` | {len(lines)} |" for path, lines in trace.items()]
+    rows.append(f"| {len(trace)} files | {sum(len(lines) for lines in trace.values())} |")
+    return "\n".join(rows)
+
+
+def readme_table(readme: str) -> str:
+    section = readme.split(f"## {TABLE_TITLE}", 1)
+    if len(section) < 2:
+        raise SystemExit(f"README.md has no section '## {TABLE_TITLE}'")
+    return "\n".join(line for line in section[1].split("\n## ", 1)[0].splitlines() if line.startswith("|"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default="plain", choices=["plain", "auto"])
+    parser.add_argument("--lines", action="store_true", help="print each file's executed line numbers")
+    parser.add_argument("--markdown", action="store_true", help="print the README's table only")
+    parser.add_argument("--check-readme", action="store_true", help="exit 1 unless README.md's table is this trace")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    trace = trace_step(args.kernels)
+    table = markdown(trace)
+    if args.markdown:
+        print(table)
+        return 0
+    for path, lines in trace.items():
+        print(f"{len(lines):5d}  {path}" + (f"  {lines}" if args.lines else ""))
+    total = sum(len(lines) for lines in trace.values())
+    kernel_modules = sorted(name for name in sys.modules if name == "grpo.kernels" or name.startswith("grpo.kernels."))
+    print(f"{total} lines in {len(trace)} files (--kernels {args.kernels}; budget for plain: {LINE_BUDGET} lines "
+          f"in {FILE_BUDGET} files)")
+    print(f"grpo.kernels modules imported by the run: {', '.join(kernel_modules) or 'none'}")
+    failed = []
+    if args.kernels == "plain" and (total > LINE_BUDGET or len(trace) > FILE_BUDGET):
+        failed.append("over the budget")
+    if args.kernels == "plain" and kernel_modules:
+        failed.append("--kernels plain imported grpo.kernels")
+    if args.check_readme and readme_table((ROOT / "README.md").read_text()) != table:
+        failed.append(f"README.md's table '{TABLE_TITLE}' is not this trace (python bench/step_trace.py --markdown)")
+    for problem in failed:
+        print("FAILED:", problem)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
