@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from grpo.cli import config_from_args
-from grpo.evaluation import EvalConfig
+from grpo.loop.evaluation import EvalConfig
 
 
 def output_stem(name: str) -> str:
@@ -29,11 +29,11 @@ def output_stem(name: str) -> str:
 def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> dict:
     import torch
 
-    from grpo.evaluation import evaluate
-    from grpo.rollout import GroupSampler
+    from grpo.loop.evaluation import evaluate
+    from grpo.loop.rollout import GroupSampler
     from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
-    from grpo.setup import tool_set
+    from grpo.loop.setup import tool_set
 
     device = resolve_device(config.device)
     precision = resolve_precision(config.precision, device)
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     from data import DataError, load_task_rows
-    from grpo.evaluation import make_scorer
+    from grpo.loop.evaluation import make_scorer
     from grpo.models import ModelError
     from rewards import RewardError, parse_reward_specs
 

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
 
     from data import DataError
     from grpo.models import ModelError
-    from grpo.trainer import Trainer, TrainingError
+    from grpo.loop.trainer import Trainer, TrainingError
     from rewards import RewardError
 
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 prints

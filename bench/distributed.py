@@ -41,7 +41,7 @@ def rank_main(args) -> None:
     import torch
 
     from grpo.config import GRPOConfig
-    from grpo.trainer import Trainer
+    from grpo.loop.trainer import Trainer
 
     cuda = args.device == "cuda"
     if not cuda:

@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data import KINDS, build_prompt, make_synthetic_problems, r1_completion  # noqa: E402
-from grpo.metrics import read_jsonl  # noqa: E402
-from grpo.prompts import encode_prompt  # noqa: E402
+from grpo.loop.metrics import read_jsonl  # noqa: E402
+from grpo.loop.prompts import encode_prompt  # noqa: E402
 
 SLIP_KINDS = ("subtract", "two_step")
 

@@ -1,4 +1,4 @@
-"""Peak memory of completion log-probs + backward: chunked (grpo.logprobs) vs the naive full-logits reference.
+"""Peak memory of completion log-probs + backward: chunked (grpo.algorithm.logprobs) vs the naive full-logits reference.
 
 Each method runs in a fresh subprocess so its peak is its own: on CPU the peak resident set size
 (ru_maxrss) minus the resident size just before the forward; on CUDA torch.cuda.max_memory_allocated.
@@ -26,7 +26,7 @@ def _rss_mib() -> float:
 def measure(method: str, shape: str, rows: int, prompt_length: int, completion_length: int, device: str) -> dict:
     import torch
 
-    from grpo.logprobs import completion_logprobs
+    from grpo.algorithm.logprobs import completion_logprobs
     from tests.references import naive_completion_logprobs
     from grpo.tiny_model import build_tiny_model
 

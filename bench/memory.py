@@ -42,7 +42,7 @@ def run_one(args) -> None:
     import torch
 
     from grpo.config import GRPOConfig
-    from grpo.trainer import Trainer
+    from grpo.loop.trainer import Trainer
 
     cuda = args.device == "cuda"
     config = GRPOConfig(model=args.model_dir, dataset="synthetic:64", prompts_per_step=args.prompts,

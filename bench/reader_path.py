@@ -1,16 +1,15 @@
-"""The reader's path through one training step: its files, their lines, and the structure it relies on.
+"""The structure a reader relies on: no import cycles, no function that takes the Trainer, no kernel branch in
+the update.
 
-    python bench/reader_path.py            # the table, the total, import cycles, branches in grpo/update.py
+    python bench/reader_path.py            # import cycles, Trainer parameters, branches in grpo/loop/update.py
 
-Reads the README's table "One step, file by file" (the files a reader opens for one step on the plain path:
-train.py -> Trainer.train -> rollout -> rewards -> advantages -> update -> log-probs -> loss), counts each
-file's lines (docstrings and comments included), and checks what the structure promises:
-    - the step's files together hold at most BUDGET lines, grpo/trainer.py at most TRAINER_BUDGET;
+Checks:
     - no import cycle among the product's modules (grpo/, rewards/, data/, train.py, eval.py), counting the
       imports inside functions too;
-    - grpo/update.py has no `if` on the kernels or on the rank (they reach it as functions and collectives).
-Exits 1, naming what failed, when one does not hold. A measurement, not a test: the figures go to
-docs/benchmarks.md.
+    - no product function takes the Trainer (a parameter annotated Trainer, or named `run` or `trainer`): a
+      function's parameters are what it reads;
+    - grpo/loop/update.py has no `if` on the kernels or on the rank (they reach it as functions and collectives).
+The lines one step runs are bench/step_trace.py's. Exits 1, naming what failed, when one does not hold.
 """
 
 from __future__ import annotations
@@ -21,23 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BUDGET = 1400
-TRAINER_BUDGET = 300
 PRODUCT = ("grpo", "rewards", "data")
-TABLE_TITLE = "One step, file by file"
-
-
-def step_files(readme: str) -> list[str]:
-    """The files named in the README's step table (its second column, in backticks), in order."""
-    section = readme.split(f"## {TABLE_TITLE}", 1)
-    if len(section) < 2:
-        raise SystemExit(f"README.md has no section '## {TABLE_TITLE}'")
-    rows = [line for line in section[1].split("\n## ", 1)[0].splitlines() if line.startswith("|")]
-    files = []
-    for row in rows[2:]:  # after the header and its rule
-        cells = [cell.strip() for cell in row.strip("|").split("|")]
-        files += re.findall(r"`([\w/.]+\.py)`", cells[1])
-    return files
 
 
 def module_name(path: Path) -> str:
@@ -115,33 +98,40 @@ def branches_on(path: Path, words: tuple[str, ...]) -> list[str]:
     return found
 
 
+def trainer_parameters(modules: dict[str, Path]) -> list[str]:
+    """Functions whose parameters stand for the whole trainer: annotated `Trainer`, or named `run` / `trainer`."""
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                    if arg.arg in ("run", "trainer") or "Trainer" in annotation:
+                        found.append(f"{name}:{node.lineno} {getattr(node, 'name', 'lambda')}({arg.arg})")
+    return found
+
+
 def main() -> int:
     failures = []
-    files = step_files((ROOT / "README.md").read_text())
-    counts = {name: len((ROOT / name).read_text().splitlines()) for name in files}
-    total = sum(counts.values())
-    print(f"{'file':28s} {'lines':>6s}")
-    for name, count in counts.items():
-        print(f"{name:28s} {count:6d}")
-    print(f"{'total (' + str(len(files)) + ' files)':28s} {total:6d}   budget {BUDGET}")
-    if total > BUDGET:
-        failures.append(f"the step's files hold {total} lines, over the budget of {BUDGET}")
-    if counts.get("grpo/trainer.py", 0) > TRAINER_BUDGET:
-        failures.append(f"grpo/trainer.py has {counts['grpo/trainer.py']} lines, over {TRAINER_BUDGET}")
-
     modules = product_modules()
     graph = {name: imports_of(path, name, modules) for name, path in modules.items()}
     found = cycles(graph)
-    print(f"\nimport cycles among {len(modules)} product modules: {len(found) or 'none'}")
+    print(f"import cycles among {len(modules)} product modules: {len(found) or 'none'}")
     for component in found:
         print("  " + " <-> ".join(component))
         failures.append(f"import cycle: {', '.join(component)}")
 
-    branches = branches_on(ROOT / "grpo" / "update.py", ("kernels", "rank", "distributed", "ddp", "fsdp"))
-    print(f"kernel or rank branches in grpo/update.py: {len(branches) or 'none'}")
+    takers = trainer_parameters(modules)
+    print(f"functions that take the Trainer: {len(takers) or 'none'}")
+    for taker in takers:
+        print("  " + taker)
+        failures.append(f"{taker} takes the Trainer")
+
+    branches = branches_on(ROOT / "grpo" / "loop" / "update.py", ("kernels", "rank", "distributed", "ddp", "fsdp"))
+    print(f"kernel or rank branches in grpo/loop/update.py: {len(branches) or 'none'}")
     for branch in branches:
         print("  " + branch)
-        failures.append(f"grpo/update.py branches on kernels or rank ({branch})")
+        failures.append(f"grpo/loop/update.py branches on kernels or rank ({branch})")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

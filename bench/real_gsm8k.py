@@ -116,14 +116,14 @@ def train_flags(args, seed: int) -> list[str]:
 def run_ours(args, model: Path, seed: int, run_dir: Path) -> dict:
     import train
 
-    from grpo.metrics import read_jsonl
+    from grpo.loop.metrics import read_jsonl
 
-    import grpo.trainer
-    import grpo.update
+    import grpo.loop.trainer
+    import grpo.loop.update
 
     argv = ["--model", str(model), "--output-dir", str(run_dir), *train_flags(args, seed)]
     print("$ python train.py " + " ".join(argv), flush=True)
-    references, passes, update = [], grpo.update.no_grad_logprobs, grpo.trainer.train_on_rollout
+    references, passes, update = [], grpo.loop.update.no_grad_logprobs, grpo.loop.trainer.train_on_rollout
 
     def timed_passes(*pass_args, **kwargs):  # the reference pass's time (CPU: no queued work to wait for)
         started = time.perf_counter()
@@ -135,12 +135,12 @@ def run_ours(args, model: Path, seed: int, run_dir: Path) -> dict:
         references.append(0.0)
         return update(*update_args, **kwargs)
 
-    grpo.update.no_grad_logprobs, grpo.trainer.train_on_rollout = timed_passes, counted
+    grpo.loop.update.no_grad_logprobs, grpo.loop.trainer.train_on_rollout = timed_passes, counted
     try:
         if train.main(argv) != 0:
             raise RuntimeError("train.py failed")
     finally:
-        grpo.update.no_grad_logprobs, grpo.trainer.train_on_rollout = passes, update
+        grpo.loop.update.no_grad_logprobs, grpo.loop.trainer.train_on_rollout = passes, update
     steps = []
     for m, reference in zip((m for m in read_jsonl(run_dir / "metrics.jsonl") if "step_time" in m), references):
         steps.append({"step": m["step"], "time": m["step_time"], "sample": m["sample_time"], "reference": reference,

@@ -1,4 +1,4 @@
-"""Sampler throughput: ours (the plain grpo.sampler.sample_groups and the grpo.kernels.sampling kernel) vs
+"""Sampler throughput: ours (the plain grpo.algorithm.sampler.sample_groups and the grpo.kernels.sampling kernel) vs
 transformers' model.generate, same model and prompts.
 
 CPU default: the `small` shape (151,936 vocabulary), 4 prompts x G=4, 64 new tokens, fp32.
@@ -31,7 +31,7 @@ from data.synthetic import make_synthetic_gsm8k  # noqa: E402
 from data.prompts import build_prompt  # noqa: E402
 from grpo.kernels.compiled_decode import use_packed_decode_attention  # noqa: E402
 from grpo.kernels.sampling import FastSampler, _sample_base2, sample_next_token  # noqa: E402
-from grpo.sampler import SamplingParams, left_pad, sample_groups  # noqa: E402
+from grpo.algorithm.sampler import SamplingParams, left_pad, sample_groups  # noqa: E402
 from grpo.tiny_model import IM_END, build_tiny_model, set_eos_rate  # noqa: E402
 
 
@@ -167,7 +167,7 @@ def main(argv=None):
 
     model, tokenizer = build_tiny_model(shape, seed=0)
     if cuda:
-        use_packed_decode_attention(model)  # as grpo.rollout.GroupSampler does with the compiled decode step
+        use_packed_decode_attention(model)  # as grpo.loop.rollout.GroupSampler does with the compiled decode step
     model = model.to(args.device, dtype)
     rows = make_synthetic_gsm8k(num_prompts, seed=0)
     prompts = [tokenizer.apply_chat_template(build_prompt(r["question"]), add_generation_prompt=True, return_dict=False) for r in rows]

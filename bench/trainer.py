@@ -84,9 +84,9 @@ def profiled(trainer, run, path: Path, device: str):
                 return method(*args, **kwargs)
         return call
 
-    import grpo.update
+    import grpo.loop.update
 
-    passes = {(grpo.update, "no_grad_logprobs"): "reference/old log-probs",
+    passes = {(grpo.loop.update, "no_grad_logprobs"): "reference/old log-probs",
               (trainer.functions, "update_loss"): "micro-batch loss forward",
               (torch.Tensor, "backward"): "micro-batch backward", (trainer.optimizer, "step"): "optimizer step"}
     cuda = device == "cuda"
@@ -124,11 +124,11 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
     from data import add_prompts, make_synthetic_gsm8k
     import torch
 
-    import grpo.update
+    import grpo.loop.update
     from grpo.config import GRPOConfig
-    from grpo.loss import LossOptions
-    from grpo.metrics import read_jsonl
-    from grpo.trainer import Trainer
+    from grpo.algorithm.loss import LossOptions
+    from grpo.loop.metrics import read_jsonl
+    from grpo.loop.trainer import Trainer
 
     config = GRPOConfig(
         model=model_dir, dataset="synthetic:256", output_dir=out_dir, overwrite=True, max_steps=steps + bool(profile),
@@ -153,7 +153,7 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         trainer.functions = trainer.kernels.step_functions(
             LossOptions.from_config(config), config.temperature, config.logprob_chunk_size, config.cast_lm_head_to_fp32)
     lengths, reference_times, train_on_rollout = [], [], trainer.train_on_rollout
-    passes = grpo.update.no_grad_logprobs
+    passes = grpo.loop.update.no_grad_logprobs
 
     def timed_passes(*args, **kwargs):  # the reference / old-policy passes' time, their queued GPU work included
         started = time.perf_counter()
@@ -163,7 +163,7 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         reference_times[-1] += time.perf_counter() - started
         return out
 
-    grpo.update.no_grad_logprobs = timed_passes
+    grpo.loop.update.no_grad_logprobs = timed_passes
 
     def recording(rollout, **kwargs):  # each step's real prompt and completion tokens per row, for the floor
         lengths.append({"prompt": rollout.prompt_mask.sum(-1).tolist(), "completion": rollout.completion_mask.sum(-1).tolist()})
@@ -181,7 +181,7 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
     try:
         trainer.train()
     finally:
-        grpo.update.no_grad_logprobs = passes
+        grpo.loop.update.no_grad_logprobs = passes
     metrics = read_jsonl(Path(out_dir) / "metrics.jsonl")[:steps]
     return {"step_times": [m["step_time"] for m in metrics],
             "phases": [{"sample": m["sample_time"], "reference": reference,
@@ -471,7 +471,7 @@ def main(argv=None):
         from transformers import AutoTokenizer
 
         from data import add_prompts, make_synthetic_gsm8k
-        from grpo.prompts import encode_prompt
+        from grpo.loop.prompts import encode_prompt
 
         model_dirs = {}
         for name in settings:

@@ -1,17 +1,16 @@
-"""GRPO from scratch: the algorithm's pieces as pure functions, and the loop that composes them.
+"""GRPO from scratch: the algorithm's math as pure functions, and the loop that composes them.
 
-    grpo.trainer      the training loop: sample -> reward -> update -> log -> save (Trainer.train)
-    grpo.update       one update: advantages -> ref/old log-probs -> micro-batch losses -> clip -> AdamW
-    grpo.rollout      what one step trains on, the step's prompts, the generation seam, sample_rollout
-    grpo.sampler      group sampling: prompt prefilled once, G completions decoded with a KV cache
-    grpo.advantages   group-relative advantages and reward statistics
-    grpo.logprobs     per-token log-probs of completions, chunked output projection (no (N, T, V) logits)
-    grpo.loss         the clipped surrogate + k3 KL per token, the loss_type aggregations, entropy terms, statistics
-    grpo.config       GRPOConfig, the single source of truth for every hyperparameter, and its validation
-    grpo.cli          the command line, presets and config files, generated from GRPOConfig
-    grpo.setup        what a run needs before its first step, and the one choice of --kernels
-    grpo.kernels      fast paths that compute the same numbers (grpo/kernels/__init__.py)
-    grpo.tiny_model   tiny random-init Qwen2 models + ChatML tokenizer for offline runs and tests
+    grpo/algorithm/   the math: group sampling (sampler), per-token log-probs (logprobs), group-relative
+                      advantages (advantages), the per-token objectives, KL and aggregations (loss)
+    grpo/loop/        the loop and its machinery: Trainer.train (trainer) -> sample_rollout (rollout) ->
+                      train_on_rollout (update) -> metrics; set-up, checkpoints, distributed, evaluation, tools
+    grpo/kernels/     fast paths that compute the same numbers, chosen once by --kernels (never imported
+                      under --kernels plain)
+    grpo/config.py    GRPOConfig, the single source of truth for every hyperparameter, and its validation
+    grpo/cli.py       the command line, presets and config files, generated from GRPOConfig
+    grpo/models.py    model loading and `python -m grpo.models fetch` (the offline real model)
+    grpo/plot.py, grpo/tiny_model.py   a run's curves; tiny random-init models for offline runs and tests
+    rewards/, data/   tasks and rewards (outside this package: they know nothing of the trainer)
 
 The public names below are importable from `grpo` itself; each is loaded on first use, so `import grpo` loads
 no model library and changes nothing in the process (no environment variable, no registration).
@@ -24,12 +23,12 @@ import importlib
 
 _PUBLIC = {
     "GRPOConfig": "grpo.config",
-    "Trainer": "grpo.trainer",
-    "train_on_rollout": "grpo.update",
-    "UpdateResult": "grpo.update",
-    "Rollout": "grpo.rollout",
-    "completion_logprobs": "grpo.logprobs",
-    "sample_groups": "grpo.sampler",
+    "Trainer": "grpo.loop.trainer",
+    "train_on_rollout": "grpo.loop.update",
+    "UpdateResult": "grpo.loop.update",
+    "Rollout": "grpo.loop.rollout",
+    "completion_logprobs": "grpo.algorithm.logprobs",
+    "sample_groups": "grpo.algorithm.sampler",
     "score_completions": "rewards.scoring",
 }
 __all__ = sorted(_PUBLIC)

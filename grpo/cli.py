@@ -18,7 +18,7 @@ from pathlib import Path
 
 from data.calculator import SYSTEM_PROMPT as CALCULATOR_PROMPT
 from grpo.config import REPLACED, GRPOConfig
-from grpo.evaluation import EvalConfig
+from grpo.loop.evaluation import EvalConfig
 
 PRESETS: dict[str, dict] = {
     # The whole loop on CPU in about a minute: a tiny random-init model learns to write the format tags

@@ -18,14 +18,14 @@ from pathlib import Path
 
 from data.prompts import SYSTEM_PROMPT
 
-from grpo.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
-from grpo.distributed import DISTRIBUTED_CHOICES
-from grpo.rollout import GENERATION_BACKENDS
-from grpo.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
-from grpo.metrics import REPORT_TO
+from grpo.algorithm.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from grpo.loop.distributed import DISTRIBUTED_CHOICES
+from grpo.loop.rollout import GENERATION_BACKENDS
+from grpo.algorithm.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpo.loop.metrics import REPORT_TO
 from grpo.models import OPTIMIZERS, PRECISIONS
-from grpo.prompts import LONG_PROMPTS
-from grpo.update import LR_SCHEDULERS
+from grpo.loop.prompts import LONG_PROMPTS
+from grpo.loop.update import LR_SCHEDULERS
 from rewards.sandbox import ISOLATION_CHOICES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -131,7 +131,7 @@ class GRPOConfig(ConfigMixin):
     top_p: float = option(1.0, "nucleus sampling mass (1.0 = off)")
     top_k: int = option(0, "top-k sampling (0 = off)")
     min_p: float = option(0.0, "min-p sampling (0.0 = off)")
-    tools: list[str] = option([], "functions the model may call during its rollout, module:function each (trl's tools): type hints and a docstring give the schema the chat template shows; a turn that writes <tool_call>{json}</tool_call> gets the result and goes on; results are not trained on (grpo/tools.py)")
+    tools: list[str] = option([], "functions the model may call during its rollout, module:function each (trl's tools): type hints and a docstring give the schema the chat template shows; a turn that writes <tool_call>{json}</tool_call> gets the result and goes on; results are not trained on (grpo/loop/tools.py)")
     max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most, as trl (default: until max_completion_length)")
     generation_backend: str = option("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
 
@@ -139,7 +139,7 @@ class GRPOConfig(ConfigMixin):
     reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)")
     sandbox_isolation: str = option("available", "rewards that run the model's programs (execution): `available` runs them with the isolation layers this machine gives, the first log line naming any that is missing; `full` refuses to start without every layer (bubblewrap, root, cgroups; docs/tools.md)", choices=ISOLATION_CHOICES)
     scale_rewards: str = option("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=SCALE_REWARDS)
-    loss_type: str = option("grpo", "the objective and its token aggregation (grpo/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES)
+    loss_type: str = option("grpo", "the objective and its token aggregation (grpo/algorithm/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES)
     multi_objective_aggregation: str = option("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)
     beta: float = option(0.04, "KL coefficient; 0 loads no reference model")
     use_bias_correction_kl: bool = option(False, "multiply the k3 KL by the importance ratio (trl 1.16's default; ours is the paper's plain k3)")

@@ -206,13 +206,13 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_fil
 
 
 def is_adapter_folder(name: str) -> bool:
-    from grpo.lora import is_adapter_folder as adapter_folder
+    from grpo.loop.lora import is_adapter_folder as adapter_folder
 
     return adapter_folder(name)
 
 
 def load_merged(name, load_base):
-    from grpo.lora import load_merged as merged
+    from grpo.loop.lora import load_merged as merged
 
     return merged(name, load_base)
 

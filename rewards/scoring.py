@@ -5,7 +5,7 @@ reward is (`RewardSpec`: a function and its weight) and the text of a completion
 `score_completions` is the single place where user reward code runs during training; anything it returns that
 the loss could not use (wrong length, a non-number, NaN or inf) or any exception it raises stops the step with
 the function's name and the row index, before an optimizer step. None is trl's "cannot score this row": NaN
-here, left out of that row's weighted sum (grpo.advantages.weighted_rewards).
+here, left out of that row's weighted sum (grpo.algorithm.advantages.weighted_rewards).
 """
 
 from __future__ import annotations

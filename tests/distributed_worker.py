@@ -25,9 +25,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from grpo.config import GRPOConfig  # noqa: E402
-from grpo.distributed import unwrap  # noqa: E402
-from grpo.distributed import full_tensor as _full  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
+from grpo.loop.distributed import unwrap  # noqa: E402
+from grpo.loop.distributed import full_tensor as _full  # noqa: E402
+from grpo.loop.trainer import Trainer  # noqa: E402
 from tests.conftest import batch_indices  # noqa: E402
 
 BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_generations=4, micro_batch_size=4,

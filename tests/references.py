@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.logprobs import position_ids_from_mask
+from grpo.algorithm.logprobs import position_ids_from_mask
 
 
 def naive_completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from grpo.advantages import group_advantages, nanstd, reward_function_stats, weighted_rewards
+from grpo.algorithm.advantages import group_advantages, nanstd, reward_function_stats, weighted_rewards
 
 nan = float("nan")
 
@@ -114,7 +114,7 @@ def test_normalize_then_sum_hand_derived():
     # f2 = [2, 0]. Per reward and group: (r - mean) / (std + 1e-4), std unbiased -> f1 group 0: +-0.5 / (0.70711 + 1e-4),
     # f2 group 0 and f1 group 1: 0 (tied), f2 group 1: +-1 / (1.41421 + 1e-4). Weighted sum s, then over the batch
     # (s - mean(s)) / (std(s) + 1e-4).
-    from grpo.advantages import decoupled_advantages
+    from grpo.algorithm.advantages import decoupled_advantages
 
     rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 2.0], [1.0, 0.0]])
     a = 0.5 / (math.sqrt(0.5) + 1e-4)
@@ -133,7 +133,7 @@ def test_normalize_then_sum_hand_derived():
 
 
 def test_tied_groups():
-    from grpo.advantages import tied_groups
+    from grpo.algorithm.advantages import tied_groups
 
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, float("nan"), 2.0, 3.0, 3.0])
     # group 0 ties; group 1 differs; group 2 has one scorable row (no spread); group 3 ties.

@@ -5,7 +5,7 @@ import pytest
 import eval as eval_cli
 from grpo.cli import build_parser, config_from_args
 from grpo.config import GRPOConfig
-from grpo.evaluation import score_answer
+from grpo.loop.evaluation import score_answer
 from tests.conftest import gsm8k_dir
 
 GOOD = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"
@@ -74,10 +74,10 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 
 
 def test_chat_template_kwargs_reach_the_template_in_training_and_evaluation(tmp_path, monkeypatch, capsys):
-    from grpo import evaluation
-    from grpo.prompts import encode_prompt
+    from grpo.loop import evaluation
+    from grpo.loop.prompts import encode_prompt
     from grpo.tiny_model import build_tokenizer
-    from grpo.trainer import Trainer
+    from grpo.loop.trainer import Trainer
     from tests.test_trainer import make_config
 
     off = {"enable_thinking": False}

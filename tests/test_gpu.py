@@ -8,7 +8,7 @@ import torch
 from grpo.kernels.buffers import Buffers
 from grpo.kernels.compiled_decode import use_packed_decode_attention
 from grpo.kernels.sampling import FastSampler
-from grpo.sampler import SamplingParams, sample_groups
+from grpo.algorithm.sampler import SamplingParams, sample_groups
 from grpo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -44,7 +44,7 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(dtype):
 
 def test_bf16_training_step_on_cuda(tmp_path):
     from grpo.config import GRPOConfig
-    from grpo.trainer import Trainer
+    from grpo.loop.trainer import Trainer
 
     config = GRPOConfig(model="tiny", dataset="synthetic:32", output_dir=str(tmp_path / "run"), max_steps=2,
                         prompts_per_step=2, num_generations=4, micro_batch_size=4, max_completion_length=16,

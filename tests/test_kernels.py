@@ -1,10 +1,10 @@
 """Each kernel of grpo/kernels/ pinned to the plain code it replaces, and the one place that chooses them.
 
-    grpo.kernels.sampling      same tokens and log-probs as grpo.sampler.sample_groups for the same seed
+    grpo.kernels.sampling      same tokens and log-probs as grpo.algorithm.sampler.sample_groups for the same seed
                                (both draw one uniform per row per step); greedy and filtered decoding too
     grpo.kernels.lean_decode   (inside the sampler) tests/test_lean_decode.py: hidden states vs transformers
     grpo.kernels.compiled_decode  tests/test_sampler.py (CPU) and tests/test_gpu.py (CUDA): the eager tokens
-    grpo.kernels.logprobs      log-probs, entropies and gradients of grpo.logprobs.completion_logprobs, rtol 1e-5
+    grpo.kernels.logprobs      log-probs, entropies and gradients of grpo.algorithm.logprobs.completion_logprobs, rtol 1e-5
     grpo.kernels.fused_loss    loss, log-probs, entropies and gradients of log-probs -> per_token_loss -> aggregate_loss
     compaction (sampling)      the tokens of decoding every row, on models whose completions end at a known rate
     grpo.kernels.packing       log-probs and gradients of the padded trunk pass (CPU, SDPA's packed mask)
@@ -27,9 +27,9 @@ from grpo.kernels.buffers import Buffers
 from grpo.kernels.fused_loss import fused_completion_loss
 from grpo.kernels.logprobs import completion_logprobs as kernel_logprobs
 from grpo.kernels.sampling import FastSampler
-from grpo.logprobs import completion_logprobs
-from grpo.loss import LossOptions, aggregate_loss, aggregation_weights, per_token_loss
-from grpo.sampler import SamplingParams, sample_groups
+from grpo.algorithm.logprobs import completion_logprobs
+from grpo.algorithm.loss import LossOptions, aggregate_loss, aggregation_weights, per_token_loss
+from grpo.algorithm.sampler import SamplingParams, sample_groups
 from grpo.tiny_model import build_tiny_model
 
 QUESTIONS = ("What is 2 + 3?", "Ava has 4 apples and buys 7 more.", "Hi")
@@ -240,7 +240,7 @@ def test_shared_prompt_pass_gives_the_padded_hidden_states_and_logprobs(tokenize
     # grpo.kernels.prefix: each distinct prompt through the trunk once, its KV cache repeated for its rows, then the
     # completions: the padded pass's hidden states, log-probs and entropies (left and right padding included).
     from grpo.kernels.prefix import shared_prompt_hidden
-    from grpo.logprobs import completion_hidden
+    from grpo.algorithm.logprobs import completion_hidden
 
     model, _ = build_tiny_model(shape, seed=3, tokenizer=tokenizer if shape == "tiny" else None)
     model.eval()
@@ -263,7 +263,7 @@ def test_unpadded_pass_gives_the_padded_hidden_states_logprobs_and_gradients(tok
     # the attention on the padded layout. Prompts of different lengths (left padding), completions of 1 to 6
     # tokens and one that is all padding (mask_truncated_completions), in training mode with grad.
     from grpo.kernels.unpadded import unpadded_shared_prompt_hidden
-    from grpo.logprobs import completion_hidden
+    from grpo.algorithm.logprobs import completion_hidden
 
     if family == "qwen2":
         model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
@@ -346,7 +346,7 @@ def test_kernels_give_the_plain_numbers_on_other_decoder_families(family, monkey
     from transformers import DynamicCache
 
     from grpo.kernels.prefix import shared_prompt_hidden
-    from grpo.logprobs import completion_hidden
+    from grpo.algorithm.logprobs import completion_hidden
 
     model = _family_model(family).eval()
     # Log-prob passes: 2 prompts x 3 rows, prompts of 9 positions (past the sliding window), ragged completions.
@@ -388,7 +388,7 @@ def test_shared_prompt_pass_refuses_a_trunk_without_its_cache(tokenizer, monkeyp
     # A trunk that leaves the KV cache empty (here: one that drops its cache argument) is reported instead of
     # its completions attending to nothing. Under gradient checkpointing without grad transformers keeps the cache.
     from grpo.kernels.prefix import shared_prompt_hidden
-    from grpo.sampler import cache_kwarg
+    from grpo.algorithm.sampler import cache_kwarg
 
     model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
     ids, attention_mask, completion_mask = _grouped_batch(model.config.vocab_size, torch.Generator().manual_seed(9))
@@ -416,7 +416,7 @@ def test_shared_prompt_passes_are_chosen_where_they_apply(tokenizer):
     choice = select_kernels("auto", cpu, model=model, gradient_checkpointing=True)  # without grad the cache stays on
     assert choice.shared_prompt_passes and not choice.shared_prompt_update
     assert "checkpointing" in choice.reasons["shared_prompt_update"]
-    choice = select_kernels("auto", cpu, model=model, entropy_bonus=True)  # the update takes grpo.logprobs
+    choice = select_kernels("auto", cpu, model=model, entropy_bonus=True)  # the update takes grpo.algorithm.logprobs
     assert choice.shared_prompt_passes and not choice.shared_prompt_update
     model.config._attn_implementation = "flash_attention_2"  # packed rows instead
     choice = select_kernels("auto", cpu, model=model)
@@ -495,7 +495,7 @@ def test_importing_the_package_changes_nothing_outside_it():
     import sys
 
     code = ("import os, transformers; before = dict(os.environ); "
-            "import grpo, grpo.trainer, grpo.kernels.sampling, grpo.kernels.fused_loss, grpo.kernels.compiled_decode; "
+            "import grpo, grpo.loop.trainer, grpo.kernels.sampling, grpo.kernels.fused_loss, grpo.kernels.compiled_decode; "
             "from transformers import AttentionInterface; "
             "assert dict(os.environ) == before, set(os.environ) ^ set(before); "
             "assert 'grpo_sdpa' not in AttentionInterface._global_mapping; print('clean')")

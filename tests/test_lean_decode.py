@@ -10,8 +10,8 @@ from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Conf
 from grpo.kernels.compiled_decode import use_packed_decode_attention
 from grpo.kernels.lean_decode import LeanDecodeStep, unsupported_reason
 from grpo.kernels.sampling import FastSampler, _reserve
-from grpo.logprobs import position_ids_from_mask
-from grpo.sampler import SamplingParams, left_pad
+from grpo.algorithm.logprobs import position_ids_from_mask
+from grpo.algorithm.sampler import SamplingParams, left_pad
 
 
 def sample_groups(*args, lean_decode=True, **kwargs):

@@ -2,12 +2,12 @@ import pytest
 import torch
 
 import grpo.kernels.logprobs
-import grpo.logprobs
+import grpo.algorithm.logprobs
 from grpo.kernels.buffers import Buffers
 from references import naive_completion_logprobs
 
 # The plain chunked log-probs and the kernel that replaces them (--kernels auto) must pass the same tests.
-IMPLEMENTATIONS = {"plain": grpo.logprobs.completion_logprobs, "kernel": grpo.kernels.logprobs.completion_logprobs}
+IMPLEMENTATIONS = {"plain": grpo.algorithm.logprobs.completion_logprobs, "kernel": grpo.kernels.logprobs.completion_logprobs}
 
 
 def _batch(vocab_size, generator):
@@ -89,7 +89,7 @@ def test_zero_temperature_is_rejected(tiny_model_and_tokenizer, kernels):
 
 
 def test_models_with_transformed_logits_are_refused(tiny_model_and_tokenizer):
-    from grpo.logprobs import check_plain_output_head
+    from grpo.algorithm.logprobs import check_plain_output_head
 
     model, _ = tiny_model_and_tokenizer
     check_plain_output_head(model.config)  # Qwen2: plain W h
@@ -121,7 +121,7 @@ def test_untied_output_head_matches_naive(tokenizer, kernels):
 
 def _grpo_token_loss(old, ref, advantages, weights):
     """A token-level GRPO loss with every option on: off-policy ratio, clip-higher, delta, bias-corrected KL."""
-    from grpo.loss import LossOptions, token_loss
+    from grpo.algorithm.loss import LossOptions, token_loss
 
     def loss_fn(logps, index):
         options = LossOptions(beta=0.1, epsilon=0.02, epsilon_high=0.05, delta=1.04, use_bias_correction_kl=True)
@@ -186,7 +186,7 @@ def test_fused_token_loss_matches_autograd(tokenizer, temperature, chunk_size, t
 
 def test_fused_token_loss_under_bf16_autocast_tracks_fp32(tiny_model_and_tokenizer):
     from grpo.kernels.fused_loss import completion_token_loss
-    from grpo.loss import LossOptions, token_loss
+    from grpo.algorithm.loss import LossOptions, token_loss
 
     model, _ = tiny_model_and_tokenizer
     model = model.float()

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from grpo.loss import EntropyControl, entropy_bonus, high_entropy_mask
-from grpo.loss import LOSS_TYPES, LossOptions, aggregate_loss, k3_kl, off_policy_mask, per_token_loss, token_loss
-from grpo.loss import loss_statistics
+from grpo.algorithm.loss import EntropyControl, entropy_bonus, high_entropy_mask
+from grpo.algorithm.loss import LOSS_TYPES, LossOptions, aggregate_loss, k3_kl, off_policy_mask, per_token_loss, token_loss
+from grpo.algorithm.loss import loss_statistics
 
 T_MAX = 6
 
@@ -23,7 +23,7 @@ def _inputs(seed, n=4, off_policy=True):
 
 def _naive_loss(logps, old, ref, adv, mask, *, beta, eps, eps_high, delta, bias_kl, level, loss_type, ga, total_tokens,
                 sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0)):
-    """Per-token Python loop written from the equations in grpo/loss.py's docstring."""
+    """Per-token Python loop written from the equations in grpo/algorithm/loss.py's docstring."""
     n, T = logps.shape
     row_losses, row_sums, token_sum, token_count = [], [], 0.0, 0.0
     for i in range(n):

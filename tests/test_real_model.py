@@ -19,7 +19,7 @@ import torch
 from tests.conftest import gsm8k_dir
 from data import add_prompts
 from grpo.models import ModelError, eos_token_ids, resolve_model_name
-from grpo.prompts import encode_prompt
+from grpo.loop.prompts import encode_prompt
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"
@@ -90,7 +90,7 @@ def test_prompts(real):
 @pytest.mark.parametrize("sampler", ["plain", "kernel"])
 def test_greedy_sampler_equals_generate_on_real_prompts(real, test_prompts, sampler):
     from grpo.kernels.sampling import FastSampler
-    from grpo.sampler import SamplingParams, sample_groups
+    from grpo.algorithm.sampler import SamplingParams, sample_groups
 
     model, tokenizer = real
     pad, im_end, max_new = tokenizer.pad_token_id, tokenizer.eos_token_id, 40
@@ -115,8 +115,8 @@ def test_greedy_sampler_equals_generate_on_real_prompts(real, test_prompts, samp
 @pytest.mark.parametrize("sampler", ["plain", "kernel"])
 def test_sampled_logprobs_equal_a_full_forward(real, test_prompts, real_floor, sampler):
     from grpo.kernels.sampling import FastSampler
-    from grpo.logprobs import completion_logprobs
-    from grpo.sampler import SamplingParams, sample_groups
+    from grpo.algorithm.logprobs import completion_logprobs
+    from grpo.algorithm.sampler import SamplingParams, sample_groups
 
     model, tokenizer = real
     sample = {"plain": sample_groups, "kernel": FastSampler().sample_groups}[sampler]
@@ -209,7 +209,7 @@ def real_completions(real, rollout_rows):
     cuts its random ones: every fourth row runs to the budget without EOS, the others end with <|im_end|> after
     1 to REAL_MAX_LEN - 1 of their tokens, so a group's rows end at different positions."""
     from tests import test_trl_parity as parity
-    from grpo.sampler import SamplingParams, sample_groups
+    from grpo.algorithm.sampler import SamplingParams, sample_groups
 
     model, tokenizer = real
     params = SamplingParams(max_completion_length=REAL_MAX_LEN, temperature=0.7, eos_token_ids=(tokenizer.eos_token_id,))
@@ -238,12 +238,12 @@ def real_completions(real, rollout_rows):
 @pytest.fixture(scope="module")
 def rounding(real, rollout_rows, real_completions) -> dict:
     """The largest |fp32 - fp64| of a completion token's log-prob on the first rollout's rows: `trl`, trl's way (one
-    padded forward, full logits, log-softmax); `ours`, the worst of grpo.logprobs and grpo.kernels.logprobs (with and
+    padded forward, full logits, log-softmax); `ours`, the worst of grpo.algorithm.logprobs and grpo.kernels.logprobs (with and
     without the shared-prompt, unpadded passes); `batching`, trl's way batched against one row at a time."""
     from grpo.kernels.buffers import Buffers
     from grpo.kernels.logprobs import completion_logprobs as kernel_logprobs
-    from grpo.logprobs import completion_logprobs
-    from grpo.sampler import left_pad
+    from grpo.algorithm.logprobs import completion_logprobs
+    from grpo.algorithm.sampler import left_pad
 
     from tests import test_trl_parity as parity
 

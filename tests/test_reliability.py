@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from grpo.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from grpo.loop.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from grpo.cli import config_from_args
 from grpo.config import GRPOConfig
-from grpo.metrics import read_jsonl
+from grpo.loop.metrics import read_jsonl
 from grpo.models import ModelError, load_model, load_tokenizer
-from grpo.trainer import Trainer, TrainingError
+from grpo.loop.trainer import Trainer, TrainingError
 from rewards import RewardError
 from tests.conftest import batch_indices
 from tests.test_trainer import fixed_rollout, make_config
@@ -274,7 +274,7 @@ def test_killed_run_resumes_to_the_same_result(uninterrupted, tmp_path, how):
 
 _SAVE_SCRIPT = """
 import sys
-from grpo.checkpoint import save_checkpoint
+from grpo.loop.checkpoint import save_checkpoint
 from grpo.tiny_model import build_tiny_model
 model, tokenizer = build_tiny_model("small")
 print("saving", flush=True)

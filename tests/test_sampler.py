@@ -2,10 +2,10 @@ import pytest
 import torch
 
 import grpo.kernels.sampling
-import grpo.sampler
+import grpo.algorithm.sampler
 from grpo.kernels.sampling import FastSampler
-from grpo.logprobs import position_ids_from_mask
-from grpo.sampler import SamplingParams, cache_kwarg, filter_logits, left_pad, sample_groups
+from grpo.algorithm.logprobs import position_ids_from_mask
+from grpo.algorithm.sampler import SamplingParams, cache_kwarg, filter_logits, left_pad, sample_groups
 from grpo.tiny_model import build_tiny_model
 
 
@@ -15,7 +15,7 @@ def fast_sample_groups(*args, **kwargs):
 
 # The plain sampler and the kernel that replaces it (--kernels auto) pass the same tests.
 SAMPLERS = {"plain": sample_groups, "kernel": fast_sample_groups}
-NEXT_TOKEN = {"plain": grpo.sampler.sample_next_token, "kernel": grpo.kernels.sampling.sample_next_token}
+NEXT_TOKEN = {"plain": grpo.algorithm.sampler.sample_next_token, "kernel": grpo.kernels.sampling.sample_next_token}
 
 QUESTIONS = ["What is 2 + 3?", "Ava has 4 apples and buys 9 more. How many now?", "Hi"]
 
@@ -73,8 +73,8 @@ def test_prefix_sharing_changes_no_logit(peaked, prompts, tokenizer, sampler, mo
     params = SamplingParams(max_completion_length=6, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,))
     generator, watch = torch.Generator().manual_seed(0), {}
     if sampler == "plain":  # each step's logits, as the plain sampler hands them to sample_next_token
-        draw = grpo.sampler.sample_next_token
-        monkeypatch.setattr(grpo.sampler, "sample_next_token",
+        draw = grpo.algorithm.sampler.sample_next_token
+        monkeypatch.setattr(grpo.algorithm.sampler, "sample_next_token",
                             lambda logits, *args, **kwargs: seen.append(logits.clone()) or draw(logits, *args, **kwargs))
     else:  # the kernel's shifted base-2 frames are turned back into logits by its own callback
         watch["step_callback"] = lambda step, logits: seen.append(logits.clone())

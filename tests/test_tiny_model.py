@@ -98,7 +98,7 @@ def test_models_switched_to_packed_attention_decode_the_same_logits(tokenizer):
 
     from grpo.kernels.compiled_decode import PACKED_DECODE_SDPA, use_packed_decode_attention
     from grpo.kernels.sampling import FastSampler
-    from grpo.sampler import SamplingParams
+    from grpo.algorithm.sampler import SamplingParams
 
     model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny shape groups its heads
@@ -138,7 +138,7 @@ def test_models_outside_the_attention_interface_keep_their_attention(tokenizer):
 
 
 def test_set_eos_rate_makes_completions_end_at_that_rate(tokenizer):
-    from grpo.sampler import SamplingParams, sample_groups
+    from grpo.algorithm.sampler import SamplingParams, sample_groups
     from grpo.tiny_model import IM_END, set_eos_rate
 
     model, _ = build_tiny_model("tiny", seed=2, tokenizer=tokenizer)

@@ -1,4 +1,4 @@
-"""Tool calls in the rollout (grpo/tools.py): parsing, running, the result's tokens, and the sampler's loop.
+"""Tool calls in the rollout (grpo/loop/tools.py): parsing, running, the result's tokens, and the sampler's loop.
 
 The sampler tests drive the tiny model's KV cache with scripted logits: each row writes a planned completion
 (its turns), and where the plan has nothing (the tool result's positions) the model would write `FILLER`, so a
@@ -15,10 +15,10 @@ import torch
 
 from data.calculator import calculator
 from rewards.tools import tool_call_format, tool_success
-from grpo.rollout import make_generation_backend
+from grpo.loop.rollout import make_generation_backend
 from tests.conftest import record_updates
-from grpo.sampler import SamplingParams, sample_groups
-from grpo.tools import ToolSet, load_tools, parse_tool_calls, run_tool_call, tool_suffix_ids
+from grpo.algorithm.sampler import SamplingParams, sample_groups
+from grpo.loop.tools import ToolSet, load_tools, parse_tool_calls, run_tool_call, tool_suffix_ids
 
 FILLER = 7
 
@@ -268,8 +268,8 @@ def test_a_training_step_on_tool_rollouts(tmp_path):
     """The trainer with --tools: the scripted policy calls the calculator in some rows; the rollout's loss mask
     leaves the results out, the rewards see the turns as messages, and the tool metrics are logged."""
     from grpo.config import GRPOConfig
-    from grpo.metrics import read_jsonl
-    from grpo.trainer import Trainer
+    from grpo.loop.metrics import read_jsonl
+    from grpo.loop.trainer import Trainer
 
     seen = {}
 
@@ -302,7 +302,7 @@ def test_a_training_step_on_tool_rollouts(tmp_path):
 
 
 def test_rollout_from_token_lists_keeps_tool_results_out_of_the_loss_mask():
-    from grpo.rollout import Rollout
+    from grpo.loop.rollout import Rollout
 
     eos, pad = 2, 0
     completions = [[5, eos, 9, eos, 6, 7, eos], [5, 6, eos]]  # row 0: a turn, a result (9, EOS) and a second turn

@@ -5,10 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.config import GRPOConfig
-from grpo.loss import LossOptions
-from grpo.metrics import read_jsonl
-from grpo.rollout import Rollout
-from grpo.trainer import Trainer
+from grpo.algorithm.loss import LossOptions
+from grpo.loop.metrics import read_jsonl
+from grpo.loop.rollout import Rollout
+from grpo.loop.trainer import Trainer
 from tests.conftest import batch_indices, record_updates
 
 pytestmark = pytest.mark.usefixtures("both_kernels")  # every test under --kernels auto and plain (conftest.py)
@@ -320,7 +320,7 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
     # grpo.kernels.batching: each update's rows sorted by completion length before the split into micro-batches.
     # Against the random micro-batches of the same rows (everything else the same kernels): the same loss and
     # gradient at every update, other micro-batches, and fewer padded positions.
-    import grpo.update as update_module
+    import grpo.loop.update as update_module
 
     cells, grads, metrics, losses = {}, {}, {}, {}
     original = update_module.micro_batch
@@ -403,7 +403,7 @@ def test_packed_or_shared_prompt_passes_give_the_padded_steps_gradients(tmp_path
 
 def test_length_grouping_steps_aside_where_the_grouping_changes_the_loss(tmp_path):
     from grpo.kernels import select_kernels
-    from grpo.loss import LossOptions
+    from grpo.algorithm.loss import LossOptions
 
     cpu = torch.device("cpu")
     assert select_kernels("auto", cpu, LossOptions(loss_type="grpo")).length_grouping
@@ -420,10 +420,10 @@ def test_length_grouping_steps_aside_where_the_grouping_changes_the_loss(tmp_pat
 @pytest.mark.own_kernels
 def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     from grpo.cli import config_from_args
-    from grpo.rollout import GroupSampler
+    from grpo.loop.rollout import GroupSampler
     from grpo.kernels.sampling import FastSampler
-    from grpo.sampler import sample_groups
-    from grpo.update import plain_step_functions
+    from grpo.algorithm.sampler import sample_groups
+    from grpo.loop.update import plain_step_functions
 
     trainer = Trainer(make_config(tmp_path))  # the default: auto
     assert isinstance(trainer.generation, GroupSampler) and isinstance(trainer.generation.sample, FastSampler)
@@ -434,7 +434,7 @@ def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     # under plain the update calls grpo/'s own functions
     own = plain_step_functions(plain.loss_options, plain.config.temperature)
     assert plain.functions.batches is own.batches and plain.functions.update_batches is own.update_batches
-    assert plain.functions.logprobs.func is own.logprobs.func  # grpo.logprobs.completion_logprobs
+    assert plain.functions.logprobs.func is own.logprobs.func  # grpo.algorithm.logprobs.completion_logprobs
     assert trainer.functions.logprobs.func is not own.logprobs.func  # auto: the kernel's
     with pytest.raises(ValueError, match="kernels must be one of"):
         make_config(tmp_path, kernels="fast").validate()
@@ -558,7 +558,7 @@ def test_schedules_are_the_ones_transformers_computes(name):
     # bitsandbytes when they are installed); it must give get_scheduler's factors step for step.
     from transformers import get_scheduler
 
-    from grpo.update import make_scheduler
+    from grpo.loop.update import make_scheduler
 
     for warmup, total in [(0, 10), (3, 17), (5, 5), (2, 3)]:
         ours = make_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup, total)
@@ -621,7 +621,7 @@ def test_reference_sync_mixes_the_policy_in_every_sync_steps_updates(tmp_path):
 
 
 def test_generation_reuse_updates_on_disjoint_slices(tmp_path, monkeypatch):
-    import grpo.update as update_module
+    import grpo.loop.update as update_module
 
     # steps_per_generation 2: the rollout's rows are split between the two updates, each row trained on once.
     trainer = Trainer(make_config(tmp_path, steps_per_generation=4, micro_batch_size=4))  # 2 micro-batches an update

@@ -35,13 +35,13 @@ datasets = pytest.importorskip("datasets")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from data import add_prompts, make_synthetic_gsm8k  # noqa: E402
-import grpo.update  # noqa: E402
+import grpo.loop.update  # noqa: E402
 from grpo.config import GRPOConfig  # noqa: E402
-from grpo.loss import CLIPPED_LOSS_TYPES  # noqa: E402
-from grpo.prompts import encode_prompt  # noqa: E402
-from grpo.rollout import Rollout  # noqa: E402
+from grpo.algorithm.loss import CLIPPED_LOSS_TYPES  # noqa: E402
+from grpo.loop.prompts import encode_prompt  # noqa: E402
+from grpo.loop.rollout import Rollout  # noqa: E402
 from grpo.tiny_model import save_tiny_model  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
+from grpo.loop.trainer import Trainer  # noqa: E402
 from rewards import RewardSpec, completion_text, score_completions  # noqa: E402
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
@@ -252,14 +252,14 @@ def our_step(trainer, inputs, completions, grads_out, tool_masks=None):
 
     # trl cuts each update's micro-batches from consecutive rows: ours takes the rows in rollout order too (no
     # seeded shuffle, no length grouping), then the public call that returns every intermediate value.
-    order, functions = grpo.update.micro_batch_order, trainer.functions
-    grpo.update.micro_batch_order = lambda num_rows, *seeds: torch.arange(num_rows)
-    trainer.functions = dataclasses.replace(functions, update_batches=grpo.update.plain_update_batches)
+    order, functions = grpo.loop.update.micro_batch_order, trainer.functions
+    grpo.loop.update.micro_batch_order = lambda num_rows, *seeds: torch.arange(num_rows)
+    trainer.functions = dataclasses.replace(functions, update_batches=grpo.loop.update.plain_update_batches)
     trainer.optimizer.step = capture
     try:
         result = trainer.update(rollout)
     finally:
-        trainer.optimizer.step, grpo.update.micro_batch_order, trainer.functions = step, order, functions
+        trainer.optimizer.step, grpo.loop.update.micro_batch_order, trainer.functions = step, order, functions
     return rollout, result
 
 

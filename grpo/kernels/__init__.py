@@ -1,10 +1,10 @@
 """Fast paths beside the plain code, and the one place that decides which of them run.
 
     module                         replaces (same numbers)                          applies
-    grpo.kernels.sampling          grpo.sampler.sample_groups                      every device (FastSampler)
+    grpo.kernels.sampling          grpo.algorithm.sampler.sample_groups                      every device (FastSampler)
     grpo.kernels.lean_decode       the trunk's forward in a CPU decode step          Qwen2/Qwen3/Llama, SDPA, eager CPU
     grpo.kernels.compiled_decode   the decode step (static cache, CUDA graphs)       CUDA
-    grpo.kernels.logprobs          grpo.logprobs.completion_logprobs                 every device
+    grpo.kernels.logprobs          grpo.algorithm.logprobs.completion_logprobs                 every device
     grpo.kernels.fused_loss        completion_logprobs -> per_token_loss -> aggregate_loss   token-level ratios
     grpo.kernels.batching          random micro-batches (rows of similar length together)   not bnpo, entropy terms
     grpo.kernels.packing           the padded trunk pass of the log-prob kernels (packed rows)   flash / flex attention
@@ -15,9 +15,9 @@
 `--kernels plain` runs the plain path everywhere (the definition a reader checks against the paper);
 `--kernels auto` (the default) takes each kernel where it applies. `select_kernels` is the only place
 that decides. The `KernelChoice` it returns says which kernels apply (and why the others do not), and
-hands the run the functions it calls: `step_functions()` for the update (grpo.update.StepFunctions) and
+hands the run the functions it calls: `step_functions()` for the update (grpo.loop.update.StepFunctions) and
 `sampler()` for the generation seam; the loop never asks which. A run with `--kernels plain` never imports
-this package (grpo.setup.step_functions hands it grpo/'s own functions). tests/test_kernels.py pins every
+this package (grpo.loop.setup.step_functions hands it grpo/'s own functions). tests/test_kernels.py pins every
 kernel to the plain path. Importing this package changes nothing outside it; `prepare_model` is an explicit
 call.
 """
@@ -32,7 +32,7 @@ import torch
 
 from grpo.config import KERNEL_CHOICES
 from grpo.kernels.buffers import Buffers
-from grpo.update import StepFunctions, logprob_loss, plain_step_functions
+from grpo.loop.update import StepFunctions, logprob_loss, plain_step_functions
 
 logger = logging.getLogger("grpo")
 
@@ -42,9 +42,9 @@ logger = logging.getLogger("grpo")
 class KernelChoice:
     """Which kernels a run uses, and why each one that does not apply does not."""
 
-    fast_sampler: bool = False  # grpo.kernels.sampling.FastSampler instead of grpo.sampler.sample_groups
+    fast_sampler: bool = False  # grpo.kernels.sampling.FastSampler instead of grpo.algorithm.sampler.sample_groups
     compile_decode: bool = False  # inside FastSampler: static cache + compiled decode step (CUDA)
-    fast_logprobs: bool = False  # grpo.kernels.logprobs instead of grpo.logprobs (reference and old log-probs)
+    fast_logprobs: bool = False  # grpo.kernels.logprobs instead of grpo.algorithm.logprobs (reference and old log-probs)
     update_logprobs: bool = False  # the same in the update pass, where the loss may differentiate the entropy
     fused_loss: bool = False  # grpo.kernels.fused_loss instead of log-probs -> per_token_loss -> aggregate_loss
     length_grouping: bool = False  # grpo.kernels.batching: update micro-batches of rows of similar length
@@ -66,11 +66,11 @@ class KernelChoice:
 
     def step_functions(self, options=None, temperature: float = 1.0, chunk_size: int | None = None,
                        fp32_head: bool = False) -> StepFunctions:
-        """The update's log-prob, loss and micro-batch functions: grpo.update.plain_step_functions where no
+        """The update's log-prob, loss and micro-batch functions: grpo.loop.update.plain_step_functions where no
         kernel applies, each kernel's same-number version where one does."""
         from grpo.kernels.batching import length_grouped, length_sorted
         from grpo.kernels.logprobs import completion_logprobs
-        from grpo.loss import LossOptions
+        from grpo.algorithm.loss import LossOptions
 
         options = options or LossOptions()
         plain = plain_step_functions(options, temperature, chunk_size, fp32_head)
@@ -94,9 +94,9 @@ class KernelChoice:
         )
 
     def sampler(self, max_prompt_length: int | None = None):
-        """The group sampler, called as grpo.sampler.sample_groups is: that function itself, or the kernel."""
+        """The group sampler, called as grpo.algorithm.sampler.sample_groups is: that function itself, or the kernel."""
         if not self.fast_sampler:
-            from grpo.sampler import sample_groups
+            from grpo.algorithm.sampler import sample_groups
 
             return sample_groups
         from grpo.kernels.sampling import FastSampler
@@ -118,10 +118,10 @@ class KernelChoice:
 def _fused_update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation,
                        entropy_coef=None, *, options, **kernel_args):
     """grpo.kernels.fused_loss with the aggregation's weights: the same loss and statistics as
-    grpo.update.logprob_loss (the weights are 0 on the tokens the loss mask leaves out, such as tool results).
+    grpo.loop.update.logprob_loss (the weights are 0 on the tokens the loss mask leaves out, such as tool results).
     select_kernels leaves it off with an entropy bonus (entropy_coef is then None)."""
     from grpo.kernels.fused_loss import fused_completion_loss
-    from grpo.loss import aggregation_weights, loss_statistics
+    from grpo.algorithm.loss import aggregation_weights, loss_statistics
 
     with torch.autocast(loss_mask.device.type, enabled=False):
         weights = aggregation_weights(loss_mask, options.loss_type, **aggregation)  # (n, T)
@@ -144,13 +144,13 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
                    gradient_checkpointing: bool = False) -> KernelChoice:
     """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table).
 
-    loss_options (grpo.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it needs
+    loss_options (grpo.algorithm.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it needs
     a token's loss to depend on that token's log-prob only. entropy_bonus: the loss differentiates the entropy,
     which the log-prob kernels compute for the logs only, so the update pass takes the plain log-probs.
     fp32_head (cast_lm_head_to_fp32): the kernels run the output projection in the autocast dtype; the plain
     log-probs run it in fp32. sharded (FSDP2): no shared-prompt passes; gradient_checkpointing: none in the update.
     """
-    from grpo.loss import LossOptions
+    from grpo.algorithm.loss import LossOptions
 
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
@@ -191,7 +191,7 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     )
     if plain_update:
         choice.update_logprobs = False
-        choice.reasons["update_logprobs"] = "; ".join(plain_update) + ": the update pass takes grpo.logprobs"
+        choice.reasons["update_logprobs"] = "; ".join(plain_update) + ": the update pass takes grpo.algorithm.logprobs"
     from grpo.kernels.packing import packs_without_dense_mask
 
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -210,7 +210,7 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     if unshared:
         choice.reasons["shared_prompt_passes"] = "; ".join(unshared)
     unshared_update = unshared + _holding(
-        (not (choice.fused_loss or choice.update_logprobs), "the update pass takes grpo.logprobs"),
+        (not (choice.fused_loss or choice.update_logprobs), "the update pass takes grpo.algorithm.logprobs"),
         (gradient_checkpointing, "gradient checkpointing turns the trunk's KV cache off when grad is on"),
     )
     choice.shared_prompt_update = not unshared_update

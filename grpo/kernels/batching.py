@@ -1,6 +1,6 @@
 """Same losses and gradients as the plain path's micro-batches, less padding: rows of similar length together.
 
-A micro-batch's sequences are as wide as its longest prompt plus its longest completion (grpo.trainer trims the
+A micro-batch's sequences are as wide as its longest prompt plus its longest completion (grpo.loop.trainer trims the
 columns that are padding in every row), so a micro-batch that mixes a 20-token completion with a 250-token one
 runs the trunk over 230 padding positions for the short row. Real runs end their completions anywhere in the
 budget, and this padding is where much of the log-prob passes' time goes.
@@ -10,7 +10,7 @@ budget, and this padding is where much of the log-prob passes' time goes.
                (stable), then cut into micro-batches: each update sees the same rows, in other micro-batches
 
 For the loss types whose accumulated loss does not depend on which rows share a micro-batch (grpo, sapo,
-dr_grpo, luspo: equal row counts per micro-batch; dapo, cispo, vespo: the step's token count; grpo.loss.
+dr_grpo, luspo: equal row counts per micro-batch; dapo, cispo, vespo: the step's token count; grpo.algorithm.loss.
 aggregate_loss) the gradient is the same sum, in another order: equal to rounding. `bnpo`, the entropy mask
 (a quantile per micro-batch) and the entropy bonus (a mean per micro-batch) depend on the grouping, so they keep
 the plain one (grpo.kernels.select_kernels says so). The reference and old-policy passes have no such coupling:
@@ -23,7 +23,7 @@ import torch
 
 
 def length_grouped(rows: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
-    """One update's micro-batches: as grpo.update.plain_update_batches cuts `rows` (N / k,), after sorting them
+    """One update's micro-batches: as grpo.loop.update.plain_update_batches cuts `rows` (N / k,), after sorting them
     by lengths[row] (stable), so each update sees the same rows, in other micro-batches."""
     return list(rows[torch.sort(lengths[rows], stable=True).indices].split(micro_batch_size))
 

@@ -1,11 +1,11 @@
 """The CUDA decode step: a preallocated StaticCache and the step captured by torch.compile as CUDA graphs,
 with grouped-query attention packed so the compiled step does not copy the keys and values per head.
 
-Same result as the decode step of `grpo.sampler.sample_groups` (the model's forward on one token per row
+Same result as the decode step of `grpo.algorithm.sampler.sample_groups` (the model's forward on one token per row
 with a DynamicCache), faster on GPUs because a small model's decode step is bound by kernel launches,
 which a CUDA graph replays without Python. Chosen by `--kernels auto` on CUDA (grpo.kernels.select),
 through `grpo.kernels.sampling.FastSampler`; a compile failure is reported once and decoding continues
-eagerly (grpo.rollout). Pinned to the plain path by tests/test_kernels.py and tests/test_sampler.py
+eagerly (grpo.loop.rollout). Pinned to the plain path by tests/test_kernels.py and tests/test_sampler.py
 (the static and compiled steps give the same tokens and logits as the dynamic cache; on CPU the compile
 runs the trunk only) and tests/test_gpu.py on a GPU.
 
@@ -24,7 +24,7 @@ from transformers import AttentionInterface, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from grpo.sampler import cache_kwarg
+from grpo.algorithm.sampler import cache_kwarg
 
 logger = logging.getLogger("grpo")
 

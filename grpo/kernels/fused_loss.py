@@ -1,5 +1,5 @@
-"""Same result as `grpo.logprobs.completion_logprobs` followed by `grpo.loss.per_token_loss` and
-`grpo.loss.aggregate_loss`, faster because the loss gradient is formed during the log-prob pass.
+"""Same result as `grpo.algorithm.logprobs.completion_logprobs` followed by `grpo.algorithm.loss.per_token_loss` and
+`grpo.algorithm.loss.aggregate_loss`, faster because the loss gradient is formed during the log-prob pass.
 
 When each token's loss depends on its own log-prob only (token-level ratios: every grpo / bnpo /
 dr_grpo / dapo variant), d loss / d logp_t is known as soon as a chunk's log-probs are, so the chunk's
@@ -25,8 +25,8 @@ import torch
 
 from grpo.kernels.buffers import Buffers
 from grpo.kernels.logprobs import _LN_2, _add_chunk_grads, _chunk_forward, _compute_dtype, choose_trunk_pass
-from grpo.logprobs import check_temperature, default_chunk_size, scatter_rows
-from grpo.loss import LossOptions, token_loss
+from grpo.algorithm.logprobs import check_temperature, default_chunk_size, scatter_rows
+from grpo.algorithm.loss import LossOptions, token_loss
 
 
 def _plain_tied_embedding(model) -> torch.nn.Embedding | None:
@@ -165,7 +165,7 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
     in row-major order of the real tokens (`completion_mask.bool()`), and returns that chunk's scalar loss.
     Gradients are formed chunk by chunk in the forward pass (`_FusedTokenLoss`); `loss.backward()` sends them
     into the trunk and the output projection. Returns (loss scalar, logps (N, T) detached, entropy (N, T) or
-    None); the other inputs as `grpo.logprobs.completion_logprobs`; packed, shared_prompts, unpadded: the trunk pass
+    None); the other inputs as `grpo.algorithm.logprobs.completion_logprobs`; packed, shared_prompts, unpadded: the trunk pass
     (grpo.kernels.logprobs.choose_trunk_pass).
     """
     check_temperature(temperature)
@@ -189,7 +189,7 @@ def fused_completion_loss(model, input_ids, attention_mask, completion_mask, adv
                           unpadded: bool = False):
     """The micro-batch loss sum(weights * per_token_loss(logps, ...)) for token-level ratios, in one pass.
 
-    weights (n, T): `grpo.loss.aggregation_weights(mask, loss_type, ...)`, so the loss equals
+    weights (n, T): `grpo.algorithm.loss.aggregation_weights(mask, loss_type, ...)`, so the loss equals
     `aggregate_loss(per_token_loss(...))`; advantages (n,); old_logps (n, T) or None (on-policy: logps
     detached); ref_logps (n, T) or None. Returns (loss, logps (n, T) detached, entropy (n, T)).
     """

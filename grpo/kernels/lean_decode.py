@@ -1,5 +1,5 @@
 """Same result as the trunk of the model's forward in a decode step (the hidden states that
-`grpo.sampler.sample_groups` projects), faster on CPU because it calls the model's own modules on
+`grpo.algorithm.sampler.sample_groups` projects), faster on CPU because it calls the model's own modules on
 (N, H) rows without transformers' per-call framework. A lean decode step for Qwen2, Qwen3 and Llama trunks.
 
 Called for one token per row, transformers' decoder forward spends most of a small model's decode step

@@ -1,4 +1,4 @@
-"""Same result as `grpo.logprobs.completion_logprobs`, faster on CPU: base-2 exponentials, target-logit shifts
+"""Same result as `grpo.algorithm.logprobs.completion_logprobs`, faster on CPU: base-2 exponentials, target-logit shifts
 and (V, c) column layouts. Pinned to the plain function by tests/test_kernels.py (log-probs, entropies and
 gradients at rtol 1e-5 in fp32) and tests/test_logprobs.py (far targets, redo rows, both layouts).
 
@@ -26,7 +26,7 @@ from grpo.kernels.buffers import Buffers
 from grpo.kernels.packing import packed_completion_hidden
 from grpo.kernels.prefix import shared_prompt_hidden
 from grpo.kernels.unpadded import unpadded_shared_prompt_hidden
-from grpo.logprobs import check_temperature, completion_hidden, default_chunk_size, scatter_rows
+from grpo.algorithm.logprobs import check_temperature, completion_hidden, default_chunk_size, scatter_rows
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -319,7 +319,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
 
 def choose_trunk_pass(packed: bool = False, shared_prompts: bool = False, unpadded: bool = False):
-    """The log-prob kernels' trunk pass: padded rows (grpo.logprobs.completion_hidden), packed rows
+    """The log-prob kernels' trunk pass: padded rows (grpo.algorithm.logprobs.completion_hidden), packed rows
     (grpo.kernels.packing) or each distinct prompt once (grpo.kernels.prefix), with unpadded its per-token work on
     the real tokens only (grpo.kernels.unpadded)."""
     if packed and shared_prompts:
@@ -334,7 +334,7 @@ def choose_trunk_pass(packed: bool = False, shared_prompts: bool = False, unpadd
 def completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
                         with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None,
                         packed: bool = False, shared_prompts: bool = False, unpadded: bool = False):
-    """Same inputs and result as `grpo.logprobs.completion_logprobs`; `buffers` holds the reused chunk storage.
+    """Same inputs and result as `grpo.algorithm.logprobs.completion_logprobs`; `buffers` holds the reused chunk storage.
     packed: the trunk runs on the real tokens packed into one row (grpo.kernels.packing). shared_prompts: each
     distinct prompt's trunk pass runs once (grpo.kernels.prefix); unpadded: on its real tokens only
     (grpo.kernels.unpadded)."""

@@ -1,4 +1,4 @@
-"""Same result as `grpo.logprobs.completion_hidden`, without padding: a micro-batch's real tokens packed into one row.
+"""Same result as `grpo.algorithm.logprobs.completion_hidden`, without padding: a micro-batch's real tokens packed into one row.
 
     padded   (n, P' + T') rows, prompts left-padded, completions right-padded: the trunk runs on every position
     packed   (1, R) the R real tokens of the n rows one after the other, position ids restarting at 0 for each row
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.logprobs import plain_output_weight, position_ids_from_mask
+from grpo.algorithm.logprobs import plain_output_weight, position_ids_from_mask
 
 # Attention implementations that run a packed row without forming an (R, R) mask.
 PACKING_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
@@ -32,7 +32,7 @@ def packs_without_dense_mask(attention_implementation: str | None) -> bool:
 
 
 def packed_completion_hidden(model, input_ids, attention_mask, completion_mask, inputs_embeds=None):
-    """`grpo.logprobs.completion_hidden` with the trunk run once over the packed real tokens.
+    """`grpo.algorithm.logprobs.completion_hidden` with the trunk run once over the packed real tokens.
 
     input_ids, attention_mask (n, L); completion_mask (n, T'). Returns (hidden (M, H), targets (M,), keep (n, T')
     bool, output weight (V, H)), in completion_hidden's order (row by row, token by token).

@@ -1,4 +1,4 @@
-"""Same result as `grpo.logprobs.completion_hidden`, with each distinct prompt's trunk pass run once: the rows of a
+"""Same result as `grpo.algorithm.logprobs.completion_hidden`, with each distinct prompt's trunk pass run once: the rows of a
 GRPO group share their prompt, so the log-prob passes (reference, old policy, update) give it its keys and values
 once.
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from grpo.logprobs import plain_output_weight, position_ids_from_mask
-from grpo.sampler import cache_kwarg
+from grpo.algorithm.logprobs import plain_output_weight, position_ids_from_mask
+from grpo.algorithm.sampler import cache_kwarg
 
 
 def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +37,7 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tup
 
 
 def shared_prompt_hidden(model, input_ids, attention_mask, completion_mask, inputs_embeds=None):
-    """`grpo.logprobs.completion_hidden` with the distinct prompts' trunk pass run once (see the module docstring).
+    """`grpo.algorithm.logprobs.completion_hidden` with the distinct prompts' trunk pass run once (see the module docstring).
 
     input_ids, attention_mask (n, P' + T'), prompts left-padded; completion_mask (n, T'); `inputs_embeds` (n, P' + T',
     H), if given, replaces the embedding lookup (grpo.kernels.fused_loss). With grad, each prompt's activations get

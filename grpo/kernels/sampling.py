@@ -1,4 +1,4 @@
-"""Same result as `grpo.sampler.sample_groups` (the same tokens from the same generator), faster: the
+"""Same result as `grpo.algorithm.sampler.sample_groups` (the same tokens from the same generator), faster: the
 tuned group sampler. Chosen by `--kernels auto` (grpo.kernels.select) through `FastSampler`, which owns
 its buffers and its static decoder. Pinned to the plain sampler by tests/test_kernels.py (same tokens,
 log-probs and logits for the same seed) and to softmax sampling by tests/test_sampler.py.
@@ -36,8 +36,8 @@ from grpo.kernels.buffers import Buffers
 from grpo.kernels.compiled_decode import StaticDecoder
 from grpo.kernels.lean_decode import LeanDecodeStep, unsupported_reason
 from grpo.kernels.logprobs import _LN_2, _LOG2_E, _column_storage
-from grpo.logprobs import check_plain_output_head, position_ids_from_mask
-from grpo.sampler import (GroupSample, SamplingParams, cache_kwarg, draw_uniform, filter_logits, finish_sample,
+from grpo.algorithm.logprobs import check_plain_output_head, position_ids_from_mask
+from grpo.algorithm.sampler import (GroupSample, SamplingParams, cache_kwarg, draw_uniform, filter_logits, finish_sample,
                           prepare_prompts)
 
 logger = logging.getLogger("grpo")
@@ -174,7 +174,7 @@ def sample_next_token(
     out: torch.Tensor | None = None,
     uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same result as `grpo.sampler.sample_next_token` (the same uniform per row), faster on CPU: exp2 instead
+    """Same result as `grpo.algorithm.sampler.sample_next_token` (the same uniform per row), faster on CPU: exp2 instead
     of exp, a two-level search instead of a cumulative sum over the vocabulary, and column-layout reductions.
 
     `logits` may be the transposed view of a (V, N) tensor (the CPU decode head's layout).
@@ -326,7 +326,7 @@ class FastSampler:
 
     def __call__(self, model, prompts, group_size, params, pad_token_id, generator=None,
                  return_logprobs=False) -> GroupSample:
-        """`sample_groups` with this sampler's settings, called as grpo.sampler.sample_groups is. If the compiled
+        """`sample_groups` with this sampler's settings, called as grpo.algorithm.sampler.sample_groups is. If the compiled
         decode step fails, it says so once and decodes eagerly from then on."""
         try:
             return self.sample_groups(model, prompts, group_size, params, pad_token_id, generator, return_logprobs,

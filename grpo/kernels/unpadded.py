@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from grpo.kernels.lean_decode import _FAMILIES, unsupported_reason
 from grpo.kernels.prefix import distinct_prompts
-from grpo.logprobs import plain_output_weight, position_ids_from_mask
+from grpo.algorithm.logprobs import plain_output_weight, position_ids_from_mask
 
 __all__ = ["real_token_layers", "unpadded_shared_prompt_hidden"]
 

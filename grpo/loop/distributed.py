@@ -122,7 +122,7 @@ def resolve_mode(mode: str, world: World) -> str:
 class ModelCall(torch.nn.Module):
     """`call(fn, *args)` = fn(model, *args) run inside this module's forward.
 
-    Our log-probs call the model's trunk and its output matrix directly (grpo.logprobs); inside this forward,
+    Our log-probs call the model's trunk and its output matrix directly (grpo.algorithm.logprobs); inside this forward,
     DDP's gradient hooks and FSDP2's all-gathers and reduce-scatters of the root's parameters (embeddings,
     final norm, output head) run around them as they would around `model(...)`.
     """

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grpo.logprobs import position_ids_from_mask
+from grpo.algorithm.logprobs import position_ids_from_mask
 
 
 @dataclass
@@ -67,7 +67,7 @@ class GroupSample:
     truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
     num_generated_tokens: int  # real completion tokens (sum of completion_mask)
     logprobs: torch.Tensor | None = None  # (N, T) log-probs of the chosen tokens under softmax(logits / temperature)
-    tool_mask: torch.Tensor | None = None  # (N, T) with tools (grpo.tools): 0 on the tool results fed in
+    tool_mask: torch.Tensor | None = None  # (N, T) with tools (grpo.loop.tools): 0 on the tool results fed in
     tool_calls: torch.Tensor | None = None  # (N, 2) with tools: calls made, calls failed
     messages: list[list[dict]] | None = None  # with tools: each row's turns as chat messages
 
@@ -115,7 +115,7 @@ class RowUniforms:
     """Uniform numbers drawn in advance, (N, T): row n's t-th token is sampled with values[n, t].
 
     Drawn per prompt from the prompt's own seed (`per_prompt`), a prompt's completions do not depend on which
-    other prompts share the batch, so not on how many processes split the step (grpo.distributed). The
+    other prompts share the batch, so not on how many processes split the step (grpo.loop.distributed). The
     samplers accept one of these or a torch.Generator (one stream for the whole batch) as `generator`.
     """
 
@@ -197,8 +197,8 @@ def sample_groups(
 ) -> GroupSample:
     """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
 
-    `tools` (a grpo.tools.ToolSet): a row
-    whose turn calls a tool takes the result as its next tokens, then samples on (grpo.tools).
+    `tools` (a grpo.loop.tools.ToolSet): a row
+    whose turn calls a tool takes the result as its next tokens, then samples on (grpo.loop.tools).
     """
     prompt_ids, prompt_mask, num_rows = prepare_prompts(model, prompts, group_size, params, pad_token_id)  # (B, P)
     device, max_new = prompt_ids.device, params.max_completion_length

@@ -1,17 +1,17 @@
 """The GRPO training loop: one step per rollout, composed from the pure functions of grpo/.
 
-    sample    B prompts x G completions                         grpo.rollout.sample_rollout -> grpo.sampler
-              (k * B with steps_per_generation; more rounds with dynamic sampling)   grpo.dynamic_sampling
+    sample    B prompts x G completions                         grpo.loop.rollout.sample_rollout -> grpo.algorithm.sampler
+              (k * B with steps_per_generation; more rounds with dynamic sampling)   grpo.loop.dynamic_sampling
     reward    K reward functions -> (N, K)                      rewards.score_rows
-    update    advantages, ref/old log-probs, num_iterations x k optimizer updates    grpo.update.train_on_rollout
-              (-> grpo.advantages, grpo.logprobs, grpo.loss)
-    log       metrics.jsonl, samples.jsonl, console             grpo.metrics
-    save      atomic checkpoint every save_steps and at the end  grpo.run_state, grpo.checkpoint
+    update    advantages, ref/old log-probs, num_iterations x k optimizer updates    grpo.loop.update.train_on_rollout
+              (-> grpo.algorithm.advantages, grpo.algorithm.logprobs, grpo.algorithm.loss)
+    log       metrics.jsonl, samples.jsonl, console             grpo.loop.metrics
+    save      atomic checkpoint every save_steps and at the end  grpo.loop.run_state, grpo.loop.checkpoint
 
-`train()` is the loop and `train_step()` one step of it; `__init__` sets up the run (grpo.setup), which also
+`train()` is the loop and `train_step()` one step of it; `__init__` sets up the run (grpo.loop.setup), which also
 chooses the log-prob, loss and sampling functions once (--kernels). The Trainer holds what the run owns; the
-functions it calls take what they read as arguments: the models (grpo.update.Models), the optimizer, the
-step's counters (grpo.update.StepState) and the world.
+functions it calls take what they read as arguments: the models (grpo.loop.update.Models), the optimizer, the
+step's counters (grpo.loop.update.StepState) and the world.
 
 Notation: B prompts, G group size, N = B * G completions, P prompt tokens, T completion tokens.
 """
@@ -30,20 +30,20 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from grpo import run_state, setup
+from grpo.loop import run_state, setup
 from grpo.config import GRPOConfig
-from grpo.distributed import gathered, init_world, resolve_mode, wrap_model
-from grpo.dynamic_sampling import keep_informative_groups
-from grpo.evaluation import evaluate, make_scorer, save_evaluation
-from grpo.logprobs import check_plain_output_head
-from grpo.lora import AdaptersOff
-from grpo.loss import EntropyControl
-from grpo.metrics import MetricsLogger, group_samples
+from grpo.loop.distributed import gathered, init_world, resolve_mode, wrap_model
+from grpo.loop.dynamic_sampling import keep_informative_groups
+from grpo.loop.evaluation import evaluate, make_scorer, save_evaluation
+from grpo.algorithm.logprobs import check_plain_output_head
+from grpo.loop.lora import AdaptersOff
+from grpo.algorithm.loss import EntropyControl
+from grpo.loop.metrics import MetricsLogger, group_samples
 from grpo.models import eos_token_ids, load_tokenizer, resolve_device, resolve_precision
-from grpo.prompts import encode_prompts
-from grpo.rollout import Rollout, RowUniforms, make_generation_backend, sample_rollout, seeded, step_prompts
-from grpo.sampler import SamplingParams
-from grpo.update import Models, StepState, TrainingError, UpdateResult, train_on_rollout
+from grpo.loop.prompts import encode_prompts
+from grpo.loop.rollout import Rollout, RowUniforms, make_generation_backend, sample_rollout, seeded, step_prompts
+from grpo.algorithm.sampler import SamplingParams
+from grpo.loop.update import Models, StepState, TrainingError, UpdateResult, train_on_rollout
 
 logger = logging.getLogger("grpo")
 
@@ -61,7 +61,7 @@ class Trainer:
     """Holds the models, optimizer, data and run folder of one GRPO run; `train()` runs it.
 
     `update(rollout)` is the update alone, for externally supplied rollouts: it returns every intermediate
-    value (grpo.update.UpdateResult); `train_on_rollout(rollout)` returns its metrics.
+    value (grpo.loop.update.UpdateResult); `train_on_rollout(rollout)` returns its metrics.
     """
 
     def train(self, until_step: int | None = None) -> dict:
@@ -135,7 +135,7 @@ class Trainer:
     # ------------------------------------------------------------------ sample + reward
     def collect_rollout(self, step: int) -> tuple[Rollout, list, list, dict]:
         """This rank's part of the step's rollout: its slice of the step's prompts, sampled and scored; with
-        dynamic sampling (grpo.dynamic_sampling) round r > 0 samples prompts from a permutation seeded by
+        dynamic sampling (grpo.loop.dynamic_sampling) round r > 0 samples prompts from a permutation seeded by
         (seed, step, r), so a resumed run samples the same ones. Returns (rollout, prompts, texts, metrics)."""
         cfg = self.config
         indices = step_prompts(step, self.prompts_per_generation, len(self.train_rows), cfg.seed, cfg.shuffle_dataset)
@@ -170,7 +170,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ update, evaluation, state
     def update(self, rollout: Rollout) -> UpdateResult:
-        """grpo.update.train_on_rollout on this run's models and optimizer: the metrics and every intermediate
+        """grpo.loop.update.train_on_rollout on this run's models and optimizer: the metrics and every intermediate
         value of the update (advantages, old and reference log-probs, each micro-batch's loss and statistics)."""
         return train_on_rollout(rollout, self.config, self.models, self.optimizer, self.scheduler, self.state,
                                 self.world, self.functions, self.rewards, self.num_updates, self.generation.after_update)
@@ -219,13 +219,13 @@ class Trainer:
         tqdm.write(f"{self._stop_signal} received: finishing step {self.step + 1}, then saving a checkpoint "
                    "(send it again to stop at once)")
 
-    # ------------------------------------------------------------------ set-up (grpo.setup)
+    # ------------------------------------------------------------------ set-up (grpo.loop.setup)
     def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None,
                  eval_rows=None, tools=None):
         setup.use_cpu_huge_pages()  # before the first large tensor (it is read once)
         self.config = cfg = config.validate()
         self.rewards = setup.reward_specs(cfg, reward_functions)  # first: a code reward's sandbox is logged
-        # --- processes: world size one unless launched by torchrun (grpo.distributed) ---
+        # --- processes: world size one unless launched by torchrun (grpo.loop.distributed) ---
         self.world = init_world(cfg.device, cfg.distributed_timeout, cfg.distributed)
         device = resolve_device(cfg.device)
         if device.type == "cuda" and torch.distributed.is_initialized():
@@ -241,7 +241,7 @@ class Trainer:
         # --- data: loaded and checked before any model ---
         source, setting = (str(self.resume_from), "--resume") if self.resume_from else (cfg.model, "--model")
         self.tokenizer = tokenizer or load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template, setting)
-        tool_set, self.template_kwargs = setup.tool_set(cfg, self.tokenizer, tools)  # grpo/tools.py
+        tool_set, self.template_kwargs = setup.tool_set(cfg, self.tokenizer, tools)  # grpo/loop/tools.py
         self.train_rows, self.task = setup.task_rows(cfg, train_rows, cfg.train_split, "train")
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
             self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts,

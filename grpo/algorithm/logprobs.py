@@ -33,7 +33,7 @@ def check_plain_output_head(config) -> None:
         value = getattr(config, name, None)
         if value is not None and value != 1:
             raise NotImplementedError(
-                f"the model's config sets {name}={value}: its logits are not W h, which grpo.logprobs assumes"
+                f"the model's config sets {name}={value}: its logits are not W h, which grpo.algorithm.logprobs assumes"
             )
 
 

@@ -140,7 +140,7 @@ def save_distributed_checkpoint(run_dir: str | Path, step: int, world, call, opt
 
 
 def _strip_call_prefix(state: dict) -> dict:
-    """`model.` (grpo.distributed.ModelCall) removed from the keys: the Hugging Face model's own names."""
+    """`model.` (grpo.loop.distributed.ModelCall) removed from the keys: the Hugging Face model's own names."""
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 

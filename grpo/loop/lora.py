@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.distributed import ModelCall
+from grpo.loop.distributed import ModelCall
 
 REFERENCE_ADAPTER = "ref"
 
@@ -75,7 +75,7 @@ def reference_weights(peft_model):
 
 
 class AdaptersOff(ModelCall):
-    """ModelCall whose calls see the reference weights (grpo.distributed.ModelCall's `fn(model, *args)`)."""
+    """ModelCall whose calls see the reference weights (grpo.loop.distributed.ModelCall's `fn(model, *args)`)."""
 
     def __init__(self, model, peft_model):
         super().__init__(model)

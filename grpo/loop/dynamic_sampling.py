@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from grpo.advantages import tied_groups, weighted_rewards
-from grpo.rollout import Rollout
+from grpo.algorithm.advantages import tied_groups, weighted_rewards
+from grpo.loop.rollout import Rollout
 
 logger = logging.getLogger("grpo")
 

@@ -1,11 +1,11 @@
 """A run's state beyond its weights, saved with every checkpoint and restored on --resume.
 
     step, optimizer updates, skipped-update counters, the LR schedule, the entropy coefficient
-    (grpo.update.StepState), every random generator (torch, CUDA, Python), the world size it was saved at
+    (grpo.loop.update.StepState), every random generator (torch, CUDA, Python), the world size it was saved at
     the optimizer state, keyed by parameter names (torch.distributed.checkpoint.state_dict), so any world
     size can load it; under torchrun the optimizer is saved sharded and each rank's generators apart
 
-Checkpoints are written atomically by grpo.checkpoint; the trainer state is read back with weights_only=True.
+Checkpoints are written atomically by grpo.loop.checkpoint; the trainer state is read back with weights_only=True.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from grpo.checkpoint import (REFERENCE, SHARDED, latest_checkpoint, load_sharded_optimizer, load_trainer_state, save_checkpoint,
+from grpo.loop.checkpoint import (REFERENCE, SHARDED, latest_checkpoint, load_sharded_optimizer, load_trainer_state, save_checkpoint,
                              save_distributed_checkpoint)
-from grpo.lora import merged_model
-from grpo.update import Models, StepState
+from grpo.loop.lora import merged_model
+from grpo.loop.update import Models, StepState
 from rewards import describe_rewards
 
 logger = logging.getLogger("grpo")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from grpo.advantages import reward_function_stats
+from grpo.algorithm.advantages import reward_function_stats
 
 
 def _truncate_after(path: Path, step: int) -> None:
@@ -171,7 +171,7 @@ def step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, update,
                  learning_rate: float, skipped_updates: int) -> dict:
     """A step's logged metrics, with trl's names, over every rank: rewards, advantages, the loss statistics of
     every micro-batch weighted by the tokens (or rows) they are over, lengths (the model's own tokens: tool
-    results not counted, as trl), tool calls. `update`: grpo.update.UpdateResult, its losses and statistics.
+    results not counted, as trl), tool calls. `update`: grpo.loop.update.UpdateResult, its losses and statistics.
     A statistic no micro-batch has (kl with beta = 0, cispo's with another loss type) is left out."""
     device = loss_mask.device
     lengths = world.gather_rows(loss_mask.sum(-1).float())  # after mask_truncated_completions

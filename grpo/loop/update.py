@@ -1,13 +1,13 @@
 """One GRPO update: a rollout's advantages and reference log-probs, then num_iterations x k optimizer updates.
 
-    advantages  (N,) group-relative, scaled, over every rank's rows      grpo.advantages (DeepSeekMath 4.1.2)
+    advantages  (N,) group-relative, scaled, over every rank's rows      grpo.algorithm.advantages (DeepSeekMath 4.1.2)
     ref / old   (N, T) log-probs without grad, micro-batch by micro-batch  functions.logprobs
                 (ref if beta != 0; old if the rollout feeds more than one update, else rho = 1)
     update      for each of num_iterations x k updates, over its slice of the rows:
-                  micro-batches -> log-probs -> per-token loss -> aggregate   functions.update_loss, grpo.loss
+                  micro-batches -> log-probs -> per-token loss -> aggregate   functions.update_loss, grpo.algorithm.loss
                   (- entropy bonus) -> backward, the gradients accumulating
                 -> clip the norm -> AdamW -> LR step (-> TR-DPO reference sync, entropy control)
-    metrics     trl's names, over every rank's tokens and rows              grpo.metrics
+    metrics     trl's names, over every rank's tokens and rows              grpo.loop.metrics
 
 `train_on_rollout` takes what it reads as arguments: the config, the models (`Models`), the optimizer and
 its schedule, the step's counters (`StepState`, the only thing it changes besides the weights), the world
@@ -31,13 +31,13 @@ from typing import Callable
 
 import torch
 
-from grpo.advantages import decoupled_advantages, group_advantages, weighted_rewards
-from grpo.distributed import World, accumulating, full_tensor
-from grpo.logprobs import completion_logprobs
-from grpo.loss import (EntropyControl, LossOptions, LossStats, aggregate_loss, entropy_bonus, loss_terms,
+from grpo.algorithm.advantages import decoupled_advantages, group_advantages, weighted_rewards
+from grpo.loop.distributed import World, accumulating, full_tensor
+from grpo.algorithm.logprobs import completion_logprobs
+from grpo.algorithm.loss import (EntropyControl, LossOptions, LossStats, aggregate_loss, entropy_bonus, loss_terms,
                        policy_loss_value, terms_statistics)
-from grpo.metrics import step_metrics
-from grpo.rollout import Rollout, seeded
+from grpo.loop.metrics import step_metrics
+from grpo.loop.rollout import Rollout, seeded
 
 logger = logging.getLogger("grpo")
 
@@ -62,7 +62,7 @@ class StepState:
 @dataclass
 class Models:
     """The models an update calls. `*_call`: as the loop calls them (ModelCall, or a DDP / FSDP2 wrapper under
-    torchrun): `call(fn, *args)` = fn(model, *args) inside the wrapper's forward (grpo.distributed)."""
+    torchrun): `call(fn, *args)` = fn(model, *args) inside the wrapper's forward (grpo.loop.distributed)."""
 
     policy: torch.nn.Module  # the trained weights (clipping, the reference sync)
     policy_call: torch.nn.Module
@@ -71,7 +71,7 @@ class Models:
     device: torch.device = torch.device("cpu")  # where the rollout's tensors go
     autocast: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)  # bf16 or nothing
     peft_model: torch.nn.Module | None = None  # LoRA: the adapted model, saved in peft's format
-    distributed: str = "none"  # how the *_call wrappers were made: none, ddp or fsdp (grpo.distributed)
+    distributed: str = "none"  # how the *_call wrappers were made: none, ddp or fsdp (grpo.loop.distributed)
 
 
 @dataclass
@@ -145,7 +145,7 @@ def plain_step_functions(options: LossOptions, temperature: float, chunk_size: i
 def micro_batch(tensors, rows):
     """The rows' (n, P' + T') sequences, attention mask and (n, T') loss mask, trimmed of the columns that are
     padding in every one of these rows (left of prompts, right of completions). `tensors`: the rollout's
-    prompt ids, prompt mask, completion ids, completion mask and loss mask (grpo.rollout.Rollout.loss_mask)."""
+    prompt ids, prompt mask, completion ids, completion mask and loss mask (grpo.loop.rollout.Rollout.loss_mask)."""
     prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask = (tensor[rows] for tensor in tensors)
     prompt_len = int(prompt_mask.sum(-1).max())
     completion_len = max(1, int(completion_mask.sum(-1).max()))
@@ -256,7 +256,7 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
 
     `rollout` holds this rank's rows (all of them at world size one). k = updates_per_generation: the
     rollout's micro-batches are split into k disjoint slices, one per update. Micro-batch losses are summed
-    into the accumulated gradient, so each update equals the full-slice one (grpo.loss.aggregate_loss says
+    into the accumulated gradient, so each update equals the full-slice one (grpo.algorithm.loss.aggregate_loss says
     exactly when); DDP / FSDP2 average it over ranks. `reward_specs` (rewards.RewardSpec): the weights and
     names of the reward columns. `num_updates`: k (GRPOConfig.updates_per_generation). `after_update`: called
     after each optimizer update (the generation backend's).

@@ -14,9 +14,9 @@ The generation seam, the one way the trainer and evaluation get completions:
     backend.after_update()      called after every optimizer update (a backend that keeps its own copy of
                                 the weights, such as an inference server, refreshes it there)
 Backends (`--generation-backend`):
-    sampler        ours: grpo.sampler.sample_groups, or grpo.kernels.sampling.FastSampler with --kernels auto
+    sampler        ours: grpo.algorithm.sampler.sample_groups, or grpo.kernels.sampling.FastSampler with --kernels auto
                    (on CUDA with the compiled decode step; if compiling fails it says so once and decodes
-                   eagerly from then on); grpo.setup.step_functions says which
+                   eagerly from then on); grpo.loop.setup.step_functions says which
     transformers   `model.generate`, for models our sampler does not support; the prompt is prefilled G
                    times, as trl does without vLLM
 Both return rows grouped [prompt 0 x G, prompt 1 x G, ...], the completion mask up to and including the
@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from grpo.sampler import GroupSample, RowUniforms, SamplingParams, left_pad, sample_groups, token_logprobs
+from grpo.algorithm.sampler import GroupSample, RowUniforms, SamplingParams, left_pad, sample_groups, token_logprobs
 from rewards import score_rows
 
 logger = logging.getLogger("grpo")
@@ -146,7 +146,7 @@ class Rollout:
 
 def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt_ids: list[list[int]], group: int,
                    params, noise) -> tuple[Rollout, list, list]:
-    """G completions for each of the B rows' prompts from the generation backend (grpo.rollout), decoded and
+    """G completions for each of the B rows' prompts from the generation backend (grpo.loop.rollout), decoded and
     scored by every reward function (rewards.score_rows). Returns (rollout, prompts, texts), N = B * G rows."""
     sample = generation.generate(prompt_ids, group, params, noise)  # rows [prompt 0 x G, prompt 1 x G, ...]
     completion_ids = [ids[mask].tolist() for ids, mask in
@@ -175,9 +175,9 @@ class GenerationBackend(Protocol):
 
 
 class GroupSampler:
-    """Our group sampler (one prefill per prompt): `sample` is grpo.sampler.sample_groups, or the kernel the
+    """Our group sampler (one prefill per prompt): `sample` is grpo.algorithm.sampler.sample_groups, or the kernel the
     run's KernelChoice hands over (grpo.kernels.sampling.FastSampler), called the same way. With `tools`
-    (grpo.tools.ToolSet) it is sample_groups, whose loop feeds tool results to the rows that call one."""
+    (grpo.loop.tools.ToolSet) it is sample_groups, whose loop feeds tool results to the rows that call one."""
 
     def __init__(self, model, pad_token_id: int, sample=sample_groups, tools=None):
         self.model, self.pad_token_id, self.sample, self.tools = model, pad_token_id, sample, tools
@@ -242,8 +242,8 @@ class TransformersGenerate:
 
 def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups,
                             tools=None) -> GenerationBackend:
-    """`sample`: the group sampler our backend calls (grpo.setup.step_functions says which); `tools`:
-    grpo.tools.ToolSet, which only our sampler can feed (GRPOConfig.validate checks that)."""
+    """`sample`: the group sampler our backend calls (grpo.loop.setup.step_functions says which); `tools`:
+    grpo.loop.tools.ToolSet, which only our sampler can feed (GRPOConfig.validate checks that)."""
     if name == "transformers":
         return TransformersGenerate(model, pad_token_id)
     return GroupSampler(model, pad_token_id, sample, tools)

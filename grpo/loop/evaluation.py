@@ -24,10 +24,10 @@ from data.answers import canonical_number, extract_last_number, gold_from_column
 from data.prompts import SYSTEM_PROMPT
 from grpo.config import KERNEL_CHOICES, ConfigMixin, option
 from grpo.models import PRECISIONS
-from grpo.prompts import encode_prompts
-from grpo.sampler import SamplingParams
-from grpo.advantages import weighted_rewards
-from grpo.rollout import GroupSampler
+from grpo.loop.prompts import encode_prompts
+from grpo.algorithm.sampler import SamplingParams
+from grpo.algorithm.advantages import weighted_rewards
+from grpo.loop.rollout import GroupSampler
 from rewards import load_function, score_rows
 from rewards.gsm8k import extract_xml_answer, strict_format
 from rewards.sandbox import ISOLATION_CHOICES, check_isolation
@@ -145,8 +145,8 @@ def evaluate(
 ) -> tuple[list[dict], dict]:
     """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary of means).
 
-    `backend`: a grpo.rollout backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
-    `chat_template_kwargs`: as in training (grpo.prompts.encode_prompt).
+    `backend`: a grpo.loop.rollout backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
+    `chat_template_kwargs`: as in training (grpo.loop.prompts.encode_prompt).
     """
     backend = backend or GroupSampler(model, tokenizer.pad_token_id)
     was_training = model.training

@@ -2,7 +2,7 @@
 the rewards, the run folder and the checkpoint to resume, the data, the policy (dropout, fp32 head, LoRA), the
 frozen reference, gradient checkpointing, and the optimizer with its schedule.
 
-grpo.trainer.Trainer calls these in order; data is loaded and checked before any model, so a bad row fails in
+grpo.loop.trainer.Trainer calls these in order; data is loaded and checked before any model, so a bad row fails in
 seconds, not after loading a model.
 """
 
@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from data import add_prompts, load_task_rows
-from grpo.checkpoint import REFERENCE, latest_checkpoint
-from grpo.lora import add_lora
-from grpo.loss import LossOptions
-from grpo.sampler import sample_groups
-from grpo.update import make_scheduler, plain_step_functions
-from grpo.tools import ToolSet, check_template_renders_tools, load_tools
+from grpo.loop.checkpoint import REFERENCE, latest_checkpoint
+from grpo.loop.lora import add_lora
+from grpo.algorithm.loss import LossOptions
+from grpo.algorithm.sampler import sample_groups
+from grpo.loop.update import make_scheduler, plain_step_functions
+from grpo.loop.tools import ToolSet, check_template_renders_tools, load_tools
 from grpo.models import cast_head_to_fp32, disable_dropout, load_model, make_optimizer
 from rewards import RewardSpec, parse_reward_specs
 from rewards.sandbox import check_isolation
@@ -129,7 +129,7 @@ def load_policy(config, device, dtype, tokenizer, policy=None, resume_from=None,
     if config.cast_lm_head_to_fp32:
         cast_head_to_fp32(policy)
     peft_model = None
-    if config.use_peft:  # LoRA (grpo.lora): the loop keeps calling the Hugging Face model, its projections adapted
+    if config.use_peft:  # LoRA (grpo.loop.lora): the loop keeps calling the Hugging Face model, its projections adapted
         adapter = str(resume_from) if resume_from is not None else config.peft_adapter
         peft_model = add_lora(policy, config, adapter, reference_adapter=config.peft_adapter if config.beta != 0.0 else None)
         peft_model.peft_config["default"].base_model_name_or_path = config.model
@@ -147,7 +147,7 @@ def use_gradient_checkpointing(policy) -> None:
 
 def load_reference(config, device, precision: str, tokenizer, policy, resume_from=None, policy_given=False):
     """The frozen reference model, or None: with beta = 0 there is none; under LoRA the policy with its adapters
-    off is the reference (grpo.lora.AdaptersOff). Otherwise a copy of the starting policy; on resume the run's
+    off is the reference (grpo.loop.lora.AdaptersOff). Otherwise a copy of the starting policy; on resume the run's
     mixed reference (sync_ref_model) or --model again."""
     if config.beta == 0.0 or config.use_peft:
         return None
