@@ -2,8 +2,8 @@
 
     python train.py --preset smoke --config run.yaml --learning-rate 1e-5
 Precedence: field defaults < --preset < --config FILE (YAML or JSON, keys are the field names) < explicit flags.
-A boolean field `x` gives `--x` and `--no-x`; a replaced setting (grpo.config.REPLACED) fails with a message that
-names its replacement. `python -m grpo.cli > docs/cli.md` writes the flag reference.
+A boolean field `x` gives `--x` and `--no-x`; an unknown setting fails with a message that names it.
+`python -m grpo.cli > docs/cli.md` writes the flag reference, section by section.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 
 from data.calculator import SYSTEM_PROMPT as CALCULATOR_PROMPT
-from grpo.config import REPLACED, GRPOConfig
+from grpo.config import GRPOConfig, sections
 from grpo.loop.evaluation import EvalConfig
 
 PRESETS: dict[str, dict] = {
@@ -78,24 +78,31 @@ def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argpa
         parser.add_argument("--preset", choices=sorted(PRESETS), help="a named set of settings (e.g. smoke: tiny model, CPU, ~1 min)")
     parser.add_argument("--config", help="a YAML or JSON file whose keys are the field names; flags override it")
     hints = typing.get_type_hints(config_cls)
-    for f in dataclasses.fields(config_cls):
-        kind, is_list = _flag_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        help_text = f.metadata.get("help", "") + f" (default: {default!r})"
-        help_text = help_text.replace("%", "%%")
-        if f.name == "resume":
-            parser.add_argument(flag, nargs="?", const="", help=help_text)
-        elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        elif is_list:
-            parser.add_argument(flag, nargs="+", type=kind, help=help_text)
-        elif kind is dict:  # `none` clears it, as for the other optional flags
-            parser.add_argument(flag, type=_optional(json_object), help=help_text)
-        else:
-            optional = type(None) in typing.get_args(hints[f.name])
-            parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"), help=help_text)
+    for title, fields in sections(config_cls):  # --help shows the config's sections, in its order
+        group = parser.add_argument_group(title)
+        for f in fields:
+            _add_flag(group, f, hints)
     return parser
+
+
+def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
+    """The flag of one config field: its type, choices, default and help from the field."""
+    kind, is_list = _flag_type(hints[f.name])
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    help_text = f.metadata.get("help", "") + f" (default: {default!r})"
+    help_text = help_text.replace("%", "%%")
+    if f.name == "resume":
+        parser.add_argument(flag, nargs="?", const="", help=help_text)
+    elif kind is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+    elif is_list:
+        parser.add_argument(flag, nargs="+", type=kind, help=help_text)
+    elif kind is dict:  # `none` clears it, as for the other optional flags
+        parser.add_argument(flag, type=_optional(json_object), help=help_text)
+    else:
+        optional = type(None) in typing.get_args(hints[f.name])
+        parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"), help=help_text)
 
 
 def load_config_file(path: str) -> dict:
@@ -116,10 +123,6 @@ def load_config_file(path: str) -> dict:
 
 def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None = None) -> GRPOConfig:
     """Parse flags into a validated config: defaults < --preset < --config FILE < explicit flags."""
-    for arg in sys.argv[1:] if argv is None else argv:
-        name = arg.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_")
-        if arg.startswith("--") and name in REPLACED:
-            raise ValueError(f"{arg.split('=', 1)[0]} was replaced by {REPLACED[name]}")
     args = vars(build_parser(config_cls, description).parse_args(argv))
     values = dict(PRESETS[args.pop("preset")]) if "preset" in args else {}
     if "config" in args:
@@ -135,12 +138,15 @@ def cli_reference() -> str:
     """docs/cli.md: every flag of train.py with its default and help, in the config's order (`python -m grpo.cli`)."""
 
     def table(config_cls) -> list[str]:
-        lines = ["| flag | default | meaning |", "|---|---|---|"]
-        for f in dataclasses.fields(config_cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            shown = "(R1 format prompt, data/prompts.py)" if f.name == "system_prompt" else repr(default)
-            help_text = f.metadata.get("help", "").replace("|", "\\|")
-            lines.append(f"| `--{f.name.replace('_', '-')}` | `{shown}` | {help_text} |")
+        lines = []
+        for title, fields in sections(config_cls):
+            lines += [f"### {title}", "", "| flag | default | meaning |", "|---|---|---|"]
+            for f in fields:
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                shown = "(R1 format prompt, data/prompts.py)" if f.name == "system_prompt" else repr(default)
+                help_text = f.metadata.get("help", "").replace("|", "\\|")
+                lines.append(f"| `--{f.name.replace('_', '-')}` | `{shown}` | {help_text} |")
+            lines.append("")
         return lines
 
     def flags(preset: dict) -> str:
@@ -159,14 +165,9 @@ def cli_reference() -> str:
         "## train.py",
         "",
         *table(GRPOConfig),
-        "",
-        "Replaced options (they fail with a message that names their replacement): "
-        + "; ".join(f"`--{k.replace('_', '-')}` by {v}" for k, v in REPLACED.items()) + ".",
-        "",
         "## eval.py",
         "",
         *table(EvalConfig),
-        "",
     ])
 
 

@@ -20,6 +20,7 @@ from data.prompts import SYSTEM_PROMPT
 
 from grpo.algorithm.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from grpo.loop.distributed import DISTRIBUTED_CHOICES
+from grpo.algorithm.sampler import SamplingParams
 from grpo.loop.rollout import GENERATION_BACKENDS
 from grpo.algorithm.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from grpo.loop.metrics import REPORT_TO
@@ -40,12 +41,15 @@ def option(default, help: str, **kwargs):
     return field(default=default, metadata={"help": help, **kwargs})
 
 
-# Settings that earlier versions had, and what replaced them: the old name fails with this message.
-REPLACED = {
-    "fused_loss": "--kernels (auto uses the fused log-prob + loss pass for token-level ratios; plain does not)",
-    "compile_decode": "--kernels (auto compiles the decode step on CUDA; plain decodes eagerly)",
-    "static_cache": "--kernels (auto decodes into a static cache on CUDA, with the compiled step)",
-}
+def sections(config_cls) -> list[tuple[str, list[dataclasses.Field]]]:
+    """The config's fields grouped as a reader meets them: a field with `section=` starts a group (--help and
+    docs/cli.md show these groups)."""
+    groups = []
+    for f in dataclasses.fields(config_cls):
+        if "section" in f.metadata or not groups:
+            groups.append((f.metadata.get("section", "settings"), []))
+        groups[-1][1].append(f)
+    return groups
 
 
 class ConfigMixin:
@@ -58,9 +62,6 @@ class ConfigMixin:
     @classmethod
     def from_dict(cls, values: dict, where: str = "config"):
         known = {f.name for f in dataclasses.fields(cls)}
-        replaced = sorted(set(values) & set(REPLACED) - known)
-        if replaced:
-            raise ValueError(f"{where}: " + "; ".join(f"{key} was replaced by {REPLACED[key]}" for key in replaced))
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are the flag names with underscores")
@@ -95,10 +96,14 @@ class ConfigMixin:
 
 @dataclass
 class GRPOConfig(ConfigMixin):
-    """Every knob of a run. Names follow trl's GRPOConfig where the concept is the same."""
+    """Every knob of a run, grouped as a reader meets them: the model and data, the batch sizes, sampling, the
+    rewards and advantages, the loss, the reference and KL, the entropy bonus, optimisation, LoRA, the hardware
+    and kernels, the run's files. A section starts at the field whose option() names it (`sections`). Names
+    follow trl's GRPOConfig where the concept is the same; each setting is validated once, in `validate`
+    (the sampling bounds by grpo.algorithm.sampler.SamplingParams, the loss's names by LossOptions)."""
 
     # --- model and data ---
-    model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder; `tiny` or `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py)")
+    model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder; `tiny` or `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py)", section='model and data')
     dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, or `synthetic[:N]` (seeded GSM8K-shaped problems). Rows with a `prompt` column (a string or chat messages) train as they are, every other column reaching the rewards; rows with GSM8K's `question` and `answer` are checked and get --system-prompt")
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option("test", "dataset split to evaluate on (--eval-steps)")
@@ -110,12 +115,9 @@ class GRPOConfig(ConfigMixin):
     long_prompts: str = option("truncate", "prompts longer than max_prompt_length: `truncate` (keep the last tokens, as trl) or `skip`", choices=LONG_PROMPTS)
     trust_remote_code: bool = option(False, "run model/tokenizer code from the hub (off: safe default)")
     disable_dropout: bool = option(True, "set the policy's dropout rates to 0 (its dropout layers and attention dropout; --lora-dropout stays as given): sampling runs in eval mode, so the trained log-probs are then the sampling policy's. trl's option; its default is False")
-    output_dir: str = option("runs/grpo", "run folder: metrics.jsonl, samples.jsonl, checkpoints/, eval/")
-    overwrite: bool = option(False, "allow writing into an output folder that holds another run")
-    resume: str | None = option(None, "continue a run: a run folder or a checkpoint folder; `--resume` alone means --output-dir")
 
     # --- batch sizes (prompts and completions, not trl's per-device count) ---
-    max_steps: int = option(0, "optimisation steps (rollouts); 0 = derive from --epochs")
+    max_steps: int = option(0, "optimisation steps (rollouts); 0 = derive from --epochs", section="batch sizes (prompts and completions, not trl's per-device count)")
     epochs: float = option(1.0, "passes over the training prompts when --max-steps is 0")
     shuffle_dataset: bool = option(True, "a fresh seeded order of the training prompts each epoch; off: the dataset's own order every epoch (a curriculum; dynamic sampling's extra rounds still draw at random). trl's option")
     prompts_per_step: int = option(4, "B: distinct prompts sampled per step")
@@ -127,7 +129,7 @@ class GRPOConfig(ConfigMixin):
     generation_batch_size: int | None = option(None, "completions per generation, as trl (micro_batch_size * steps_per_generation); set this or --steps-per-generation, not both")
 
     # --- sampling ---
-    temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature, as trl")
+    temperature: float = option(1.0, "sampling temperature; log-probs use logits / temperature, as trl", section='sampling')
     top_p: float = option(1.0, "nucleus sampling mass (1.0 = off)")
     top_k: int = option(0, "top-k sampling (0 = off)")
     min_p: float = option(0.0, "min-p sampling (0.0 = off)")
@@ -135,53 +137,50 @@ class GRPOConfig(ConfigMixin):
     max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most, as trl (default: until max_completion_length)")
     generation_backend: str = option("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
 
-    # --- the objective ---
-    reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)")
+    # --- rewards and advantages ---
+    reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)", section='rewards and advantages')
     sandbox_isolation: str = option("available", "rewards that run the model's programs (execution): `available` runs them with the isolation layers this machine gives, the first log line naming any that is missing; `full` refuses to start without every layer (bubblewrap, root, cgroups; docs/tools.md)", choices=ISOLATION_CHOICES)
-    scale_rewards: str = option("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=SCALE_REWARDS)
-    loss_type: str = option("grpo", "the objective and its token aggregation (grpo/algorithm/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES)
+    overlong_buffer_len: int = option(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
+    overlong_penalty_factor: float = option(1.0, "overlong reward shaping: the penalty at the full budget")
     multi_objective_aggregation: str = option("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)
-    beta: float = option(0.04, "KL coefficient; 0 loads no reference model")
-    use_bias_correction_kl: bool = option(False, "multiply the k3 KL by the importance ratio (trl 1.16's default; ours is the paper's plain k3)")
+    scale_rewards: str = option("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=SCALE_REWARDS)
+    dynamic_sampling: bool = option(False, "DAPO dynamic sampling: drop groups whose rewards all tie and sample more prompts until the step has prompts_per_step informative groups")
+    dynamic_sampling_max_rounds: int = option(4, "dynamic sampling: most sampling rounds per step (the first included); when they do not find enough informative groups, tied ones fill the step (counted in dynamic_sampling/filled)")
+
+    # --- the loss ---
+    loss_type: str = option("grpo", "the objective and its token aggregation (grpo/algorithm/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES, section='the loss')
+    num_iterations: int = option(1, "optimizer updates per rollout (old log-probs are computed when > 1)")
+    importance_sampling_level: str = option("token", "ratio per token, or one per completion (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
     epsilon: float = option(0.2, "lower clip range: ratio >= 1 - epsilon")
     epsilon_high: float | None = option(None, "upper clip range (DAPO clip-higher, e.g. 0.28); default: epsilon")
     delta: float | None = option(None, "cap on the unclipped ratio (two-sided clipping); default: off")
-    importance_sampling_level: str = option("token", "ratio per token, or one per completion (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
-    num_iterations: int = option(1, "optimizer updates per rollout (old log-probs are computed when > 1)")
     mask_truncated_completions: bool = option(False, "exclude completions without EOS from the loss")
+    off_policy_mask_threshold: float | None = option(None, "drop completions with a negative advantage whose mean log-ratio log(pi_old / pi) exceeds this (DeepSeek-V3.2; e.g. 0.5); default: off")
+    top_entropy_quantile: float = option(1.0, "keep the policy loss only on the top quantile of tokens by entropy, per micro-batch (0.2 in 'Beyond the 80/20 rule'); 1.0 = every token")
     sapo_temperature_pos: float = option(1.0, "sapo: gate temperature for tokens with a positive advantage")
     sapo_temperature_neg: float = option(1.05, "sapo: gate temperature for tokens with a non-positive advantage")
     vespo_k_pos: float = option(2.0, "vespo: power k of the Gamma weight for A >= 0 (down-weights ratios < 1)")
     vespo_lambda_pos: float = option(3.0, "vespo: decay lambda of the Gamma weight for A >= 0 (down-weights ratios > 1)")
     vespo_k_neg: float = option(3.0, "vespo: power k for A < 0")
     vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for A < 0")
-    top_entropy_quantile: float = option(1.0, "keep the policy loss only on the top quantile of tokens by entropy, per micro-batch (0.2 in 'Beyond the 80/20 rule'); 1.0 = every token")
-    off_policy_mask_threshold: float | None = option(None, "drop completions with a negative advantage whose mean log-ratio log(pi_old / pi) exceeds this (DeepSeek-V3.2; e.g. 0.5); default: off")
-    entropy_coef: float = option(0.0, "entropy bonus: loss - coef * mean token entropy (the same meaning for every loss type); the starting value with --use-adaptive-entropy")
+
+    # --- the reference and the KL penalty ---
+    beta: float = option(0.04, "KL coefficient; 0 loads no reference model", section='the reference and the KL penalty')
+    use_bias_correction_kl: bool = option(False, "multiply the k3 KL by the importance ratio (trl 1.16's default; ours is the paper's plain k3)")
+    sync_ref_model: bool = option(False, "TR-DPO: every --ref-model-sync-steps optimizer updates, ref = alpha * policy + (1 - alpha) * ref (needs beta > 0)")
+    ref_model_mixup_alpha: float = option(0.6, "TR-DPO's alpha: the policy's share in the mixed reference")
+    ref_model_sync_steps: int = option(512, "TR-DPO's tau: optimizer updates between reference syncs")
+
+    # --- entropy bonus ---
+    entropy_coef: float = option(0.0, "entropy bonus: loss - coef * mean token entropy (the same meaning for every loss type); the starting value with --use-adaptive-entropy", section='entropy bonus')
     use_adaptive_entropy: bool = option(False, "Skywork-OR1 adaptive entropy: after each optimizer update, raise the coefficient by --entropy-coef-delta when the entropy is <= --entropy-target, lower it otherwise; the bonus applies only while the entropy is <= the target")
     entropy_coef_min: float = option(0.0, "adaptive entropy: lowest coefficient")
     entropy_coef_max: float = option(1.0, "adaptive entropy: highest coefficient")
     entropy_coef_delta: float = option(0.005, "adaptive entropy: change of the coefficient per optimizer update")
     entropy_target: float = option(0.2, "adaptive entropy: target mean token entropy (nats), over the tokens the policy loss keeps")
-    sync_ref_model: bool = option(False, "TR-DPO: every --ref-model-sync-steps optimizer updates, ref = alpha * policy + (1 - alpha) * ref (needs beta > 0)")
-    ref_model_mixup_alpha: float = option(0.6, "TR-DPO's alpha: the policy's share in the mixed reference")
-    ref_model_sync_steps: int = option(512, "TR-DPO's tau: optimizer updates between reference syncs")
-    dynamic_sampling: bool = option(False, "DAPO dynamic sampling: drop groups whose rewards all tie and sample more prompts until the step has prompts_per_step informative groups")
-    dynamic_sampling_max_rounds: int = option(4, "dynamic sampling: most sampling rounds per step (the first included); when they do not find enough informative groups, tied ones fill the step (counted in dynamic_sampling/filled)")
-    overlong_buffer_len: int = option(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
-    overlong_penalty_factor: float = option(1.0, "overlong reward shaping: the penalty at the full budget")
-
-    # --- LoRA (peft, the [peft] extra; trl's names) ---
-    use_peft: bool = option(False, "train LoRA adapters instead of every weight (peft); with beta > 0 the reference is the same model with its adapters off, so no second copy is held")
-    lora_r: int = option(16, "LoRA rank")
-    lora_alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r)")
-    lora_dropout: float = option(0.0, "dropout on the LoRA branch's input (training only; trl's default is 0.05): 0 keeps the training log-probs those of the sampling policy and saves a copy of every adapted input")
-    lora_target_modules: list[str] = option(LORA_TARGETS, "module names that get adapters (default: the attention and MLP projections); the output head cannot (our log-probs read its weight)")
-    peft_adapter: str | None = option(None, "start from this LoRA adapter (a peft folder or hub id) instead of a fresh one; the reference is the model with this starting adapter")
-    save_merged: bool = option(False, "with --use-peft, checkpoints also hold merged/: the base weights with the adapter folded in, loadable by AutoModelForCausalLM.from_pretrained")
 
     # --- optimisation ---
-    optim: str = option("adamw", "optimizer: adamw (torch's fused AdamW) or adamw_8bit (bitsandbytes' AdamW8bit: 8-bit moments, runs on CPU and CUDA; the [bnb] extra)", choices=OPTIMIZERS)
+    optim: str = option("adamw", "optimizer: adamw (torch's fused AdamW) or adamw_8bit (bitsandbytes' AdamW8bit: 8-bit moments, runs on CPU and CUDA; the [bnb] extra)", choices=OPTIMIZERS, section='optimisation')
     learning_rate: float = option(5e-6, "AdamW peak learning rate")
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.99, "AdamW beta2")
@@ -192,8 +191,17 @@ class GRPOConfig(ConfigMixin):
     warmup_ratio: float = option(0.1, "fraction of the optimizer updates spent warming up linearly")
     max_bad_steps: int = option(3, "stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)")
 
-    # --- hardware and precision ---
-    device: str = option("auto", "cuda, cpu, or auto (cuda when available)")
+    # --- LoRA (peft, the [peft] extra; trl's names) ---
+    use_peft: bool = option(False, "train LoRA adapters instead of every weight (peft); with beta > 0 the reference is the same model with its adapters off, so no second copy is held", section="LoRA (peft, the [peft] extra; trl's names)")
+    lora_r: int = option(16, "LoRA rank")
+    lora_alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = option(0.0, "dropout on the LoRA branch's input (training only; trl's default is 0.05): 0 keeps the training log-probs those of the sampling policy and saves a copy of every adapted input")
+    lora_target_modules: list[str] = option(LORA_TARGETS, "module names that get adapters (default: the attention and MLP projections); the output head cannot (our log-probs read its weight)")
+    peft_adapter: str | None = option(None, "start from this LoRA adapter (a peft folder or hub id) instead of a fresh one; the reference is the model with this starting adapter")
+    save_merged: bool = option(False, "with --use-peft, checkpoints also hold merged/: the base weights with the adapter folded in, loadable by AutoModelForCausalLM.from_pretrained")
+
+    # --- hardware, precision and kernels ---
+    device: str = option("auto", "cuda, cpu, or auto (cuda when available)", section='hardware, precision and kernels')
     precision: str = option("auto", "fp32; bf16 (autocast, fp32 master weights and optimizer state); bf16-pure (bf16 weights); auto = bf16 on CUDA, fp32 on CPU", choices=PRECISIONS)
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     cast_lm_head_to_fp32: bool = option(False, "run the output projection (policy and reference) in fp32 outside autocast, as trl (ScaleRL); needs an untied output head")
@@ -204,7 +212,10 @@ class GRPOConfig(ConfigMixin):
     distributed_timeout: float = option(600.0, "seconds any collective may wait for the other ranks before the run stops with an error (a dead or hung rank)")
     seed: int = option(42, "seeds sampling, data order and micro-batch shuffling")
 
-    # --- logging, checkpoints, evaluation ---
+    # --- the run: output, logging, checkpoints, evaluation ---
+    output_dir: str = option("runs/grpo", "run folder: metrics.jsonl, samples.jsonl, checkpoints/, eval/", section='the run: output, logging, checkpoints, evaluation')
+    overwrite: bool = option(False, "allow writing into an output folder that holds another run")
+    resume: str | None = option(None, "continue a run: a run folder or a checkpoint folder; `--resume` alone means --output-dir")
     logging_steps: int = option(1, "console line every N steps (metrics.jsonl gets every step)")
     log_completions_steps: int = option(10, "append sample completions with rewards to samples.jsonl every N steps (0 = off)")
     report_to: str = option("none", "extra metrics back end: tensorboard (RUN_DIR/tensorboard) or wandb (offline into RUN_DIR/wandb unless an API key is configured; WANDB_MODE and WANDB_PROJECT are read)", choices=REPORT_TO)
@@ -272,11 +283,11 @@ class GRPOConfig(ConfigMixin):
                 problems.append(f"{f.name} must be a finite number, got {value}")
             if "choices" in f.metadata and value not in f.metadata["choices"]:
                 problems.append(f"{f.name} must be one of {list(f.metadata['choices'])}, got {value!r}")
-        positive = ["prompts_per_step", "micro_batch_size", "max_prompt_length", "max_completion_length",
-                    "num_iterations", "logging_steps", "eval_batch_size", "max_bad_steps"]
+        positive = ["prompts_per_step", "micro_batch_size", "max_prompt_length", "num_iterations", "logging_steps",
+                    "eval_batch_size", "max_bad_steps"]
         problems += [f"{name} must be >= 1, got {getattr(self, name)}" for name in positive if getattr(self, name) < 1]
-        non_negative = ["max_steps", "epochs", "beta", "learning_rate", "weight_decay", "max_grad_norm", "temperature",
-                        "top_k", "min_p", "save_steps", "save_total_limit", "eval_steps", "eval_limit", "log_completions_steps"]
+        non_negative = ["max_steps", "epochs", "beta", "learning_rate", "weight_decay", "max_grad_norm", "save_steps",
+                        "save_total_limit", "eval_steps", "eval_limit", "log_completions_steps"]
         problems += [f"{name} must be >= 0, got {getattr(self, name)}" for name in non_negative
                      if isinstance(getattr(self, name), (int, float)) and getattr(self, name) < 0]
         if self.num_generations < 2:
@@ -288,10 +299,12 @@ class GRPOConfig(ConfigMixin):
                 f"prompts_per_step * num_generations = {self.prompts_per_step} * {self.num_generations} = "
                 f"{self.completions_per_step} is not a multiple of micro_batch_size = {self.micro_batch_size}"
             )
+        try:  # the sampling bounds are SamplingParams' (grpo.algorithm.sampler), checked there once
+            SamplingParams(self.max_completion_length, self.temperature, self.top_p, self.top_k, self.min_p, (0,))
+        except ValueError as error:
+            problems.append(str(error))
         if self.temperature == 0:
             problems.append("temperature must be > 0 for training (GRPO needs different completions per group)")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.epsilon < 1:
             problems.append(f"epsilon must be in [0, 1), got {self.epsilon}")
         if self.epsilon_high is not None and not (self.epsilon_high >= 0 and math.isfinite(self.epsilon_high)):

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -292,7 +293,10 @@ def test_kernels_give_the_plain_gradients(tmp_path, options):
     for kernels in ("auto", "plain"):
         trainer = Trainer(make_config(tmp_path / kernels, kernels=kernels, adam_epsilon=1e-6, **options))
         expected_fused = kernels == "auto" and options.get("importance_sampling_level", "token") == "token"
-        assert trainer.kernels.fused_loss == expected_fused and trainer.kernels.fast_logprobs == (kernels == "auto")
+        if kernels == "auto":  # plain: no KernelChoice at all
+            assert trainer.kernels.fused_loss == expected_fused and trainer.kernels.fast_logprobs
+        else:
+            assert trainer.kernels is None
         grads[kernels] = record_gradients(trainer)
         metrics[kernels] = trainer.train_on_rollout(fixed_rollout(trainer))
     assert len(grads["auto"]) == len(grads["plain"]) == options.get("num_iterations", 1)
@@ -438,12 +442,10 @@ def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     assert trainer.functions.logprobs.func is not own.logprobs.func  # auto: the kernel's
     with pytest.raises(ValueError, match="kernels must be one of"):
         make_config(tmp_path, kernels="fast").validate()
-    for old in ("fused_loss", "compile_decode", "static_cache"):  # a config file with an old key
-        with pytest.raises(ValueError, match=f"{old} was replaced by --kernels"):
-            GRPOConfig.from_dict({old: True})
-    for flag in ("--no-fused-loss", "--compile-decode=off", "--static-cache"):
-        with pytest.raises(ValueError, match="was replaced by --kernels"):
-            config_from_args(["--preset", "smoke", flag])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['fused_loss'\]"):  # a config file with a key we lack
+        GRPOConfig.from_dict({"fused_loss": True})
+    with pytest.raises(SystemExit):  # argparse: unrecognized arguments
+        config_from_args(["--preset", "smoke", "--static-cache"])
 
 
 @pytest.mark.own_kernels
@@ -620,25 +622,24 @@ def test_reference_sync_mixes_the_policy_in_every_sync_steps_updates(tmp_path):
     assert moved > 0
 
 
-def test_generation_reuse_updates_on_disjoint_slices(tmp_path, monkeypatch):
-    import grpo.loop.update as update_module
+def test_generation_reuse_updates_on_disjoint_slices(tmp_path):
 
     # steps_per_generation 2: the rollout's rows are split between the two updates, each row trained on once.
     trainer = Trainer(make_config(tmp_path, steps_per_generation=4, micro_batch_size=4))  # 2 micro-batches an update
     pad = trainer.tokenizer.pad_token_id
     updates, trained = [], []
-    original_loss, original_step = update_module.micro_batch_loss, trainer.optimizer.step
+    original_loss, original_step = trainer.functions.update_loss, trainer.optimizer.step
 
-    def spy_loss(run, ids, *args, **kwargs):
+    def spy_loss(model, ids, *args, **kwargs):
         trained.extend(tuple(row[row != pad].tolist()) for row in ids)
-        return original_loss(run, ids, *args, **kwargs)
+        return original_loss(model, ids, *args, **kwargs)
 
     def spy_step(*args, **kwargs):
         updates.append(list(trained))
         trained.clear()
         return original_step(*args, **kwargs)
 
-    monkeypatch.setattr(update_module, "micro_batch_loss", spy_loss)
+    trainer.functions = dataclasses.replace(trainer.functions, update_loss=spy_loss)
     trainer.optimizer.step = spy_step
     rollout = fixed_rollout(trainer, num_prompts=trainer.config.prompts_per_generation)
     trainer.train_on_rollout(rollout)
