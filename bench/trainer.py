@@ -86,19 +86,19 @@ def profiled(trainer, run, path: Path, device: str):
 
     import grpo.loop.update
 
-    passes = {(grpo.loop.update, "no_grad_logprobs"): "reference/old log-probs",
-              (trainer.functions, "update_loss"): "micro-batch loss forward",
-              (torch.Tensor, "backward"): "micro-batch backward", (trainer.optimizer, "step"): "optimizer step"}
+    passes = [(grpo.loop.update, "no_grad_logprobs", "reference/old log-probs"),
+              (trainer.functions, "update_loss", "micro-batch loss forward"),
+              (torch.Tensor, "backward", "micro-batch backward"), (trainer.optimizer, "step", "optimizer step")]
     cuda = device == "cuda"
     with contextlib.ExitStack() as stack:
-        for (owner, name), label in passes.items():
+        for owner, name, label in passes:
             stack.enter_context(mock.patch.object(owner, name, labelled(label, getattr(owner, name))))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities, record_shapes=True) as prof:
             with record_function("train_on_rollout"):
                 result = run()
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    events, labels = prof.key_averages(), ["train_on_rollout", *passes.values()]
+    events, labels = prof.key_averages(), ["train_on_rollout", *(label for _, _, label in passes)]
     lines = [f"{'pass':28s} {'calls':>6s} {'CPU total ms':>13s}" + (f" {'CUDA total ms':>14s}" if cuda else "")]
     if cuda:  # autograd launches the backward's kernels from its own device thread, outside the label's range
         lines.insert(0, "(CUDA: the backward's kernels are launched by autograd's device thread: see the tables below)")

@@ -327,3 +327,31 @@ def test_safe_defaults():
     config = GRPOConfig()
     assert config.trust_remote_code is False
     assert math.isfinite(config.beta) and config.max_bad_steps >= 1
+
+
+def test_cpu_threads_follow_the_other_processes_load(monkeypatch):
+    # grpo/loop/threads.py: over each step, (machine busy - own CPU) / wall = the cores others kept busy; the next
+    # step gets the rest (at least one, at most the count torch started with), and gets them back when they leave.
+    import grpo.loop.threads as threads_module
+
+    clock = {"busy": 0.0, "own": 0.0, "wall": 0.0}
+    monkeypatch.setattr(threads_module, "cpu_times", lambda: (clock["busy"], clock["own"], clock["wall"]))
+    monkeypatch.setattr(threads_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    set_to = []
+    monkeypatch.setattr(threads_module.torch, "get_num_threads", lambda: set_to[-1] if set_to else 2)
+    monkeypatch.setattr(threads_module.torch, "set_num_threads", set_to.append)
+    control = threads_module.CpuThreads(enabled=True)
+
+    def step(own_cores: float, other_cores: float, seconds: float = 2.0) -> int:
+        clock["own"] += own_cores * seconds
+        clock["busy"] += (own_cores + other_cores) * seconds
+        clock["wall"] += seconds
+        return control.adjust()
+
+    assert control.enabled and control.most == 2
+    assert step(own_cores=2.0, other_cores=0.05) == 2 and set_to == []  # quiet: nothing changes
+    assert step(own_cores=1.2, other_cores=0.95) == 1 and set_to == [1]  # a busy neighbour: one thread
+    assert step(own_cores=1.0, other_cores=1.0) == 1 and set_to == [1]  # it stays while the neighbour does
+    assert step(own_cores=1.0, other_cores=0.0) == 2 and set_to == [1, 2]  # the neighbour left
+    assert step(own_cores=0.5, other_cores=3.0) == 1  # never below one
+    assert not threads_module.CpuThreads(enabled=False).enabled

@@ -15,6 +15,7 @@ import torch
 
 from data.calculator import calculator
 from rewards.tools import tool_call_format, tool_success
+from grpo.config import GRPOConfig
 from grpo.loop.rollout import make_generation_backend
 from tests.conftest import record_updates
 from grpo.algorithm.sampler import SamplingParams, sample_groups
@@ -235,8 +236,8 @@ def test_tools_run_through_our_sampler_whatever_the_kernel(setup):
     params = SamplingParams(max_completion_length=4, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,))
     sample = backend.generate([prompt], 2, params, torch.Generator().manual_seed(0))
     assert sample.tool_mask is not None and sample.tool_calls.shape == (2, 2)
-    with pytest.raises(ValueError, match="--generation-backend sampler"):
-        make_generation_backend("transformers", model, tokenizer.pad_token_id, tools=toolset)
+    with pytest.raises(ValueError, match="tools need --generation-backend sampler"):  # checked once, by the config
+        GRPOConfig(tools=["data.calculator:calculator"], generation_backend="transformers").validate()
 
 
 def test_calculator_evaluates_arithmetic_and_nothing_else():

@@ -434,9 +434,9 @@ def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     assert trainer.kernels.fused_loss and trainer.kernels.fast_logprobs
     assert not trainer.kernels.compile_decode and "CUDA" in trainer.kernels.reasons["compile_decode"]  # CPU: eager
     plain = Trainer(make_config(tmp_path, kernels="plain", overwrite=True))
-    assert plain.generation.sample is sample_groups and not (plain.kernels.fused_loss or plain.kernels.fast_logprobs)
+    assert plain.generation.sample is sample_groups and plain.kernels is None
     # under plain the update calls grpo/'s own functions
-    own = plain_step_functions(plain.loss_options, plain.config.temperature)
+    own = plain_step_functions(LossOptions.from_config(plain.config), plain.config.temperature)
     assert plain.functions.batches is own.batches and plain.functions.update_batches is own.update_batches
     assert plain.functions.logprobs.func is own.logprobs.func  # grpo.algorithm.logprobs.completion_logprobs
     assert trainer.functions.logprobs.func is not own.logprobs.func  # auto: the kernel's

@@ -41,6 +41,7 @@ from grpo.algorithm.loss import EntropyControl
 from grpo.loop.metrics import MetricsLogger, group_samples
 from grpo.models import eos_token_ids, load_tokenizer, resolve_device, resolve_precision
 from grpo.loop.prompts import encode_prompts
+from grpo.loop.threads import CpuThreads
 from grpo.loop.rollout import Rollout, RowUniforms, make_generation_backend, sample_rollout, seeded, step_prompts
 from grpo.algorithm.sampler import SamplingParams
 from grpo.loop.update import Models, StepState, TrainingError, UpdateResult, train_on_rollout
@@ -82,8 +83,10 @@ class Trainer:
         stopping = False
         try:
             while self.step < stop_at and not stopping:
+                threads = self.cpu_threads.adjust()  # the cores other processes left idle (grpo/loop/threads.py)
                 # sample -> reward -> advantage -> reference/old log-probs -> loss and update
                 metrics, rollout, prompts, texts = self.train_step()
+                metrics["cpu_threads"] = threads
                 first_reward = metrics["reward"] if first_reward is None else first_reward
                 last_reward = metrics["reward"]
                 # evaluate -> log -> checkpoint
@@ -291,6 +294,7 @@ class Trainer:
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p,
                                        self.eos_token_ids)
         self.state = StepState(entropy=entropy)
+        self.cpu_threads = CpuThreads(cfg.adapt_cpu_threads and device.type == "cpu")
         self._stop_signal = None
         if self.resume_from is not None:
             run_state.restore(self.resume_from, self.state, self.models, self.optimizer, self.scheduler, self.world,
