@@ -393,6 +393,3 @@ class GRPOConfig(ConfigMixin):
                         f"({self.completions_per_step} / {self.micro_batch_size} = {accumulation}): each optimizer update "
                         f"takes whole micro-batches of one rollout; got {self.steps_per_generation}"]
         return []
-
-
-# Presets: named sets of overrides, applied before --config and the flags.

@@ -205,21 +205,11 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_fil
     return tokenizer
 
 
-def is_adapter_folder(name: str) -> bool:
-    from grpo.loop.lora import is_adapter_folder as adapter_folder
-
-    return adapter_folder(name)
-
-
-def load_merged(name, load_base):
-    from grpo.loop.lora import load_merged as merged
-
-    return merged(name, load_base)
-
-
 def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                tokenizer=None, setting: str = "--model"):
     """A causal LM in `dtype` on `device`. Local folders are checked for safetensors weights first."""
+    from grpo.loop.lora import is_adapter_folder, load_merged  # peft's side, loaded when a model is
+
     if name == "tiny" or name.startswith("tiny:"):
         shape = name.split(":", 1)[1] if ":" in name else "tiny"
         model, _ = build_tiny_model(shape, seed=0, tokenizer=tokenizer)
