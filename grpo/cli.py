@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import types
 import typing
 from pathlib import Path

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from grpo.loop.checkpoint import (REFERENCE, SHARDED, latest_checkpoint, load_sharded_optimizer, load_trainer_state, save_checkpoint,
+from grpo.loop.checkpoint import (REFERENCE, SHARDED, load_sharded_optimizer, load_trainer_state, save_checkpoint,
                              save_distributed_checkpoint)
 from grpo.loop.lora import merged_model
 from grpo.loop.update import Models, StepState

@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from grpo.loop import run_state, setup
+from grpo.loop.checkpoint import latest_checkpoint
 from grpo.config import GRPOConfig
 from grpo.loop.distributed import gathered, init_world, resolve_mode, wrap_model
 from grpo.loop.dynamic_sampling import keep_informative_groups
@@ -109,7 +110,7 @@ class Trainer:
                     self.save()
         except TrainingError as error:
             raise TrainingError(f"{error} The last good checkpoint is "
-                                f"{run_state.latest_checkpoint(self.run_dir) or 'none (none was saved yet)'}.") from None
+                                f"{latest_checkpoint(self.run_dir) or 'none (none was saved yet)'}.") from None
         finally:
             bar.close()
             if metrics_logger is not None:
