@@ -210,7 +210,7 @@ class GRPOConfig(ConfigMixin):
     distributed: str = option("auto", "under torchrun (docs/distributed.md): fsdp (FSDP2, fully_shard per decoder layer), ddp, or auto = fsdp when there is more than one process; a single process trains unwrapped", choices=DISTRIBUTED_CHOICES)
     fsdp_cpu_offload: bool = option(False, "FSDP2: keep the sharded parameters, gradients and optimizer state in CPU memory")
     distributed_timeout: float = option(600.0, "seconds any collective may wait for the other ranks before the run stops with an error (a dead or hung rank)")
-    adapt_cpu_threads: bool = option(True, "CPU runs: before each step, give torch only the cores other processes left idle during the last one (never more threads than it started with), so a busy neighbour slows a step ~2x instead of 3-5x (grpo/loop/threads.py); off: a fixed thread count, results bit for bit the same under any load")
+    adapt_cpu_threads: bool = option(True, "CPU runs: before each step, give torch only the cores other processes left idle during the last one (never more threads than it started with), so threads do not wait on a core another process holds (grpo/loop/threads.py); off: a fixed thread count, results bit for bit the same under any load")
     seed: int = option(42, "seeds sampling, data order and micro-batch shuffling")
 
     # --- the run: output, logging, checkpoints, evaluation ---

@@ -2,17 +2,16 @@
 
 torch's CPU threads wait for each other at the end of every parallel region, spinning while they wait. When
 another CPU-bound process takes one of the cores, every region then waits for the thread that shares a core
-with it: on this project's 2-core machine a step slowed 2.6-4.9x beside one busy process, where the same step
-on one thread did not slow at all (docs/benchmarks.md, bench/step_under_load.py). Letting the threads sleep
-instead of spin (OMP_WAIT_POLICY=passive, a short GOMP_SPINCOUNT) cost 15-30% on a quiet machine, so the loop
-keeps torch's wait policy and changes the thread count instead:
+with it, while the same step on fewer threads does not. Letting the threads sleep instead of spin
+(OMP_WAIT_POLICY, GOMP_SPINCOUNT) slows a quiet machine, so the loop keeps torch's wait policy and changes the
+thread count instead (docs/benchmarks.md, "A step beside a CPU-bound neighbour", has the figures):
 
     others  = (busy CPU time of the machine - this process's CPU time) / wall time, over the last step (cores)
     threads = clamp(round(usable cores - others), 1, the count torch started with)
 
 On a quiet machine `others` is near 0 and nothing changes. Linux (/proc/stat) CPU runs only. The thread count
-changes how some sums are split, so a run that changed it agrees with a quiet run to fp32 rounding, not bit for
-bit; `--no-adapt-cpu-threads` keeps the count fixed.
+changes how some sums are split, so a run that changed it agrees with a quiet run to fp32 rounding, not bit
+for bit; `--no-adapt-cpu-threads` keeps the count fixed.
 """
 
 from __future__ import annotations
