@@ -88,8 +88,15 @@ def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
     """The flag of one config field: its type, choices, default and help from the field."""
     kind, is_list = _flag_type(hints[f.name])
     flag = "--" + f.name.replace("_", "-")
+    # trl's spellings of the same setting, with dashes or underscores (--vllm-importance-sampling-mode)
+    aliases = [f"--{spelling}" for alias in f.metadata.get("aliases", ())
+               for spelling in dict.fromkeys((alias.replace("_", "-"), alias))]
+    if aliases:
+        parser = _Aliased(parser, f.name, aliases)
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     help_text = f.metadata.get("help", "") + f" (default: {default!r})"
+    if aliases:
+        help_text += " [also " + ", ".join(a for a in aliases if "_" not in a) + "]"
     help_text = help_text.replace("%", "%%")
     if f.name == "resume":
         parser.add_argument(flag, nargs="?", const="", help=help_text)
@@ -102,6 +109,16 @@ def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
     else:
         optional = type(None) in typing.get_args(hints[f.name])
         parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"), help=help_text)
+
+
+class _Aliased:
+    """add_argument with more option strings (a field's trl spellings), stored under the field's name."""
+
+    def __init__(self, parser, name: str, aliases: list[str]):
+        self.parser, self.name, self.aliases = parser, name, aliases
+
+    def add_argument(self, flag, **kwargs):
+        return self.parser.add_argument(flag, *self.aliases, dest=self.name, **kwargs)
 
 
 def load_config_file(path: str) -> dict:

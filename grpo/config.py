@@ -23,6 +23,7 @@ from grpo.loop.distributed import DISTRIBUTED_CHOICES
 from grpo.algorithm.sampler import SamplingParams
 from grpo.loop.rollout import GENERATION_BACKENDS
 from grpo.algorithm.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpo.algorithm.off_policy import IMPORTANCE_SAMPLING_MODES
 from grpo.loop.metrics import REPORT_TO
 from grpo.models import OPTIMIZERS, PRECISIONS
 from grpo.loop.prompts import LONG_PROMPTS
@@ -61,6 +62,13 @@ class ConfigMixin:
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "config"):
+        values = dict(values)
+        for f in dataclasses.fields(cls):  # trl's spellings (option(aliases=...)) under our names
+            for alias in f.metadata.get("aliases", ()):
+                if alias in values:
+                    if f.name in values and values[f.name] != values[alias]:
+                        raise ValueError(f"{where}: {alias} and {f.name} are the same setting, given twice")
+                    values[f.name] = values.pop(alias)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -171,6 +179,14 @@ class GRPOConfig(ConfigMixin):
     ref_model_mixup_alpha: float = option(0.6, "TR-DPO's alpha: the policy's share in the mixed reference")
     ref_model_sync_steps: int = option(512, "TR-DPO's tau: optimizer updates between reference syncs")
 
+    # --- off-policy: the behaviour policy and asynchronous rollouts (docs/off-policy.md) ---
+    importance_sampling_correction: bool | None = option(None, "multiply each completion's policy loss by w = pi_old / pi_b, the policy before the update over the one that sampled (the sampler's log-probs), truncated or masked by --importance-sampling-mode (trl's vllm_importance_sampling_correction, also accepted); default: on with --max-staleness (trl: on whenever vLLM generates), off otherwise, so the synchronous loop is unchanged", section="off-policy: the behaviour policy and asynchronous rollouts (docs/off-policy.md)", aliases=("vllm_importance_sampling_correction",))
+    importance_sampling_mode: str = option("sequence_mask", "how w is formed: token_* one per token, sequence_* one per completion (the sum of its tokens' log-ratios); *_truncate clamps w to [C_min, C_max] (truncated IS), *_mask sets it to 0 outside (masked IS); trl's default", choices=IMPORTANCE_SAMPLING_MODES, aliases=("vllm_importance_sampling_mode",))
+    importance_sampling_clip_min: float | None = option(None, "C_min: the lower bound of w (*_truncate: clamp; *_mask: w below it drops the token or completion); default: none", aliases=("vllm_importance_sampling_clip_min",))
+    importance_sampling_clip_max: float | None = option(3.0, "C_max: the upper bound of w, as C_min; trl's default", aliases=("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"))
+    max_staleness: int | None = option(None, "asynchronous rollouts: generation runs beside the update, sampling each step's rollout from weights at most this many optimizer updates older than the ones it trains (steps ahead = max_staleness // updates per step); 0 = generation in the background but never stale (the synchronous numbers); default: off (the synchronous loop). trl's name; a rollout past the bound is dropped and sampled again, as trl drops it")
+    generation_processes: int = option(1, "--max-staleness under torchrun: this many of the processes only generate (the last ranks), receiving the weights through torch.distributed after each step; the others train (DDP or FSDP2). One process: a background thread generates instead")
+
     # --- entropy bonus ---
     entropy_coef: float = option(0.0, "entropy bonus: loss - coef * mean token entropy (the same meaning for every loss type); the starting value with --use-adaptive-entropy", section='entropy bonus')
     use_adaptive_entropy: bool = option(False, "Skywork-OR1 adaptive entropy: after each optimizer update, raise the coefficient by --entropy-coef-delta when the entropy is <= --entropy-target, lower it otherwise; the bonus applies only while the entropy is <= the target")
@@ -230,6 +246,14 @@ class GRPOConfig(ConfigMixin):
 
     # ----- derived sizes, computed once and checked -----
     @property
+    def corrects_behaviour(self) -> bool:
+        """Whether the update multiplies by w = pi_old / pi_b (--importance-sampling-correction, which defaults to
+        on exactly when rollouts are asynchronous)."""
+        if self.importance_sampling_correction is None:
+            return self.max_staleness is not None
+        return self.importance_sampling_correction
+
+    @property
     def completions_per_step(self) -> int:
         return self.prompts_per_step * self.num_generations
 
@@ -272,6 +296,27 @@ class GRPOConfig(ConfigMixin):
         if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
             notes.append("normalize_then_sum normalises per reward and over the batch itself: --scale-rewards is unused")
         return notes
+
+    def _off_policy_problems(self) -> list[str]:
+        problems = []
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        for name, bound in (("importance_sampling_clip_min", low), ("importance_sampling_clip_max", high)):
+            if bound is not None and not (bound >= 0 and math.isfinite(bound)):
+                problems.append(f"{name} must be a finite number >= 0, got {bound}")
+        if low is not None and high is not None and low >= high:
+            problems.append(f"importance_sampling_clip_min ({low}) must be less than importance_sampling_clip_max ({high})")
+        if self.corrects_behaviour:
+            if self.importance_sampling_mode.endswith("truncate") and low is None and high is None:
+                problems.append(f"importance_sampling_mode={self.importance_sampling_mode!r} clamps w: set "
+                                "importance_sampling_clip_min or importance_sampling_clip_max")
+            if self.loss_type == "vespo" and not self.importance_sampling_mode.startswith("token"):
+                problems.append("loss_type='vespo' takes the behaviour weights per token into its sequence weight: "
+                                "use importance_sampling_mode token_truncate or token_mask (as trl requires)")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            problems.append(f"max_staleness must be >= 0 (0: never stale), got {self.max_staleness}")
+        if self.generation_processes < 1:
+            problems.append(f"generation_processes must be >= 1, got {self.generation_processes}")
+        return problems
 
     def validate(self) -> "GRPOConfig":
         """Reject impossible settings with a message that names the field; returns self."""
@@ -319,6 +364,7 @@ class GRPOConfig(ConfigMixin):
         if not self.adam_epsilon > 0:
             problems.append(f"adam_epsilon must be > 0, got {self.adam_epsilon}")
         problems += self._objective_problems()
+        problems += self._off_policy_problems()
         if self.use_peft:
             if self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
                 problems.append(f"LoRA needs lora_r >= 1, lora_alpha > 0 and lora_dropout in [0, 1), got "

@@ -585,9 +585,9 @@ def test_dynamic_sampling_rounds_draw_other_prompts_per_step_and_round(tmp_path)
     def spy(trainer):
         sample = trainer._sample_round
 
-        def recording(step, round_, indices):
+        def recording(step, round_, indices, *backend_and_world):
             drawn.setdefault(id(trainer), {})[(step, round_)] = list(indices)
-            return sample(step, round_, indices)
+            return sample(step, round_, indices, *backend_and_world)
 
         trainer._sample_round = recording
         return trainer

@@ -19,6 +19,9 @@ A micro-batch's loss is built from four separate choices (trl 1.16's flag names 
                                  (DeepSeek-V3.2 arXiv 2512.02556 eq. 9)
    top_entropy_quantile rho      keep tokens whose entropy is in the top rho quantile of the micro-batch
                                  ("Beyond the 80/20 rule", arXiv 2506.01939)
+   behaviour weights w      multiply p when the rollout was sampled by another policy than pi_old (stale
+                            weights, another backend's kernels): w = pi_old / pi_b, truncated or masked
+                            (grpo.algorithm.off_policy; vespo takes w inside phi instead, as trl)
 3. The KL penalty, added after the masks: l_t = p_t + beta kl_t with the k3 estimator
        kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (Schulman, "Approximating KL divergence")
    times rho when `use_bias_correction_kl` (trl 1.16's default; before the `delta` cap, as trl).
@@ -194,15 +197,20 @@ def log_importance_weights(
 
 @torch.no_grad()
 def vespo_weights(advantages: torch.Tensor, token_log_ratio: torch.Tensor, mask: torch.Tensor,
-                  options: LossOptions) -> torch.Tensor:
+                  options: LossOptions, is_weights: torch.Tensor | None = None) -> torch.Tensor:
     """phi(w_i) (n, 1), detached: VESPO's Gamma weighting of the sequence ratio w_i = exp(sum_t log rho_t).
 
     log phi = lambda + k log w - lambda w (so phi(1) = 1), k and lambda by the sign of A (A >= 0: _pos).
     As trl: token log-ratios clamped to [-20, 20], log w to [log 1e-8, 20]; a non-finite phi becomes 0.
+    is_weights (n, T): the behaviour weights pi_old / pi_b (grpo.algorithm.off_policy), which join w as
+    w_i = exp(sum_t log rho_t + sum_t log is_t), each log clamped to [log 1e-8, 20] (trl 1.16).
     advantages (n, 1); token_log_ratio, mask (n, T).
     """
     lower = math.log(1e-8)
-    log_w = (token_log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(lower, 20.0)  # (n, 1)
+    log_w = (token_log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # (n, 1)
+    if is_weights is not None:
+        log_w = log_w + torch.log(is_weights).clamp(lower, 20.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(lower, 20.0)
     positive = advantages >= 0
     k = torch.where(positive, options.vespo_k_pos, options.vespo_k_neg)
     lam = torch.where(positive, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
@@ -221,7 +229,7 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, old_logps: to
     return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
-def _objective(logps, log_ratio, token_log_ratio, advantages, mask, options: LossOptions):
+def _objective(logps, log_ratio, token_log_ratio, advantages, mask, options: LossOptions, is_weights=None):
     """The policy term p (n, T) or (n, 1) and what its statistics need: (p, rho after the cap, vespo's phi or None).
 
     The clipped copy is taken before `delta` caps rho; the cap applies to the unclipped branch only (trl 1.16).
@@ -238,7 +246,7 @@ def _objective(logps, log_ratio, token_log_ratio, advantages, mask, options: Los
     if options.loss_type == "sapo":
         tau = torch.where(advantages > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, ratio, None
-    phi = vespo_weights(advantages, token_log_ratio, mask, options)  # vespo (LossOptions checked the name): (n, 1)
+    phi = vespo_weights(advantages, token_log_ratio, mask, options, is_weights)  # vespo (LossOptions checked the name): (n, 1)
     return -phi * advantages * logps, ratio, phi
 
 
@@ -252,10 +260,13 @@ class LossTerms(NamedTuple):
     entropy_mask: torch.Tensor | None  # (n, T) when top_entropy_quantile < 1
 
 
-def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptions, entropy=None) -> LossTerms:
-    """l = p * masks + beta kl (differentiable), with rho, kl, phi and the entropy mask for the statistics.
+def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptions, entropy=None,
+               behaviour_logps=None, is_weights=None) -> LossTerms:
+    """l = p * masks * w + beta kl (differentiable), with rho, kl, phi and the entropy mask for the statistics.
 
     logps (n, T) with grad; old_logps (n, T); advantages (n, 1); mask (n, T) float; ref_logps (n, T) or None.
+    behaviour_logps (n, T): what sampled (the off-policy mask then measures from them, as trl); is_weights
+    (n, T) or (n, 1): w = pi_old / pi_b (grpo.algorithm.off_policy.behaviour_weights); None: no correction.
     """
     token_log_ratio = logps - old_logps  # (n, T)
     log_ratio = log_importance_weights(logps, old_logps, mask, options.importance_sampling_level)
@@ -266,22 +277,26 @@ def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptio
         kl = k3_kl(logps, ref_logps)  # (n, T)
         if options.use_bias_correction_kl:
             kl = kl * torch.exp(log_ratio)  # trl 1.16: importance-sampling correction (not detached, not capped)
-    loss, ratio, phi = _objective(logps, log_ratio, token_log_ratio, advantages, mask, options)
-    if options.off_policy_mask_threshold is not None:
-        loss = loss * off_policy_mask(advantages, logps, old_logps, mask, options.off_policy_mask_threshold)
+    loss, ratio, phi = _objective(logps, log_ratio, token_log_ratio, advantages, mask, options, is_weights)
+    if options.off_policy_mask_threshold is not None:  # from the policy that sampled: the old one, or pi_b
+        sampled = old_logps if behaviour_logps is None else behaviour_logps
+        loss = loss * off_policy_mask(advantages, logps, sampled, mask, options.off_policy_mask_threshold)
     entropy_mask = None
     if options.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the token entropies")
         entropy_mask = high_entropy_mask(entropy, mask, options.top_entropy_quantile)
         loss = loss * entropy_mask
+    if is_weights is not None and options.loss_type != "vespo":  # vespo's phi took them
+        loss = loss * is_weights  # after the masks, before the KL (trl 1.16)
     if kl is not None:
         loss = loss + options.beta * kl  # after clipping and masks
     return LossTerms(loss, ratio, kl, phi, entropy_mask)
 
 
 def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
-               ref_logps: torch.Tensor | None = None, options: LossOptions = LossOptions()) -> torch.Tensor:
+               ref_logps: torch.Tensor | None = None, options: LossOptions = LossOptions(),
+               is_weights: torch.Tensor | None = None) -> torch.Tensor:
     """l_t of token-level ratios, elementwise: every argument has the same shape (any shape), no mask.
 
     The same terms as `per_token_loss` for options without masks and with a per-token objective (not vespo);
@@ -290,7 +305,8 @@ def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.T
     if options.loss_type == "vespo" or options.off_policy_mask_threshold is not None or options.needs_entropy:
         raise ValueError("token_loss is elementwise: vespo and the token masks need per_token_loss")
     options = dataclasses.replace(options, importance_sampling_level="token")
-    return loss_terms(logps, old_logps, advantages, torch.ones_like(logps), ref_logps, options).loss
+    return loss_terms(logps, old_logps, advantages, torch.ones_like(logps), ref_logps, options,
+                      is_weights=is_weights).loss
 
 
 def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

@@ -116,10 +116,11 @@ class KernelChoice:
 
 
 def _fused_update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation,
-                       entropy_coef=None, *, options, **kernel_args):
+                       entropy_coef=None, behaviour_logps=None, is_weights=None, *, options, **kernel_args):
     """grpo.kernels.fused_loss with the aggregation's weights: the same loss and statistics as
     grpo.loop.update.logprob_loss (the weights are 0 on the tokens the loss mask leaves out, such as tool results).
-    select_kernels leaves it off with an entropy bonus (entropy_coef is then None)."""
+    select_kernels leaves it off with an entropy bonus (entropy_coef is then None) and with the off-policy mask
+    (the only reader of behaviour_logps besides the weights)."""
     from grpo.kernels.fused_loss import fused_completion_loss
     from grpo.algorithm.loss import aggregation_weights, loss_statistics
 
@@ -127,7 +128,7 @@ def _fused_update_loss(model, ids, attention_mask, loss_mask, advantages, old_lo
         weights = aggregation_weights(loss_mask, options.loss_type, **aggregation)  # (n, T)
     completion_mask = attention_mask[:, -loss_mask.shape[1]:]  # (n, T) the tokens the model reads
     loss, logps, entropy = fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, old_logps,
-                                                 ref_logps, weights, options, **kernel_args)
+                                                 ref_logps, weights, options, is_weights=is_weights, **kernel_args)
     detached = logps.detach()  # the statistics from the same terms, recomputed from the kernel's log-probs
     stats = loss_statistics(detached, detached if old_logps is None else old_logps, advantages, loss_mask,
                             ref_logps, options, entropy.detach())

@@ -185,13 +185,15 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
 
 def fused_completion_loss(model, input_ids, attention_mask, completion_mask, advantages, old_logps, ref_logps,
                           weights, options: LossOptions, temperature: float = 1.0, chunk_size: int | None = None,
+                          is_weights: torch.Tensor | None = None,
                           buffers: Buffers | None = None, packed: bool = False, shared_prompts: bool = False,
                           unpadded: bool = False):
     """The micro-batch loss sum(weights * per_token_loss(logps, ...)) for token-level ratios, in one pass.
 
     weights (n, T): `grpo.algorithm.loss.aggregation_weights(mask, loss_type, ...)`, so the loss equals
     `aggregate_loss(per_token_loss(...))`; advantages (n,); old_logps (n, T) or None (on-policy: logps
-    detached); ref_logps (n, T) or None. Returns (loss, logps (n, T) detached, entropy (n, T)).
+    detached); ref_logps (n, T) or None; is_weights (n, T) or (n, 1) the behaviour weights
+    (grpo.algorithm.off_policy) or None. Returns (loss, logps (n, T) detached, entropy (n, T)).
     """
     if options.importance_sampling_level != "token":
         raise ValueError("the fused loss needs token-level ratios; sequence-level ratios take the plain path")
@@ -200,11 +202,14 @@ def fused_completion_loss(model, input_ids, attention_mask, completion_mask, adv
     token_advantages = advantages[:, None].expand(keep.shape)[keep]  # (M,)
     old = None if old_logps is None else old_logps[keep]  # (M,)
     ref = None if ref_logps is None else ref_logps[keep]  # (M,)
+    behaviour = None if is_weights is None else is_weights.expand(keep.shape)[keep]  # (M,)
 
     def chunk_loss(logps, index):  # (c,) log-probs of the tokens `index` -> their share of the loss
         chunk_old = logps.detach() if old is None else old[index]  # on-policy: rho = 1
         chunk_ref = None if ref is None else ref[index]
-        return (token_loss(logps, chunk_old, token_advantages[index], chunk_ref, options) * token_weights[index]).sum()
+        chunk_w = None if behaviour is None else behaviour[index]
+        return (token_loss(logps, chunk_old, token_advantages[index], chunk_ref, options, chunk_w)
+                * token_weights[index]).sum()
 
     return completion_token_loss(model, input_ids, attention_mask, completion_mask, chunk_loss, temperature,
                                  with_entropy=True, chunk_size=chunk_size, buffers=buffers, packed=packed,

@@ -112,7 +112,8 @@ def save_distributed_checkpoint(run_dir: str | Path, step: int, world, call, opt
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     world.barrier()
-    dcp.save({"optimizer": get_optimizer_state_dict(call, optimizer)}, checkpoint_id=str(tmp / SHARDED))
+    dcp.save({"optimizer": get_optimizer_state_dict(call, optimizer)}, checkpoint_id=str(tmp / SHARDED),
+             process_group=world.group)
     torch.save(rank_state, tmp / f"rank-{world.rank:05d}.pt")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     adapter = hasattr(model, "peft_config")  # LoRA under DDP: every rank holds the same adapter, rank 0 saves it
@@ -144,13 +145,14 @@ def _strip_call_prefix(state: dict) -> dict:
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 
-def load_sharded_optimizer(checkpoint: Path, call, optimizer) -> None:
-    """The optimizer state of a checkpoint saved under torchrun, resharded for this world (any size)."""
+def load_sharded_optimizer(checkpoint: Path, call, optimizer, group=None) -> None:
+    """The optimizer state of a checkpoint saved under torchrun, resharded for this world (any size); `group`:
+    the training ranks' process group (grpo.loop.distributed.World.group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = {"optimizer": get_optimizer_state_dict(call, optimizer)}
-    dcp.load(state, checkpoint_id=str(Path(checkpoint) / SHARDED))
+    dcp.load(state, checkpoint_id=str(Path(checkpoint) / SHARDED), process_group=group)
     set_optimizer_state_dict(call, optimizer, optim_state_dict=state["optimizer"])
 
 

@@ -38,6 +38,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    group: object = None  # the training ranks' process group (None: every process; generation processes are not in it)
 
     @property
     def is_main(self) -> bool:
@@ -47,18 +48,24 @@ class World:
         """Leave the process group, once the run is done: PyTorch asks for destroy_process_group before exit, and
         without it a rank's communication threads can be torn down while the interpreter exits, which aborts that
         rank (`terminate called without an active exception`) and makes torchrun report a finished run as failed."""
-        if self.size > 1 and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
 
     def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (a copy; the input is unchanged)."""
         tensor = tensor.clone()
         if self.size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
     def sum(self, value: float) -> float:
         return float(self.all_sum(torch.tensor(float(value), dtype=torch.float64, device=self.device)).item())
+
+    def max(self, value: float) -> float:
+        tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        if self.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return float(tensor.item())
 
     def any(self, flag: bool) -> bool:
         return self.sum(1.0 if flag else 0.0) > 0
@@ -68,7 +75,7 @@ class World:
         if self.size == 1:
             return tensor
         parts = [torch.empty_like(tensor, device=self.device) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.to(self.device).contiguous())
+        dist.all_gather(parts, tensor.to(self.device).contiguous(), group=self.group)
         return torch.cat(parts).to(tensor.device)
 
     def local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -78,7 +85,7 @@ class World:
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     @property
     def device(self) -> torch.device:
@@ -175,7 +182,7 @@ def wrap_model(model, mode: str, world: World, device: torch.device, precision: 
         ids = [device.index] if device.type == "cuda" else None
         # broadcast_buffers=False: buffers (rotary frequencies) are computed the same on every rank, and a
         # broadcast would be a collective inside every forward, generation included.
-        return DistributedDataParallel(call, device_ids=ids, broadcast_buffers=False)
+        return DistributedDataParallel(call, device_ids=ids, broadcast_buffers=False, process_group=world.group)
     if mode != "fsdp":
         raise ValueError(f"unknown distributed mode {mode!r}")
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -185,6 +192,10 @@ def wrap_model(model, mode: str, world: World, device: torch.device, precision: 
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
+    if world.group is not None:  # the training ranks only (generation processes hold their own full copy)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        options["mesh"] = DeviceMesh.from_group(world.group, device.type)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(call, **options)

@@ -68,6 +68,9 @@ def merge_rows(rollouts: list[Rollout], rows: list[int], pad_token_id: int) -> R
         if any(part is None for part in parts):
             merged[field.name] = None
             continue
+        if not isinstance(parts[0], torch.Tensor):  # policy_version: the oldest weights among the parts
+            merged[field.name] = min(parts)
+            continue
         if field.name.startswith("prompt_"):
             parts = [torch.nn.functional.pad(p, (prompt_len - p.shape[1], 0), value=padding.get(field.name, 0))
                      for p in parts]

@@ -167,6 +167,23 @@ LOSS_STAT_METRICS = {"entropy": "entropy", "clip_ratio/low_mean": "clip_low", "c
                      "vespo/phi_seq_mean": "vespo_phi", "policy_loss": "policy_loss", "kl": "kl"}
 
 
+def sampling_metrics(world, mismatch: dict | None) -> dict:
+    """The behaviour / old mismatch over every rank's tokens (grpo.algorithm.off_policy.mismatch_statistics' sums),
+    under trl's names. trl averages each rank's mean; ours is the mean over all tokens, as one process computes it."""
+    if mismatch is None:
+        return {}
+    total = {key: world.sum(mismatch[key].item()) for key in ("diff_sum", "tokens", "kl_sum", "w_sum", "w_count")}
+    largest = {key: -world.max(-mismatch[key].item()) if key == "w_min" else world.max(mismatch[key].item())
+               for key in ("diff_max", "w_min", "w_max")}
+    tokens, count = max(total["tokens"], 1.0), max(total["w_count"], 1.0)
+    return {"sampling/sampling_logp_difference/mean": total["diff_sum"] / tokens,
+            "sampling/sampling_logp_difference/max": largest["diff_max"],
+            "sampling/importance_sampling_ratio/min": largest["w_min"],
+            "sampling/importance_sampling_ratio/mean": total["w_sum"] / count,
+            "sampling/importance_sampling_ratio/max": largest["w_max"],
+            "sampling/mismatch_kl": total["kl_sum"] / tokens}
+
+
 def step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, update, reward_names: list[str],
                  learning_rate: float, skipped_updates: int) -> dict:
     """A step's logged metrics, with trl's names, over every rank: rewards, advantages, the loss statistics of

@@ -75,6 +75,7 @@ class Rollout:
     sampler_logprobs: torch.Tensor | None = None  # (N, T) the generation backend's log-probs, when it gives them
     tool_mask: torch.Tensor | None = None  # (N, T) 0 on tool-result tokens (trl's name); None: no tools
     tool_calls: torch.Tensor | None = None  # (N, 2) per row: tool calls made, and of those failed
+    policy_version: int | None = None  # optimizer updates the sampling weights had seen (asynchronous rollouts)
 
     def __post_init__(self):
         num_rows = self.completion_ids.shape[0]
@@ -145,10 +146,12 @@ class Rollout:
 
 
 def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt_ids: list[list[int]], group: int,
-                   params, noise) -> tuple[Rollout, list, list]:
+                   params, noise, return_logprobs: bool = False) -> tuple[Rollout, list, list]:
     """G completions for each of the B rows' prompts from the generation backend (grpo.loop.rollout), decoded and
-    scored by every reward function (rewards.score_rows). Returns (rollout, prompts, texts), N = B * G rows."""
-    sample = generation.generate(prompt_ids, group, params, noise)  # rows [prompt 0 x G, prompt 1 x G, ...]
+    scored by every reward function (rewards.score_rows). Returns (rollout, prompts, texts), N = B * G rows;
+    return_logprobs: the rollout keeps the sampler's log-probs (the behaviour policy's, grpo.algorithm.off_policy)."""
+    # rows [prompt 0 x G, prompt 1 x G, ...]
+    sample = generation.generate(prompt_ids, group, params, noise, return_logprobs=return_logprobs)
     completion_ids = [ids[mask].tolist() for ids, mask in
                       zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

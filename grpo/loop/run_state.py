@@ -83,7 +83,7 @@ def restore(checkpoint: Path, state: StepState, models: Models, optimizer, sched
     saved = load_trainer_state(checkpoint)
     state.step = saved["step"]
     if (checkpoint / SHARDED).is_dir():  # saved under torchrun: resharded for this world
-        load_sharded_optimizer(checkpoint, models.policy_call, optimizer)
+        load_sharded_optimizer(checkpoint, models.policy_call, optimizer, world.group)
     else:
         set_optimizer_state_dict(models.policy_call, optimizer, optim_state_dict=saved["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))

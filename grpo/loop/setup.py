@@ -8,6 +8,8 @@ seconds, not after loading a model.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import logging
 import math
@@ -198,6 +200,13 @@ def step_functions(config, device, policy, distributed: str, entropy_bonus: bool
     functions = choice.step_functions(options, config.temperature, config.logprob_chunk_size,
                                       config.cast_lm_head_to_fp32)
     return functions, choice.sampler(config.max_prompt_length), choice
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast (precision `bf16`) or nothing; a new context each call (one per thread that samples)."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def use_cpu_huge_pages() -> None:

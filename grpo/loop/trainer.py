@@ -18,12 +18,12 @@ Notation: B prompts, G group size, N = B * G completions, P prompt tokens, T com
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,9 +31,11 @@ import torch
 from tqdm import tqdm
 
 from grpo.loop import run_state, setup
-from grpo.loop.checkpoint import latest_checkpoint
+from grpo.loop.async_rollouts import (BackgroundRollouts, ProcessRollouts, generation_loop, is_stale, split_world,
+                                      steps_ahead)
+from grpo.loop.checkpoint import latest_checkpoint, load_trainer_state
 from grpo.config import GRPOConfig
-from grpo.loop.distributed import gathered, init_world, resolve_mode, wrap_model
+from grpo.loop.distributed import World, gathered, init_world, resolve_mode, wrap_model
 from grpo.loop.dynamic_sampling import keep_informative_groups
 from grpo.loop.evaluation import evaluate, make_scorer, save_evaluation
 from grpo.algorithm.logprobs import check_plain_output_head
@@ -44,7 +46,7 @@ from grpo.models import eos_token_ids, load_tokenizer, resolve_device, resolve_p
 from grpo.loop.prompts import encode_prompts
 from grpo.loop.threads import CpuThreads
 from grpo.loop.rollout import Rollout, RowUniforms, make_generation_backend, sample_rollout, seeded, step_prompts
-from grpo.algorithm.sampler import SamplingParams
+from grpo.algorithm.sampler import SamplingParams, sample_groups
 from grpo.loop.update import Models, StepState, TrainingError, UpdateResult, train_on_rollout
 
 logger = logging.getLogger("grpo")
@@ -73,6 +75,8 @@ class Trainer:
         """
         cfg, main = self.config, self.world.is_main
         stop_at = min(until_step or self.total_steps, self.total_steps)
+        if self.generating:  # a generation process under torchrun: sample until the training ranks stop it
+            return self._generate(stop_at)
         if main:  # rank 0 writes the run's files; every rank trains
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "run_config.json").write_text(json.dumps(self.run_record(), indent=2))
@@ -82,11 +86,12 @@ class Trainer:
         first_reward = last_reward = None
         bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", dynamic_ncols=True, disable=not main)
         stopping = False
+        rollouts = self._start_rollouts(stop_at) if cfg.max_staleness is not None else None
         try:
             while self.step < stop_at and not stopping:
                 threads = self.cpu_threads.adjust()  # the cores other processes left idle (grpo/loop/threads.py)
                 # sample -> reward -> advantage -> reference/old log-probs -> loss and update
-                metrics, rollout, prompts, texts = self.train_step()
+                metrics, rollout, prompts, texts = self.train_step(rollouts, stop_at)
                 metrics["cpu_threads"] = threads
                 first_reward = metrics["reward"] if first_reward is None else first_reward
                 last_reward = metrics["reward"]
@@ -112,6 +117,8 @@ class Trainer:
             raise TrainingError(f"{error} The last good checkpoint is "
                                 f"{latest_checkpoint(self.run_dir) or 'none (none was saved yet)'}.") from None
         finally:
+            if rollouts is not None:  # rollouts sampled ahead are discarded (resume samples them again)
+                rollouts.close()
             bar.close()
             if metrics_logger is not None:
                 metrics_logger.close()
@@ -124,53 +131,118 @@ class Trainer:
         return {"status": status, "step": self.step, "first_reward": first_reward, "last_reward": last_reward,
                 "signal": self._stop_signal}
 
-    def train_step(self) -> StepOutput:
-        """One step: sample and reward this rank's rollout, then update on it; the step counter moves on."""
+    def train_step(self, rollouts=None, stop_at: int | None = None) -> StepOutput:
+        """One step: sample and reward this rank's rollout, then update on it; the step counter moves on.
+        `rollouts`: asynchronous generation (grpo.loop.async_rollouts), which gets the new weights after the update
+        unless the run stops at `stop_at`."""
         started = time.perf_counter()
-        rollout, prompts, texts, sampling_metrics = self.collect_rollout(self.step)  # sample -> reward
+        if rollouts is None:
+            rollout, prompts, texts, sampling_metrics = self.collect_rollout(self.step)  # sample -> reward
+        else:
+            rollout, prompts, texts, sampling_metrics = self._sampled_ahead(rollouts)
         sampled = time.perf_counter()
         metrics = {**self.train_on_rollout(rollout), **sampling_metrics}  # advantage -> ... -> optimizer -> metrics
         self.state.step += 1
+        if rollouts is not None and self.step < (stop_at or self.total_steps):
+            rollouts.publish(self.step, self.state.updates, self.policy)
         tokens = self.world.sum(rollout.completion_mask.sum().item())
         metrics.update(step_time=time.perf_counter() - started, sample_time=sampled - started,
                        tokens_per_second=tokens / max(sampled - started, 1e-9))
         return StepOutput(metrics, rollout, prompts, texts)
 
     # ------------------------------------------------------------------ sample + reward
-    def collect_rollout(self, step: int) -> tuple[Rollout, list, list, dict]:
+    def collect_rollout(self, step: int, generation=None, world: World | None = None) -> tuple[Rollout, list, list, dict]:
         """This rank's part of the step's rollout: its slice of the step's prompts, sampled and scored; with
         dynamic sampling (grpo.loop.dynamic_sampling) round r > 0 samples prompts from a permutation seeded by
-        (seed, step, r), so a resumed run samples the same ones. Returns (rollout, prompts, texts, metrics)."""
-        cfg = self.config
+        (seed, step, r), so a resumed run samples the same ones. Returns (rollout, prompts, texts, metrics).
+        `generation`: another backend than the run's (asynchronous rollouts' own copy of the policy); `world`:
+        the training rank to sample for (a generation process samples for others)."""
+        cfg, world = self.config, world or self.world
         indices = step_prompts(step, self.prompts_per_generation, len(self.train_rows), cfg.seed, cfg.shuffle_dataset)
-        first = self._sample_round(step, 0, indices)
+        first = self._sample_round(step, 0, indices, generation, world)
         if not cfg.dynamic_sampling:
             return (*first, {})
 
         def another_round(round_: int):
             order = torch.randperm(len(self.train_rows), generator=seeded(cfg.seed, 7919, step, round_))
-            return self._sample_round(step, round_, order[: self.prompts_per_generation].tolist())
+            return self._sample_round(step, round_, order[: self.prompts_per_generation].tolist(), generation, world)
 
         weights = torch.tensor([spec.weight for spec in self.rewards], dtype=torch.float32)
-        return keep_informative_groups(first, another_round, self.prompts_per_generation // self.world.size,
+        return keep_informative_groups(first, another_round, self.prompts_per_generation // world.size,
                                        cfg.num_generations, weights, cfg.dynamic_sampling_max_rounds,
                                        self.tokenizer.pad_token_id, step)
 
-    def _sample_round(self, step: int, round_: int, indices: list[int]) -> tuple[Rollout, list, list]:
-        """This rank's contiguous slice of a global prompt list, sampled and scored; each prompt's noise seeded
+    def _sample_round(self, step: int, round_: int, indices: list[int], generation, world: World):
+        """The rank's contiguous slice of a global prompt list, sampled and scored; each prompt's noise seeded
         by (seed, step, round, its position in the global list), so no world size changes its completions."""
         cfg = self.config
-        size = len(indices) // self.world.size
-        positions = range(self.world.rank * size, (self.world.rank + 1) * size)
+        size = len(indices) // world.size
+        positions = range(world.rank * size, (world.rank + 1) * size)
         noise = RowUniforms.per_prompt([seeded(cfg.seed, 104729, step, round_, p) for p in positions],
                                        cfg.num_generations, cfg.max_completion_length)
+        sample = partial(sample_rollout, tokenizer=self.tokenizer, reward_specs=self.rewards,
+                         rows=[self.train_rows[indices[p]] for p in positions],
+                         prompt_ids=[self.train_prompt_ids[indices[p]] for p in positions], group=cfg.num_generations,
+                         params=self.sampling, noise=noise, return_logprobs=cfg.corrects_behaviour)
+        if generation is not None:  # a copy of the policy, in eval mode, in its own thread or process
+            with setup.autocast(self.models.device, self.precision):
+                return sample(generation)
         self.policy.eval()
         with self.models.autocast, gathered(self.models.policy_call):  # FSDP2: full weights for the decode loop
-            result = sample_rollout(self.generation, self.tokenizer, self.rewards, [self.train_rows[indices[p]] for p in positions],
-                                    [self.train_prompt_ids[indices[p]] for p in positions], cfg.num_generations,
-                                    self.sampling, noise)
+            result = sample(self.generation)
         self.policy.train()
         return result
+
+    # ------------------------------------------------------------------ asynchronous rollouts (--max-staleness)
+    def _start_rollouts(self, stop_at: int):
+        """The generator of the steps self.step .. stop_at - 1: generation processes under torchrun, else a thread
+        on a copy of the policy (grpo.loop.async_rollouts); it starts from the current weights."""
+        cfg = self.config
+        lag = steps_ahead(cfg.max_staleness, cfg.num_iterations * self.num_updates)
+        if self.generators:
+            rollouts = ProcessRollouts(self.world, self.generators, self.step, stop_at, lag)
+        else:
+            def make_backend(model):
+                sampler = self.kernels.sampler(cfg.max_prompt_length) if self.kernels is not None else None
+                return make_generation_backend(cfg.generation_backend, model, self.tokenizer.pad_token_id,
+                                               sampler or sample_groups, self.tool_set)
+
+            rollouts = BackgroundRollouts(lambda step, backend: self.collect_rollout(step, backend), make_backend,
+                                          self.policy, self.step, stop_at, lag)
+        rollouts.begin(self.state.updates, self.policy)
+        return rollouts
+
+    def _sampled_ahead(self, rollouts) -> tuple[Rollout, list, list, dict]:
+        """This step's rollout from the generator, with trl's staleness metrics; one past the bound is dropped and
+        sampled again from the current weights (trl's rule)."""
+        started, dropped = time.perf_counter(), 0
+        (rollout, prompts, texts, metrics), version = rollouts.get(self.step)
+        while is_stale(version, self.state.updates, self.config.max_staleness):
+            dropped += 1
+            logger.info("step %d: dropping a stale rollout (staleness %d > max_staleness %d)", self.step + 1,
+                        self.state.updates - version, self.config.max_staleness)
+            rollouts.resample(self.step)
+            (rollout, prompts, texts, metrics), version = rollouts.get(self.step)
+        rollout.policy_version = version
+        staleness = float(self.state.updates - version)
+        self._dropped_stale += dropped
+        return rollout, prompts, texts, {**metrics, "sample/staleness_mean": staleness, "sample/staleness_max": staleness,
+                                         "sample/dropped_stale_total": float(self._dropped_stale),
+                                         "perf/rollout_wait_s": time.perf_counter() - started}
+
+    def _generate(self, stop_at: int) -> dict:
+        """A generation process: sample every step's rows for the training ranks it serves."""
+        cfg = self.config
+        lag = steps_ahead(cfg.max_staleness, cfg.num_iterations * self.num_updates)
+        self.policy.eval()
+
+        def collect(step: int, trainer_rank: int):
+            rank_world = World(rank=trainer_rank, size=self.world.size)
+            return self.collect_rollout(step, self.generation, rank_world)
+
+        generation_loop(collect, self.policy, self.global_rank, self.generators, self.world.size, self.step, stop_at,
+                        lag)
+        return {"status": "finished", "step": self.step, "first_reward": None, "last_reward": None, "signal": None}
 
     # ------------------------------------------------------------------ update, evaluation, state
     def update(self, rollout: Rollout) -> UpdateResult:
@@ -231,6 +303,14 @@ class Trainer:
         self.rewards = setup.reward_specs(cfg, reward_functions)  # first: a code reward's sandbox is logged
         # --- processes: world size one unless launched by torchrun (grpo.loop.distributed) ---
         self.world = init_world(cfg.device, cfg.distributed_timeout, cfg.distributed)
+        self.global_rank, self.generators = self.world.rank, []  # generators: ranks that only generate
+        if cfg.max_staleness is not None and self.world.size > 1:  # grpo.loop.async_rollouts
+            self.world, self.generators = split_world(self.world, cfg.generation_processes)
+            if cfg.dynamic_sampling:
+                raise ValueError("--dynamic-sampling with generation processes is not supported: its extra rounds "
+                                 "need every training rank's groups (one process with --max-staleness runs it)")
+        self.generating = self.global_rank in self.generators
+        self._dropped_stale = 0
         device = resolve_device(cfg.device)
         if device.type == "cuda" and torch.distributed.is_initialized():
             device = torch.device("cuda", self.world.local_rank)
@@ -245,7 +325,7 @@ class Trainer:
         # --- data: loaded and checked before any model ---
         source, setting = (str(self.resume_from), "--resume") if self.resume_from else (cfg.model, "--model")
         self.tokenizer = tokenizer or load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template, setting)
-        tool_set, self.template_kwargs = setup.tool_set(cfg, self.tokenizer, tools)  # grpo/loop/tools.py
+        self.tool_set, self.template_kwargs = setup.tool_set(cfg, self.tokenizer, tools)  # grpo/loop/tools.py
         self.train_rows, self.task = setup.task_rows(cfg, train_rows, cfg.train_split, "train")
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
             self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts,
@@ -262,13 +342,13 @@ class Trainer:
         policy, peft_model = setup.load_policy(cfg, device, weight_dtype, self.tokenizer, policy, self.resume_from,
                                                source, setting)
         check_plain_output_head(policy.config)  # before any sampling, not at the first update
-        reference = setup.load_reference(cfg, device, precision, self.tokenizer, policy, self.resume_from,
-                                         policy_given=policy_given)
+        reference = None if self.generating else setup.load_reference(
+            cfg, device, precision, self.tokenizer, policy, self.resume_from, policy_given=policy_given)
         if cfg.gradient_checkpointing:
             setup.use_gradient_checkpointing(policy)
         policy.train()
         self.eos_token_ids = eos_token_ids(policy, self.tokenizer)
-        distributed = resolve_mode(cfg.distributed, self.world)
+        distributed = "none" if self.generating else resolve_mode(cfg.distributed, self.world)
         if cfg.use_peft and distributed == "fsdp":
             raise ValueError("--use-peft under FSDP2 is not supported yet: use --distributed ddp (the adapters are "
                              "small, every rank can hold them and the frozen base)")
@@ -277,7 +357,7 @@ class Trainer:
             reference, distributed, self.world, device, precision, trainable=False, cpu_offload=cfg.fsdp_cpu_offload)
         if cfg.use_peft and cfg.beta != 0.0:  # the same weights, adapters off (or the starting adapter)
             reference_call = AdaptersOff(policy, peft_model)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        autocast = setup.autocast(device, precision)
         self.models = Models(policy, policy_call, reference, reference_call, device, autocast, peft_model, distributed)
 
         # --- the step's functions: the plain ones, or kernels that compute the same numbers (chosen once) ---
@@ -285,7 +365,7 @@ class Trainer:
         # self.kernels: the grpo.kernels.KernelChoice (which kernels apply, and why the others do not); None: plain
         self.functions, sampler, self.kernels = setup.step_functions(cfg, device, policy, distributed, entropy.enabled)
         self.generation = make_generation_backend(cfg.generation_backend, policy, self.tokenizer.pad_token_id, sampler,
-                                                  tool_set)
+                                                  self.tool_set)
 
         # --- sizes, optimizer, schedule, sampling, the step's counters ---
         self.num_updates = cfg.updates_per_generation  # k optimizer updates per rollout and iteration
@@ -297,9 +377,11 @@ class Trainer:
         self.state = StepState(entropy=entropy)
         self.cpu_threads = CpuThreads(cfg.adapt_cpu_threads and device.type == "cpu")
         self._stop_signal = None
-        if self.resume_from is not None:
+        if self.resume_from is not None and not self.generating:
             run_state.restore(self.resume_from, self.state, self.models, self.optimizer, self.scheduler, self.world,
                               cfg)
+        elif self.resume_from is not None:  # a generation process: only where to start (the weights come from rank 0)
+            self.state.step = load_trainer_state(self.resume_from)["step"]
 
 
 __all__ = ["Trainer", "TrainingError", "Rollout"]

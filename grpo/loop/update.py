@@ -2,7 +2,9 @@
 
     advantages  (N,) group-relative, scaled, over every rank's rows      grpo.algorithm.advantages (DeepSeekMath 4.1.2)
     ref / old   (N, T) log-probs without grad, micro-batch by micro-batch  functions.logprobs
-                (ref if beta != 0; old if the rollout feeds more than one update, else rho = 1)
+                (ref if beta != 0; old if the rollout feeds more than one update or is corrected, else rho = 1)
+    behaviour   w = pi_old / pi_b from the rollout's sampler log-probs,   grpo.algorithm.off_policy
+                when the correction applies (GRPOConfig.corrects_behaviour)
     update      for each of num_iterations x k updates, over its slice of the rows:
                   micro-batches -> log-probs -> per-token loss -> aggregate   functions.update_loss, grpo.algorithm.loss
                   (- entropy bonus) -> backward, the gradients accumulating
@@ -36,7 +38,8 @@ from grpo.loop.distributed import World, accumulating, full_tensor
 from grpo.algorithm.logprobs import completion_logprobs
 from grpo.algorithm.loss import (EntropyControl, LossOptions, LossStats, aggregate_loss, entropy_bonus, loss_terms,
                        policy_loss_value, terms_statistics)
-from grpo.loop.metrics import step_metrics
+from grpo.algorithm.off_policy import behaviour_weights, mismatch_statistics
+from grpo.loop.metrics import sampling_metrics, step_metrics
 from grpo.loop.rollout import Rollout, seeded
 
 logger = logging.getLogger("grpo")
@@ -80,8 +83,9 @@ class StepFunctions:
 
     logprobs: Callable  # (model, ids, attention_mask, completion_mask) -> ((n, T) logps, None); no grad passes
     update_loss: Callable  # (model, ids, attention_mask, loss_mask, advantages, old, ref, aggregation,
-    #                        entropy_coef) -> (loss, LossStats); old None when on-policy; entropy_coef None: no
-    #                        bonus; the completion the model reads is attention_mask's last T columns
+    #                        entropy_coef, behaviour, is_weights) -> (loss, LossStats); old None when on-policy;
+    #                        entropy_coef None: no bonus; behaviour / is_weights None: no correction
+    #                        (grpo.algorithm.off_policy); the completion is attention_mask's last T columns
     batches: Callable  # (lengths (N,), micro_batch_size) -> [rows]: the reference / old passes' micro-batches
     update_batches: Callable  # (rows (N/k,), lengths (N,), micro_batch_size) -> [rows]: one update's micro-batches
 
@@ -93,7 +97,8 @@ class UpdateResult:
     metrics: dict  # trl's names, over every rank
     advantages: torch.Tensor  # (N,)
     ref_logps: torch.Tensor | None  # (N, T) when beta != 0
-    old_logps: torch.Tensor | None  # (N, T) when the rollout feeds more than one update
+    old_logps: torch.Tensor | None  # (N, T) when the rollout feeds more than one update or is corrected
+    is_weights: torch.Tensor | None = None  # (N, T) or (N, 1): w = pi_old / pi_b, when the correction applies
     micro_batch_losses: list[float] = field(default_factory=list)  # in the order they ran
     micro_batch_stats: list[LossStats] = field(default_factory=list)
     step_losses: list[float] = field(default_factory=list)  # per optimizer update, over every rank
@@ -117,12 +122,13 @@ def logprob_loss(logprobs: Callable, options: LossOptions) -> Callable:
     """The update loss as the paper writes it: log-probs -> per-token loss -> aggregation (- entropy bonus)."""
 
     def update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation,
-                    entropy_coef=None):
+                    entropy_coef=None, behaviour_logps=None, is_weights=None):
         completion_mask = attention_mask[:, -loss_mask.shape[1]:]  # (n, T) tool results included
         logps, entropy = logprobs(model, ids, attention_mask, completion_mask, with_entropy=True)  # (n, T)
         old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
         mask = loss_mask.to(logps.dtype)  # (n, T)
-        terms = loss_terms(logps, old, advantages[:, None], mask, ref_logps, options, entropy)
+        terms = loss_terms(logps, old, advantages[:, None], mask, ref_logps, options, entropy, behaviour_logps,
+                           is_weights)
         loss = aggregate_loss(terms.loss, mask, options.loss_type, **aggregation)
         stats = terms_statistics(terms, advantages, mask, options, entropy)
         if entropy_coef is not None:  # loss - coef * mean entropy over the tokens the policy loss keeps
@@ -280,8 +286,19 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
     passes = partial(no_grad_logprobs, tensors=tensors, logprobs=functions.logprobs, batches=functions.batches,
                      micro_batch_size=config.micro_batch_size, autocast=models.autocast)
     ref_logps = passes(models.reference_call) if config.beta != 0.0 else None
+    behaviour = None  # (N, T) the log-probs of the policy that sampled, when the update corrects for it
+    if config.corrects_behaviour:
+        if rollout.sampler_logprobs is None:
+            raise ValueError("the importance-sampling correction needs the rollout's sampler_logprobs (the behaviour "
+                             "policy's per-token log-probs): build it with them, or pass --no-importance-sampling-correction")
+        behaviour = rollout.sampler_logprobs.to(device)
     off_policy = config.num_iterations * num_updates > 1  # some update runs after the policy moved
-    old_logps = passes(models.policy_call) if off_policy else None
+    old_logps = passes(models.policy_call) if off_policy or behaviour is not None else None
+    is_weights, mismatch = None, None
+    if behaviour is not None:  # w = pi_old / pi_b, truncated or masked (trl 1.16's modes)
+        is_weights = behaviour_weights(old_logps, behaviour, loss_mask, config.importance_sampling_mode,
+                                       config.importance_sampling_clip_min, config.importance_sampling_clip_max)
+        mismatch = mismatch_statistics(old_logps, behaviour, loss_mask, is_weights)
 
     # --- num_iterations x k x (micro-batches -> loss -> backward; clip; AdamW; LR) ---
     # dapo / cispo / vespo divide by the real tokens of one update over all ranks (the rollout's / k, as trl),
@@ -291,7 +308,8 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
     aggregation = dict(num_micro_batches=num_micro, max_completion_length=config.max_completion_length,
                        num_items_in_batch=num_items_in_batch)
     lengths = completion_mask.sum(-1).cpu()  # (N,)
-    result = UpdateResult({}, advantages, ref_logps, old_logps, num_items_in_batch=num_items_in_batch * world.size)
+    result = UpdateResult({}, advantages, ref_logps, old_logps, is_weights,
+                          num_items_in_batch=num_items_in_batch * world.size)
     for iteration in range(config.num_iterations):
         order = micro_batch_order(num_rows, config.seed, state.step, iteration, world.rank)  # (N,)
         for update_rows in order.chunk(num_updates):  # (N / k,) each update its own slice of the rows
@@ -302,10 +320,13 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
                 ids, attention_mask, mask = micro_batch(tensors, rows)
                 ref = None if ref_logps is None else ref_logps[rows, : mask.shape[1]]
                 old = None if old_logps is None else old_logps[rows, : mask.shape[1]]
+                sampled = None if behaviour is None else behaviour[rows, : mask.shape[1]]
+                weights = None if is_weights is None else is_weights[rows, : mask.shape[1]]
                 with accumulating(models.policy_call, last=index == num_micro - 1):  # DDP: one all-reduce
                     with models.autocast:
                         loss, stats = models.policy_call(functions.update_loss, ids, attention_mask, mask,
-                                                         advantages[rows], old, ref, aggregation, coef)
+                                                         advantages[rows], old, ref, aggregation, coef, sampled,
+                                                         weights)
                     finite = finite and bool(torch.isfinite(loss))
                     loss.backward()  # also when not finite: every rank takes part in each gradient sync
                 losses.append(loss.item())
@@ -319,5 +340,6 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
 
     result.metrics = {**reward_stats, **step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, result,
                                                      [spec.name for spec in reward_specs],
-                                                     scheduler.get_last_lr()[0], state.skipped_updates)}
+                                                     scheduler.get_last_lr()[0], state.skipped_updates),
+                      **sampling_metrics(world, mismatch)}
     return result
