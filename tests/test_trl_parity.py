@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import types
 
 import pytest
 import torch
@@ -92,6 +93,23 @@ EXTRA_DEFAULTS = dict(
 )
 
 
+def _trl_is_settings(settings):
+    """trl's vllm_importance_sampling_* from a configuration's is_mode / is_min / is_max."""
+    if "is_mode" not in settings:
+        return {"vllm_importance_sampling_correction": False}
+    return dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=settings["is_mode"],
+                vllm_importance_sampling_clip_min=settings.get("is_min"),
+                vllm_importance_sampling_clip_max=settings.get("is_max", 3.0))
+
+
+def _our_is_settings(settings):
+    if "is_mode" not in settings:
+        return {}
+    return dict(importance_sampling_correction=True, importance_sampling_mode=settings["is_mode"],
+                importance_sampling_clip_min=settings.get("is_min"),
+                importance_sampling_clip_max=settings.get("is_max", 3.0))
+
+
 def _extras(settings):
     return {key: settings.get(key, default) for key, default in EXTRA_DEFAULTS.items()}
 
@@ -125,6 +143,14 @@ def fixed_completions(rollout_index: int, vocab: int, eos: int, num_rows: int):
     return completions
 
 
+def fixed_behaviour_logprobs(completions: list[list[int]], rollout_index: int) -> list[list[float]]:
+    """The behaviour policy's per-token log-probs (what a generation backend hands back): around the tiny model's
+    own (about -6.3 over its 460 tokens at temperature 0.7), so that w = pi_old / pi_b spreads on both sides of
+    the clip bounds."""
+    g = torch.Generator().manual_seed(2000 + rollout_index)
+    return [(-6.3 + 1.6 * (torch.rand(len(c), generator=g) - 0.5)).tolist() for c in completions]
+
+
 def fixed_tool_masks(completions: list[list[int]]) -> list[list[int]]:
     """0 on a stretch inside each completion of 4 tokens or more (a tool's result, as trl's env_mask marks it):
     tokens 1 and 2 of even rows, 2 to 4 of odd ones; never the last token."""
@@ -154,7 +180,7 @@ def make_trl(model_dir, rows, settings, completions_for=fixed_completions, max_l
         num_iterations=settings["iterations"], importance_sampling_level=settings["level"],
         mask_truncated_completions=settings["mask_truncated"], reward_weights=WEIGHTS, seed=0, logging_steps=1,
         max_steps=NUM_ROLLOUTS * settings["iterations"] * k, shuffle_dataset=False, steps_per_generation=ga * k,
-        **_extras(settings),
+        **_extras(settings), **_trl_is_settings(settings),
     )
     state = {"rollout": 0, "completions": None}
 
@@ -166,7 +192,8 @@ def make_trl(model_dir, rows, settings, completions_for=fixed_completions, max_l
         state["completions"] = completions
         state["tool_masks"] = fixed_tool_masks(completions) if settings.get("tool_mask") else None
         extra = {"env_mask": state["tool_masks"]} if settings.get("tool_mask") else {}  # trl's tool_mask from a rollout
-        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None, **extra}
+        state["behaviour"] = fixed_behaviour_logprobs(completions, state["rollout"]) if "is_mode" in settings else None
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": state["behaviour"], **extra}
 
     peft_config = None
     if "lora" in settings:  # trl's GRPOTrainer(peft_config=...): the reference is the model with adapters off
@@ -177,6 +204,9 @@ def make_trl(model_dir, rows, settings, completions_for=fixed_completions, max_l
                                  task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=REWARDS, args=args, peft_config=peft_config,
                           train_dataset=datasets.Dataset.from_list(rows), rollout_func=rollout_func)
+    if "is_mode" in settings:  # trl corrects only when vLLM generates: the rollout_func stands in for it
+        trainer.use_vllm, trainer._last_loaded_step = True, trainer.state.global_step
+        trainer.vllm_generation = types.SimpleNamespace(sync_weights=lambda: None)
     trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
     return trainer, state
 
@@ -227,14 +257,14 @@ def make_ours(model_dir, rows, settings, tmp_path, kernels, max_len=MAX_LEN, lr=
         importance_sampling_level=settings["level"], mask_truncated_completions=settings["mask_truncated"],
         device="cpu", precision="fp32", reward=["int"], max_steps=NUM_ROLLOUTS, kernels=kernels,
         steps_per_generation=settings["ga"] * _updates_per_generation(settings), **_extras(settings),
-        **_lora_settings(settings),
+        **_lora_settings(settings), **_our_is_settings(settings),
     )
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     specs = [RewardSpec(fn.__name__, fn, w) for fn, w in zip(REWARDS, WEIGHTS)]
     return Trainer(config, policy=policy, reward_functions=specs, train_rows=rows)
 
 
-def our_step(trainer, inputs, completions, grads_out, tool_masks=None):
+def our_step(trainer, inputs, completions, grads_out, tool_masks=None, behaviour=None):
     tokenizer = trainer.tokenizer
     prompts = [row["prompt"] for row in inputs]
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -244,6 +274,11 @@ def our_step(trainer, inputs, completions, grads_out, tool_masks=None):
     rewards = score_completions(trainer.rewards, prompts, chat, columns)
     rollout = Rollout.from_token_lists([encode_prompt(tokenizer, p) for p in prompts], completions, rewards,
                                        trainer.eos_token_ids, tokenizer.pad_token_id, tool_masks)
+    if behaviour is not None:  # the behaviour policy's log-probs, as a backend hands them with its tokens
+        rollout.sampler_logprobs = torch.zeros(rollout.completion_ids.shape)
+        for row, values in enumerate(behaviour):
+            width = min(len(values), rollout.completion_ids.shape[1])
+            rollout.sampler_logprobs[row, :width] = torch.tensor(values[:width])
     step = trainer.optimizer.step
 
     def capture():
@@ -339,7 +374,22 @@ OPTIONS = [dict(BASE, **change) for change in (
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORAS = [dict(BASE, lora=(4, 8, LORA_TARGETS)),
          dict(BASE, lora=(8, 16, ("q_proj", "v_proj")), loss_type="dapo", ga=1, **OFF)]
-CONFIGURATIONS = MATRIX + AXES + OBJECTIVES + OPTIONS + LORAS
+# The behaviour policy's log-probs from the rollout_func (trl corrects them when vLLM generates): every mode of
+# vllm_importance_sampling_mode, with the loss types and options it combines with.
+IMPORTANCE_SAMPLING = [dict(BASE, **change) for change in (
+    dict(is_mode="token_truncate"),
+    dict(is_mode="token_mask", is_min=0.5, is_max=2.0),
+    dict(is_mode="sequence_mask", is_min=0.05, is_max=20.0, loss_type="dapo", **OFF),
+    dict(is_mode="sequence_truncate", is_min=0.1, is_max=5.0, level="sequence", **OFF),
+    dict(is_mode="token_mask", is_min=0.7, is_max=None, loss_type="bnpo", scale="batch"),
+    dict(is_mode="token_truncate", is_max=1.5, loss_type="cispo", iterations=2, epsilon_high=1.0005),
+    dict(is_mode="sequence_mask", is_max=20.0, loss_type="sapo", mask_truncated=True),
+    dict(is_mode="token_mask", is_max=2.0, loss_type="vespo", **OFF),
+    dict(is_mode="token_truncate", is_min=0.5, is_max=2.0, off_policy_mask_threshold=0.1, **OFF),
+    dict(is_mode="token_truncate", is_max=2.0, tool_mask=True, loss_type="dr_grpo", updates_per_generation=2),
+    dict(is_mode="sequence_truncate", is_min=0.2, is_max=4.0, loss_type="luspo", level="sequence", beta=0.0),
+)]
+CONFIGURATIONS = MATRIX + AXES + OBJECTIVES + OPTIONS + LORAS + IMPORTANCE_SAMPLING
 
 
 def _loss_rtol(settings):
@@ -397,6 +447,7 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
         assert torch.equal(param, ours_named[_trl_name(name)])
 
     k = _updates_per_generation(settings)
+    within, bounded = [], []  # importance sampling: whether some weights were kept, and some clamped or masked
     for index in range(num_rollouts):
         inputs = [row for row in rows[index * PROMPTS * k : (index + 1) * PROMPTS * k] for _ in range(GROUP)]
         if same_start:
@@ -406,7 +457,8 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
         trl_record = trl_step(trl_trainer, trl_state, inputs, index, settings["ga"], settings["iterations"], k)
         metrics_before = {key: list(values) for key, values in trl_trainer._metrics["train"].items()}
         our_grads = []
-        rollout, last = our_step(ours, inputs, trl_state["completions"], our_grads, trl_state["tool_masks"])
+        rollout, last = our_step(ours, inputs, trl_state["completions"], our_grads, trl_state["tool_masks"],
+                                 trl_state["behaviour"])
         batch = trl_record["batch"]
 
         # Advantages (weighted rewards with None rows, group/batch/none scaling, or GDPO's per-reward normalisation).
@@ -418,9 +470,25 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
         if settings["beta"]:
             torch.testing.assert_close(last.ref_logps * trl_mask, batch["ref_per_token_logps"][:, :width] * trl_mask,
                                        rtol=1e-5, atol=1e-6 * floor)
-        if settings["iterations"] * k > 1:
+        if settings["iterations"] * k > 1 or "is_mode" in settings:
             torch.testing.assert_close(last.old_logps * trl_mask, batch["old_per_token_logps"][:, :width] * trl_mask,
                                        rtol=1e-5, atol=1e-6 * floor)
+        if "is_mode" in settings:  # w = pi_old / pi_b (per token or per completion), truncated or masked
+            expected = batch["importance_sampling_ratio"]
+            expected = expected if expected.shape[1] == 1 else expected[:, :width]
+            assert last.is_weights.shape == expected.shape
+            torch.testing.assert_close(last.is_weights, expected, rtol=1e-5, atol=1e-6 * floor)
+            for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                        "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                        "sampling/importance_sampling_ratio/max"):
+                torch.testing.assert_close(last.metrics[key], metrics_before[key][-1], rtol=1e-5, atol=1e-6 * floor,
+                                           msg=key)
+            bounds = _trl_is_settings(settings)
+            low = bounds["vllm_importance_sampling_clip_min"] or 0.0
+            high = bounds["vllm_importance_sampling_clip_max"] or float("inf")
+            real = expected.flatten() if expected.shape[1] == 1 else expected[trl_mask.bool()]
+            within.append(((real > low) & (real < high)).any().item())
+            bounded.append(((real <= low) | (real >= high)).any().item())
         # The loss of every micro-batch (already divided for accumulation) and the accumulated gradient.
         torch.testing.assert_close(torch.tensor(last.micro_batch_losses), torch.tensor(trl_record["losses"]),
                                    rtol=_loss_rtol(settings), atol=1e-6 * floor)
@@ -468,6 +536,8 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
                 and "lora" not in settings):
             assert any(s.clip_region > 0 for s in stats), "the off-policy update should clip some ratios"
 
+    if "is_mode" in settings:  # the bounds bite: some weights kept as they are, some clamped or masked
+        assert any(within) and any(bounded), (within, bounded)
     if settings.get("sync_ref_model"):  # the mixed reference itself, after every sync of the run
         ours_ref = dict(ours.models.reference.named_parameters())
         for name, param in trl_trainer.ref_model.named_parameters():
