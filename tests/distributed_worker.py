@@ -5,8 +5,11 @@
 Each rank trains the same small run and writes what it saw to OUT/rank-<r>.pt: per step its prompt indices,
 each prompt's completions, the gathered advantages, the metrics, the averaged gradient of the first update
 and the reference log-probs; at the end the full weights and whether the reference changed.
-Scenarios: `train` (the run), `kill` (rank 1 kills itself mid-step 2), `raise` (rank 1 raises in step 2).
-JSON overrides are GRPOConfig fields, plus `until` (train(until_step=...)).
+Scenarios: `train` (the run), `kill` (rank 1 kills itself mid-step 2), `raise` (rank 1 raises in step 2);
+with --max-staleness (generation processes, the last ranks): `gen_kill` / `gen_raise` (the generation process
+kills itself / raises while sampling step 2). JSON overrides are GRPOConfig fields, plus `until`
+(train(until_step=...)). Under --max-staleness the training ranks receive their rows from the generation
+processes, so their records hold no prompt indices or completions.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def main():
     until = overrides.pop("until", None)  # stop (and save) after this step: a run in two pieces
     config = GRPOConfig(**{**BASE, "output_dir": str(out / "run"), **overrides})
     trainer = Trainer(config)
-    rank = trainer.world.rank
+    rank = trainer.global_rank
     models = trainer.models
     record = {"steps": [], "world_size": trainer.world.size, "mode": models.distributed}
     ref_before = None if models.reference is None else full_params_of(models.reference_call)
@@ -82,9 +85,20 @@ def main():
                                 unwrap(models.policy_call).named_parameters() if p.grad is not None}
         return step_fn()
 
-    trainer.collect_rollout, trainer.update, trainer.optimizer.step = collecting, updating, stepping
+    def generating(step, *backend_and_world):  # a generation process samples for the training ranks
+        if step == 1 and scenario == "gen_kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == 1 and scenario == "gen_raise":
+            raise RuntimeError("a deliberate failure in the generation process")
+        return collect(step, *backend_and_world)
+
+    if config.max_staleness is None:
+        trainer.collect_rollout = collecting
+    elif trainer.generating:
+        trainer.collect_rollout = generating
+    trainer.update, trainer.optimizer.step = updating, stepping
     result = trainer.train(until_step=until)
-    record.update(result=result, params=full_params(trainer))
+    record.update(result=result, params=full_params(trainer), generating=trainer.generating)
     if ref_before is not None:
         after = full_params_of(models.reference_call)
         record["ref_unchanged"] = all(torch.equal(ref_before[k], after[k]) for k in ref_before)

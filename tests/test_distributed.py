@@ -200,3 +200,60 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint(tmp_path):
     assert int(checkpoint.name.split("-")[1]) == last_logged  # the step that was running when the signal came
     assert (checkpoint / "sharded").is_dir() and (checkpoint / "model.safetensors").is_file()
     assert "checkpoint saved. Resume with" in log
+
+
+# ----------------------------------------------------------------------------- asynchronous rollouts under torchrun
+
+def _logged(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _compare_async(single, ranks, tolerance):
+    """The training ranks' metrics and weights at --max-staleness 0: the single synchronous process's."""
+    trainers = [record for record in ranks if not record["generating"]]
+    assert trainers and len(trainers) < len(ranks)
+    for step, expected in enumerate(single["steps"]):
+        for record in trainers:
+            got = record["steps"][step]["metrics"]
+            for key, value in expected["metrics"].items():
+                if key in ("step_time", "sample_time", "tokens_per_second", "cpu_threads"):
+                    continue
+                assert got[key] == pytest.approx(value, rel=tolerance, abs=tolerance / 10), (step, key)
+    for name, value in single["params"].items():
+        for record in trainers:
+            torch.testing.assert_close(record["params"][name], value, rtol=0, atol=0 if tolerance == 0 else 2e-2 * LR,
+                                       msg=name)
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_generation_processes_at_staleness_0_compute_what_one_synchronous_process_computes(single, tmp_path,
+                                                                                          processes):
+    """The last rank generates, the others train: 1 + 1 runs unwrapped (bit for bit the single process), 2 + 1
+    under FSDP2 (the two-rank tolerances)."""
+    done, ranks = launch(tmp_path, processes, max_staleness=0, importance_sampling_correction=False)
+    assert [record["generating"] for record in ranks] == [False] * (processes - 1) + [True]
+    _compare_async(single, ranks, 0.0 if processes == 2 else 1e-5)
+    assert [row["sample/staleness_max"] for row in _logged(tmp_path / "run")] == [0.0, 0.0, 0.0]
+
+
+def test_generation_processes_run_ahead_within_max_staleness(tmp_path):
+    """--max-staleness 1: every step after the first trains on rows sampled one update earlier, and the weights
+    move (the run is not the synchronous one)."""
+    done, ranks = launch(tmp_path, 2, max_staleness=1, max_steps=4)
+    logged = _logged(tmp_path / "run")
+    assert [row["sample/staleness_max"] for row in logged] == [0.0, 1.0, 1.0, 1.0]
+    assert all("sampling/importance_sampling_ratio/mean" in row for row in logged)
+
+
+@pytest.mark.parametrize("scenario", ["gen_kill", "gen_raise"])
+def test_a_generation_process_that_dies_ends_the_run_with_its_cause(tmp_path, scenario):
+    done, _ = launch(tmp_path, 2, scenario=scenario, check=False, timeout=120, max_staleness=1, max_steps=4)
+    assert done.returncode != 0
+    assert done.elapsed < 60, done.elapsed
+    log = done.stdout + done.stderr
+    if scenario == "gen_kill":  # whoever sees it first names it: torchrun (the exit signal) or the trainer
+        assert "generation process (rank 1)" in log or "(exitcode: -9) local_rank: 1" in log, log[-3000:]
+    else:
+        assert "generation process (rank 1) failed" in log, log[-3000:]
+    if scenario == "gen_raise":
+        assert "a deliberate failure in the generation process" in log, log[-3000:]

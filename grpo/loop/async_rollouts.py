@@ -12,8 +12,9 @@ Two ways to run the generation:
     one process   `BackgroundRollouts`: a thread samples on its own copy of the policy; after each step the
                   trainer publishes a snapshot of the weights, the thread loads the one its next step needs
     torchrun      the last --generation-processes ranks only generate (`generation_loop`); rank 0 of the
-                  training ranks sends them the weights through torch.distributed after each step
-                  (`ProcessRollouts.publish`), each training rank receives its rows from one of them
+                  training ranks sends them the weights through torch.distributed (send / recv) after each step
+                  (`ProcessRollouts.publish`); each training rank reads its rows from the run's TCPStore, where
+                  one of them put them (small: token ids and rewards)
 Faults: an exception in the generator (thread or process) ends the run with its traceback named; a generation
 process that dies or hangs (no heartbeat for HEARTBEAT_LIMIT_S) ends it within a minute. On a stop (SIGTERM,
 --max-steps in pieces) the rollouts already sampled for later steps are discarded: a checkpoint holds the
@@ -24,6 +25,7 @@ weights and counters only, and the resumed run samples those steps again from th
 from __future__ import annotations
 
 import copy
+import datetime
 import logging
 import pickle
 import signal
@@ -37,8 +39,7 @@ import torch.distributed as dist
 logger = logging.getLogger("grpo")
 
 HEARTBEAT_S = 2.0  # a generation process writes its heartbeat this often
-HEARTBEAT_LIMIT_S = 30.0  # ... and is declared dead when none came for this long
-_POLL_S = 0.01
+HEARTBEAT_LIMIT_S = 20.0  # ... and is declared dead when none came for this long
 
 
 class GenerationError(RuntimeError):
@@ -190,36 +191,18 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
-def _send(obj, dst: int) -> list:
-    """Send a picklable object (header: its byte count) without waiting; returns the handles to wait on."""
+def _header(obj) -> tuple[torch.Tensor, torch.Tensor]:
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    header = torch.tensor([payload.numel()], dtype=torch.int64)
-    return [dist.isend(header, dst), dist.isend(payload, dst), payload, header]
+    return torch.tensor([payload.numel()], dtype=torch.int64), payload
 
 
-def _wait(work, peer: int) -> None:
-    """Wait for a send or receive with `peer`, checking every second that the generation process is alive."""
-    checked = time.monotonic()
-    while not work.is_completed():
-        if time.monotonic() - checked > 1.0:
-            check_generators([peer])
-            checked = time.monotonic()
-        time.sleep(_POLL_S)
-    try:
-        work.wait()
-    except RuntimeError as error:
-        check_generators([peer])
-        raise GenerationError(f"process {peer}: {error}") from error
-
-
-def _receive(src: int, watch: bool):
-    header = torch.zeros(1, dtype=torch.int64)
-    work = dist.irecv(header, src)
-    _wait(work, src) if watch else work.wait()
-    payload = torch.empty(int(header.item()), dtype=torch.uint8)
-    work = dist.irecv(payload, src)
-    _wait(work, src) if watch else work.wait()
-    return pickle.loads(payload.numpy().tobytes())  # from a rank of this same run (torchrun's own processes)
+def _receive_header(src: int):
+    """A picklable message sent by `_Sender` (from training rank 0 of this same run)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src)
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def check_generators(ranks: list[int]) -> None:
@@ -236,65 +219,88 @@ def check_generators(ranks: list[int]) -> None:
                 raise GenerationError(f"generation process (rank {rank}) died or hangs: no heartbeat for {age:.0f} s")
 
 
+class _Sender:
+    """Training rank 0's messages to the generation ranks (weights, then stop), sent in order by a thread so that
+    the loop goes on while a generation rank is still sampling with older weights."""
+
+    def __init__(self, generators: list[int]):
+        self.generators, self.queue, self.error = generators, [], None
+        self.condition = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="grpo-weights", daemon=True)
+        self.thread.start()
+
+    def put(self, message, flat: torch.Tensor | None = None) -> None:
+        if self.error is not None:
+            raise GenerationError(f"sending to the generation processes failed: {self.error}")
+        with self.condition:
+            self.queue.append((message, flat))
+            self.condition.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.condition:
+                    while not self.queue:
+                        self.condition.wait()
+                    message, flat = self.queue.pop(0)
+                for rank in self.generators:
+                    for tensor in (*_header(message), *(() if flat is None else (flat,))):
+                        dist.send(tensor, rank)
+                if message[0] == "stop":
+                    return
+        except Exception as error:  # a generation process that died; the loop names it (check_generators)
+            self.error = error
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+
 class ProcessRollouts:
-    """The training ranks' side: receive each step's rows from a generation rank; rank 0 publishes weights."""
+    """The training ranks' side: each rank reads its rows of every step from the store, written by its generation
+    rank; training rank 0 sends the weights (a flat fp32 vector) after every step."""
 
     def __init__(self, world, generators: list[int], start: int, total: int, lag: int):
         self.world, self.generators, self.start, self.total, self.lag = world, generators, start, total, lag
         self.source = generator_of(world.rank, generators)
-        self.received = start  # the next step whose rows this rank has not received
-        self.published = start - 1  # the last steps_done sent to the generators
-        self.pending: list = []
+        self.sender = _Sender(generators) if world.is_main else None
 
     def begin(self, version: int, model: torch.nn.Module) -> None:
         self.publish(self.start, version, model)
 
     def publish(self, steps_done: int, version: int, model: torch.nn.Module) -> None:
-        """Every training rank (FSDP2 gathers the full weights), rank 0 sends them to every generation rank."""
+        """Every training rank (FSDP2 gathers the full weights); rank 0 sends them."""
         from grpo.loop.distributed import full_tensor
 
         flat = torch.cat([full_tensor(p.detach()).reshape(-1).float().cpu() for p in model.parameters()])
-        if self.world.is_main:
-            for work in self.pending:
-                if hasattr(work, "is_completed"):
-                    _wait(work, self.generators[0])
-            self.pending = []
-            for rank in self.generators:
-                self.pending += _send(("weights", steps_done, version), rank) + [dist.isend(flat, rank), flat]
-        self.published = steps_done
+        if self.sender is not None:
+            self.sender.put(("weights", steps_done, version), flat)
 
     def get(self, step: int) -> tuple:
-        """(collected, policy version) of `step` (received in step order)."""
-        if step != self.received:
-            raise RuntimeError(f"rollouts arrive in step order: expected step {self.received}, asked for {step}")
-        message = _receive(self.source, watch=True)
-        if message[0] == "error":
-            raise GenerationError(f"generation process (rank {self.source}) failed:\n{message[1]}")
-        _, sampled_step, collected, version = message
-        assert sampled_step == step, (sampled_step, step)
-        self.received += 1
-        return collected, version
+        """(collected, policy version) of `step`, checking every second that the generation process is alive."""
+        store, key = _store(), f"grpo/rollout/{self.world.rank}/{step}"
+        while True:
+            try:
+                store.wait([key], datetime.timedelta(seconds=1))
+                break
+            except (RuntimeError, dist.DistStoreError):  # not there yet
+                check_generators([self.source])
+                if self.sender is not None and self.sender.error is not None:
+                    check_generators(self.generators)
+                    raise GenerationError(f"generation process (rank {', '.join(map(str, self.generators))}) is gone: "
+                                          f"sending it the weights failed: {self.sender.error}") from None
+        message = pickle.loads(store.get(key))  # from a rank of this same run (torchrun's own processes)
+        store.delete_key(key)
+        return message
 
     def resample(self, step: int) -> None:
         raise GenerationError(f"step {step}'s rollout arrived staler than --max-staleness from a generation process: "
                               "the weights must reach it after every step")
 
     def close(self) -> None:
-        """Discard the rows sampled ahead (every step the published weights allow), then tell the generators to
-        stop (rank 0)."""
-        last = min(self.published + self.lag, self.total - 1)
-        try:
-            for step in range(self.received, last + 1):
-                self.get(step)
-            if self.world.is_main:
-                for rank in self.generators:
-                    for work in _send(("stop",), rank)[:2]:
-                        _wait(work, rank)
-                for work in self.pending:
-                    if hasattr(work, "is_completed"):
-                        _wait(work, self.generators[0])
-        except GenerationError as error:
-            logger.warning("closing the generation processes: %s", error)
+        """Tell the generation ranks to stop (rank 0); the rows they sampled ahead are discarded."""
+        if self.sender is not None and self.sender.error is None:  # (an error was raised by get already)
+            self.sender.put(("stop",))
+            self.sender.join(timeout=60)
 
 
 @torch.no_grad()
@@ -309,7 +315,8 @@ def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list[int], num_trainers: int,
                     start: int, total: int, lag: int) -> None:
     """A generation rank: for every step, wait for the weights it samples from (messages from training rank 0,
-    applied in order), sample each served training rank's rows (`collect(step, trainer_rank)`), send them."""
+    applied in order), sample each served training rank's rows (`collect(step, trainer_rank)`), and put them in
+    the store for that rank. Ends at training rank 0's stop."""
     store = _store()
     beating = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals every rank: the training ranks say when to stop
@@ -323,27 +330,30 @@ def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list
     threading.Thread(target=heartbeat, daemon=True).start()
     served = served_by(rank, generators, num_trainers)
     params = list(model.parameters())
-    done, version, pending = start - 1, 0, []
+    numel = sum(p.numel() for p in params)
+    done, version = start - 1, 0
+
+    def next_message() -> bool:  # apply the next weights; False at the stop
+        nonlocal done, version
+        message = _receive_header(0)
+        if message[0] == "stop":
+            return False
+        _, done, version = message
+        flat = torch.empty(numel, dtype=torch.float32)
+        dist.recv(flat, 0)
+        load_flat(params, flat)
+        return True
+
     try:
         for step in range(start, total):
             while done < weights_step(step, lag, start):
-                message = _receive(0, watch=False)
-                if message[0] == "stop":
+                if not next_message():
                     return
-                _, done, version = message
-                flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-                dist.recv(flat, 0)
-                load_flat(params, flat)
             for trainer in served:
-                pending += _send(("rollout", step, collect(step, trainer), version), trainer)
-        while True:  # the last steps are sampled: wait for the stop (weights published meanwhile are dropped)
-            message = _receive(0, watch=False)
-            if message[0] == "stop":
-                break
-            dist.recv(torch.empty(sum(p.numel() for p in params), dtype=torch.float32), 0)
-        for work in pending:
-            if hasattr(work, "is_completed"):
-                work.wait()
+                message = (collect(step, trainer), version)
+                store.set(f"grpo/rollout/{trainer}/{step}", pickle.dumps(message))
+        while next_message():  # every step is sampled: the weights sent meanwhile are not needed
+            pass
     except BaseException:
         store.set(f"grpo/generation/{rank}/error", traceback.format_exc())
         raise
