@@ -86,6 +86,7 @@ class BackgroundRollouts:
         self._trace = ""
         self.stopping = False
         self.condition = threading.Condition()
+        self.threads = torch.get_num_threads()  # a new thread's own count could round the sums differently
         self.thread = threading.Thread(target=self._run, name="grpo-rollouts", daemon=True)
 
     def begin(self, version: int, model: torch.nn.Module) -> None:
@@ -115,10 +116,8 @@ class BackgroundRollouts:
             return self.ready.pop(step)
 
     def resample(self, step: int) -> None:
-        """Sample `step` again from the newest weights (its rollout was stale)."""
-        with self.condition:
-            self.redo.append(step)
-            self.condition.notify_all()
+        raise GenerationError(f"step {step}'s rollout arrived staler than --max-staleness: the generator ran further "
+                              "ahead than its schedule allows")
 
     def close(self) -> None:
         """Stop the thread after the rollout it is sampling (rollouts sampled ahead are discarded)."""
@@ -130,6 +129,7 @@ class BackgroundRollouts:
 
     def _run(self) -> None:
         try:
+            torch.set_num_threads(self.threads)
             step = self.start
             while True:
                 with self.condition:
