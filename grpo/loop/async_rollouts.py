@@ -5,8 +5,8 @@
 so it is at most lag * u <= N updates older than the weights it trains, and which weights sample which step
 does not depend on timing: a seeded asynchronous run is reproducible, and at N = 0 (lag 0) it computes the
 synchronous loop's numbers. Each rollout carries `policy_version`, the optimizer updates its weights had seen;
-the trainer checks staleness = updates now - policy_version on receipt and drops a rollout past N, as trl's
-AsyncGRPOTrainer drops stale samples, sampling that step again from the current weights (`sample/dropped_stale_total`).
+the trainer checks staleness = updates now - policy_version on receipt and never trains on a rollout past N
+(trl drops it; the schedule makes one impossible unless the generator is broken, so ours stops the run).
 
 Two ways to run the generation:
     one process   `BackgroundRollouts`: a thread samples on its own copy of the policy; after each step the
@@ -81,7 +81,6 @@ class BackgroundRollouts:
         self.backend = make_backend(self.model)
         self.weights: dict[int, tuple[int, dict]] = {}  # steps done -> (policy version, weights)
         self.ready: dict[int, tuple] = {}  # step -> (collected, policy version)
-        self.redo: list[int] = []  # steps to sample again from the newest weights (a stale rollout)
         self.error: BaseException | None = None
         self._trace = ""
         self.stopping = False
@@ -96,8 +95,7 @@ class BackgroundRollouts:
 
     def publish(self, steps_done: int, version: int, model: torch.nn.Module) -> None:
         """The weights after `steps_done` steps (`version` optimizer updates), for the steps that sample from them."""
-        needed = any(weights_step(t, self.lag, self.start) == steps_done for t in range(steps_done, self.total))
-        if not needed and steps_done != self.start:
+        if steps_done != self.start and steps_done + self.lag >= self.total:  # no later step samples from them
             return
         weights = snapshot(model)
         with self.condition:
@@ -115,10 +113,6 @@ class BackgroundRollouts:
                 raise GenerationError(f"generation failed: {self.error!r}\n{self._trace}") from self.error
             return self.ready.pop(step)
 
-    def resample(self, step: int) -> None:
-        raise GenerationError(f"step {step}'s rollout arrived staler than --max-staleness: the generator ran further "
-                              "ahead than its schedule allows")
-
     def close(self) -> None:
         """Stop the thread after the rollout it is sampling (rollouts sampled ahead are discarded)."""
         with self.condition:
@@ -133,27 +127,20 @@ class BackgroundRollouts:
             step = self.start
             while True:
                 with self.condition:
-                    while not self.stopping and not self.redo and (step >= self.total or weights_step(
-                            step, self.lag, self.start) not in self.weights):
+                    done = weights_step(step, self.lag, self.start)
+                    while not self.stopping and (step >= self.total or done not in self.weights):
                         self.condition.wait()
                     if self.stopping:
                         return
-                    if self.redo:  # a stale rollout: that step again, from the newest weights
-                        target = self.redo.pop(0)
-                        version, weights = self.weights[max(self.weights)]
-                    else:
-                        target = step
-                        done = weights_step(step, self.lag, self.start)
-                        version, weights = self.weights[done]
-                        for old in [d for d in self.weights if d < done]:  # no later step samples from these
-                            del self.weights[old]
+                    version, weights = self.weights[done]
+                    for old in [d for d in self.weights if d < done]:  # no later step samples from these
+                        del self.weights[old]
                 self.model.load_state_dict(weights)
-                collected = self.collect(target, self.backend)
+                collected = self.collect(step, self.backend)
                 with self.condition:
-                    self.ready[target] = (collected, version)
+                    self.ready[step] = (collected, version)
                     self.condition.notify_all()
-                if target == step:
-                    step += 1
+                step += 1
         except BaseException as error:  # handed to the trainer, which raises it with this traceback
             self._trace = traceback.format_exc()
             with self.condition:
@@ -259,8 +246,8 @@ class ProcessRollouts:
     """The training ranks' side: each rank reads its rows of every step from the store, written by its generation
     rank; training rank 0 sends the weights (a flat fp32 vector) after every step."""
 
-    def __init__(self, world, generators: list[int], start: int, total: int, lag: int):
-        self.world, self.generators, self.start, self.total, self.lag = world, generators, start, total, lag
+    def __init__(self, world, generators: list[int], start: int):
+        self.world, self.generators, self.start = world, generators, start
         self.source = generator_of(world.rank, generators)
         self.sender = _Sender(generators) if world.is_main else None
 
@@ -271,8 +258,9 @@ class ProcessRollouts:
         """Every training rank (FSDP2 gathers the full weights); rank 0 sends them."""
         from grpo.loop.distributed import full_tensor
 
-        flat = torch.cat([full_tensor(p.detach()).reshape(-1).float().cpu() for p in model.parameters()])
+        full = [full_tensor(p.detach()) for p in model.parameters()]  # FSDP2: a collective on every training rank
         if self.sender is not None:
+            flat = torch.cat([tensor.reshape(-1).float().cpu() for tensor in full])
             self.sender.put(("weights", steps_done, version), flat)
 
     def get(self, step: int) -> tuple:
@@ -291,10 +279,6 @@ class ProcessRollouts:
         message = pickle.loads(store.get(key))  # from a rank of this same run (torchrun's own processes)
         store.delete_key(key)
         return message
-
-    def resample(self, step: int) -> None:
-        raise GenerationError(f"step {step}'s rollout arrived staler than --max-staleness from a generation process: "
-                              "the weights must reach it after every step")
 
     def close(self) -> None:
         """Tell the generation ranks to stop (rank 0); the rows they sampled ahead are discarded."""

@@ -31,8 +31,8 @@ import torch
 from tqdm import tqdm
 
 from grpo.loop import run_state, setup
-from grpo.loop.async_rollouts import (BackgroundRollouts, ProcessRollouts, generation_loop, is_stale, split_world,
-                                      steps_ahead)
+from grpo.loop.async_rollouts import (BackgroundRollouts, GenerationError, ProcessRollouts, generation_loop, is_stale,
+                                      split_world, steps_ahead)
 from grpo.loop.checkpoint import latest_checkpoint, load_trainer_state
 from grpo.config import GRPOConfig
 from grpo.loop.distributed import World, gathered, init_world, resolve_mode, wrap_model
@@ -200,7 +200,7 @@ class Trainer:
         cfg = self.config
         lag = steps_ahead(cfg.max_staleness, cfg.num_iterations * self.num_updates)
         if self.generators:
-            rollouts = ProcessRollouts(self.world, self.generators, self.step, stop_at, lag)
+            rollouts = ProcessRollouts(self.world, self.generators, self.step)
         else:
             def make_backend(model):
                 sampler = self.kernels.sampler(cfg.max_prompt_length) if self.kernels is not None else None
@@ -213,21 +213,17 @@ class Trainer:
         return rollouts
 
     def _sampled_ahead(self, rollouts) -> tuple[Rollout, list, list, dict]:
-        """This step's rollout from the generator, with trl's staleness metrics; one past the bound is dropped and
-        sampled again from the current weights (trl's rule)."""
-        started, dropped = time.perf_counter(), 0
+        """This step's rollout from the generator, with trl's staleness metrics; one past the bound is never
+        trained on (grpo.loop.async_rollouts: its schedule makes one impossible unless the generator is broken)."""
+        started = time.perf_counter()
         (rollout, prompts, texts, metrics), version = rollouts.get(self.step)
-        while is_stale(version, self.state.updates, self.config.max_staleness):
-            dropped += 1
-            logger.info("step %d: dropping a stale rollout (staleness %d > max_staleness %d)", self.step + 1,
-                        self.state.updates - version, self.config.max_staleness)
-            rollouts.resample(self.step)
-            (rollout, prompts, texts, metrics), version = rollouts.get(self.step)
+        if is_stale(version, self.state.updates, self.config.max_staleness):
+            raise GenerationError(f"step {self.step + 1}'s rollout arrived staler than --max-staleness "
+                                  f"({self.state.updates - version} > {self.config.max_staleness} updates): the "
+                                  "generator ran further ahead than its schedule allows")
         rollout.policy_version = version
         staleness = float(self.state.updates - version)
-        self._dropped_stale += dropped
         return rollout, prompts, texts, {**metrics, "sample/staleness_mean": staleness, "sample/staleness_max": staleness,
-                                         "sample/dropped_stale_total": float(self._dropped_stale),
                                          "perf/rollout_wait_s": time.perf_counter() - started}
 
     def _generate(self, stop_at: int) -> dict:
@@ -310,7 +306,6 @@ class Trainer:
                 raise ValueError("--dynamic-sampling with generation processes is not supported: its extra rounds "
                                  "need every training rank's groups (one process with --max-staleness runs it)")
         self.generating = self.global_rank in self.generators
-        self._dropped_stale = 0
         device = resolve_device(cfg.device)
         if device.type == "cuda" and torch.distributed.is_initialized():
             device = torch.device("cuda", self.world.local_rank)
