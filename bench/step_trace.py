@@ -40,6 +40,7 @@ READER_ORDER = {
     "grpo/algorithm/loss.py": "the per-token objective, masks and k3 KL, the aggregation, the logged statistics",
     "grpo/loop/distributed.py": "the collectives (identities at world size one), the model call",
     "grpo/loop/metrics.py": "the step's metrics (trl's names) and its line in metrics.jsonl",
+    "grpo/config.py": "`corrects_behaviour`: whether the update corrects for the policy that sampled (off-policy)",
 }
 
 

@@ -249,9 +249,8 @@ class GRPOConfig(ConfigMixin):
     def corrects_behaviour(self) -> bool:
         """Whether the update multiplies by w = pi_old / pi_b (--importance-sampling-correction, which defaults to
         on exactly when rollouts are asynchronous)."""
-        if self.importance_sampling_correction is None:
-            return self.max_staleness is not None
-        return self.importance_sampling_correction
+        return bool(self.max_staleness is not None if self.importance_sampling_correction is None
+                    else self.importance_sampling_correction)
 
     @property
     def completions_per_step(self) -> int:

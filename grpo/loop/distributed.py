@@ -59,6 +59,8 @@ class World:
         return tensor
 
     def sum(self, value: float) -> float:
+        if self.size == 1:  # no collective: the value itself
+            return float(value)
         return float(self.all_sum(torch.tensor(float(value), dtype=torch.float64, device=self.device)).item())
 
     def max(self, value: float) -> float:

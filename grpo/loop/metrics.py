@@ -153,9 +153,8 @@ def group_samples(prompts: list, texts: list[str], rewards_per_func, names: list
 
 
 def tool_metrics(world, rollout, device) -> dict:
-    """trl's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls)."""
-    if rollout.tool_calls is None:
-        return {}
+    """trl's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls), of a rollout
+    with tool calls."""
     calls, failed = world.gather_rows(rollout.tool_calls.float().to(device)).sum(0).tolist()  # (N_all, 2) summed
     return {"tools/call_frequency": calls / (rollout.num_rows * world.size),
             "tools/failure_frequency": failed / calls if calls else 0.0}
@@ -167,11 +166,9 @@ LOSS_STAT_METRICS = {"entropy": "entropy", "clip_ratio/low_mean": "clip_low", "c
                      "vespo/phi_seq_mean": "vespo_phi", "policy_loss": "policy_loss", "kl": "kl"}
 
 
-def sampling_metrics(world, mismatch: dict | None) -> dict:
+def sampling_metrics(world, mismatch: dict) -> dict:
     """The behaviour / old mismatch over every rank's tokens (grpo.algorithm.off_policy.mismatch_statistics' sums),
     under trl's names. trl averages each rank's mean; ours is the mean over all tokens, as one process computes it."""
-    if mismatch is None:
-        return {}
     total = {key: world.sum(mismatch[key].item()) for key in ("diff_sum", "tokens", "kl_sum", "w_sum", "w_count")}
     largest = {key: -world.max(-mismatch[key].item()) if key == "w_min" else world.max(mismatch[key].item())
                for key in ("diff_max", "w_min", "w_max")}
@@ -206,7 +203,7 @@ def step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, update,
         "completions/clipped_ratio": world.gather_rows(rollout.truncated.float().to(device)).mean().item(),
         "num_tokens": int(lengths.sum().item()),
         "skipped_updates": skipped_updates,
-        **tool_metrics(world, rollout, device),
+        **(tool_metrics(world, rollout, device) if rollout.tool_calls is not None else {}),
     }
     for metric, name in LOSS_STAT_METRICS.items():  # over the step's tokens (or rows) on every rank
         pairs = [(getattr(s, name), s.weights()[name]) for s in update.micro_batch_stats if getattr(s, name) is not None]

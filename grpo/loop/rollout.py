@@ -82,8 +82,7 @@ class Rollout:
         assert self.prompt_ids.shape == self.prompt_mask.shape and self.prompt_ids.shape[0] == num_rows
         assert self.completion_mask.shape == self.completion_ids.shape
         assert self.truncated.shape == (num_rows,) and self.rewards_per_func.shape[0] == num_rows
-        for per_token in (self.sampler_logprobs, self.tool_mask):
-            assert per_token is None or per_token.shape == self.completion_ids.shape
+        assert all(t is None or t.shape == self.completion_ids.shape for t in (self.sampler_logprobs, self.tool_mask))
 
     @property
     def loss_mask(self) -> torch.Tensor:

@@ -91,7 +91,9 @@ class Trainer:
             while self.step < stop_at and not stopping:
                 threads = self.cpu_threads.adjust()  # the cores other processes left idle (grpo/loop/threads.py)
                 # sample -> reward -> advantage -> reference/old log-probs -> loss and update
-                metrics, rollout, prompts, texts = self.train_step(rollouts, stop_at)
+                metrics, rollout, prompts, texts = self.train_step(rollouts)
+                if rollouts is not None and self.step < stop_at:  # the generator samples ahead from the new weights
+                    rollouts.publish(self.step, self.state.updates, self.policy)
                 metrics["cpu_threads"] = threads
                 first_reward = metrics["reward"] if first_reward is None else first_reward
                 last_reward = metrics["reward"]
@@ -131,20 +133,14 @@ class Trainer:
         return {"status": status, "step": self.step, "first_reward": first_reward, "last_reward": last_reward,
                 "signal": self._stop_signal}
 
-    def train_step(self, rollouts=None, stop_at: int | None = None) -> StepOutput:
+    def train_step(self, rollouts=None) -> StepOutput:
         """One step: sample and reward this rank's rollout, then update on it; the step counter moves on.
-        `rollouts`: asynchronous generation (grpo.loop.async_rollouts), which gets the new weights after the update
-        unless the run stops at `stop_at`."""
+        `rollouts`: asynchronous generation (grpo.loop.async_rollouts) sampled it ahead."""
         started = time.perf_counter()
-        if rollouts is None:
-            rollout, prompts, texts, sampling_metrics = self.collect_rollout(self.step)  # sample -> reward
-        else:
-            rollout, prompts, texts, sampling_metrics = self._sampled_ahead(rollouts)
-        sampled = time.perf_counter()
-        metrics = {**self.train_on_rollout(rollout), **sampling_metrics}  # advantage -> ... -> optimizer -> metrics
+        rollout, prompts, texts, extra = self._sampled_ahead(rollouts) if rollouts else self.collect_rollout(self.step)
+        sampled = time.perf_counter()  # sample -> reward done; extra: dynamic sampling's or the staleness metrics
+        metrics = {**self.train_on_rollout(rollout), **extra}  # advantage -> ... -> optimizer -> metrics
         self.state.step += 1
-        if rollouts is not None and self.step < (stop_at or self.total_steps):
-            rollouts.publish(self.step, self.state.updates, self.policy)
         tokens = self.world.sum(rollout.completion_mask.sum().item())
         metrics.update(step_time=time.perf_counter() - started, sample_time=sampled - started,
                        tokens_per_second=tokens / max(sampled - started, 1e-9))
@@ -187,10 +183,10 @@ class Trainer:
         if generation is not None:  # a copy of the policy, in eval mode, in its own thread or process
             with setup.autocast(self.models.device, self.precision):
                 return sample(generation)
-        self.policy.eval()
+        self.models.policy.eval()
         with self.models.autocast, gathered(self.models.policy_call):  # FSDP2: full weights for the decode loop
             result = sample(self.generation)
-        self.policy.train()
+        self.models.policy.train()
         return result
 
     # ------------------------------------------------------------------ asynchronous rollouts (--max-staleness)

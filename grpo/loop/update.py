@@ -127,8 +127,7 @@ def logprob_loss(logprobs: Callable, options: LossOptions) -> Callable:
         logps, entropy = logprobs(model, ids, attention_mask, completion_mask, with_entropy=True)  # (n, T)
         old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
         mask = loss_mask.to(logps.dtype)  # (n, T)
-        terms = loss_terms(logps, old, advantages[:, None], mask, ref_logps, options, entropy, behaviour_logps,
-                           is_weights)
+        terms = loss_terms(logps, old, advantages[:, None], mask, ref_logps, options, entropy, behaviour_logps, is_weights)
         loss = aggregate_loss(terms.loss, mask, options.loss_type, **aggregation)
         stats = terms_statistics(terms, advantages, mask, options, entropy)
         if entropy_coef is not None:  # loss - coef * mean entropy over the tokens the policy loss keeps
@@ -255,6 +254,20 @@ def check_rollout(config, world: World, rollout: Rollout, num_updates: int) -> N
                          f"got {rollout.num_rows}")
 
 
+def behaviour_correction(rollout: Rollout, old_logps: torch.Tensor, loss_mask: torch.Tensor, config,
+                         world: World) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The behaviour policy's log-probs pi_b (N, T) from the rollout, w = pi_old / pi_b truncated or masked (trl
+    1.16's modes; (N, T) or (N, 1)), and trl's sampling/* metrics of the mismatch over every rank's tokens."""
+    if rollout.sampler_logprobs is None:
+        raise ValueError("the importance-sampling correction needs the rollout's sampler_logprobs (the behaviour "
+                         "policy's per-token log-probs): build it with them, or pass --no-importance-sampling-correction")
+    behaviour = rollout.sampler_logprobs.to(old_logps.device)  # (N, T)
+    is_weights = behaviour_weights(old_logps, behaviour, loss_mask, config.importance_sampling_mode,
+                                   config.importance_sampling_clip_min, config.importance_sampling_clip_max)
+    return behaviour, is_weights, sampling_metrics(world, mismatch_statistics(old_logps, behaviour, loss_mask,
+                                                                              is_weights))
+
+
 def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, scheduler, state: StepState,
                      world: World, functions: StepFunctions, reward_specs, num_updates: int = 1,
                      after_update=lambda: None) -> UpdateResult:
@@ -286,19 +299,10 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
     passes = partial(no_grad_logprobs, tensors=tensors, logprobs=functions.logprobs, batches=functions.batches,
                      micro_batch_size=config.micro_batch_size, autocast=models.autocast)
     ref_logps = passes(models.reference_call) if config.beta != 0.0 else None
-    behaviour = None  # (N, T) the log-probs of the policy that sampled, when the update corrects for it
-    if config.corrects_behaviour:
-        if rollout.sampler_logprobs is None:
-            raise ValueError("the importance-sampling correction needs the rollout's sampler_logprobs (the behaviour "
-                             "policy's per-token log-probs): build it with them, or pass --no-importance-sampling-correction")
-        behaviour = rollout.sampler_logprobs.to(device)
-    off_policy = config.num_iterations * num_updates > 1  # some update runs after the policy moved
-    old_logps = passes(models.policy_call) if off_policy or behaviour is not None else None
-    is_weights, mismatch = None, None
-    if behaviour is not None:  # w = pi_old / pi_b, truncated or masked (trl 1.16's modes)
-        is_weights = behaviour_weights(old_logps, behaviour, loss_mask, config.importance_sampling_mode,
-                                       config.importance_sampling_clip_min, config.importance_sampling_clip_max)
-        mismatch = mismatch_statistics(old_logps, behaviour, loss_mask, is_weights)
+    # old log-probs when some update runs after the policy moved, or when w = pi_old / pi_b needs them
+    old_logps = passes(models.policy_call) if config.num_iterations * num_updates > 1 or config.corrects_behaviour else None
+    behaviour, is_weights, sampling_stats = (behaviour_correction(rollout, old_logps, loss_mask, config, world)
+                                             if config.corrects_behaviour else (None, None, {}))
 
     # --- num_iterations x k x (micro-batches -> loss -> backward; clip; AdamW; LR) ---
     # dapo / cispo / vespo divide by the real tokens of one update over all ranks (the rollout's / k, as trl),
@@ -308,8 +312,7 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
     aggregation = dict(num_micro_batches=num_micro, max_completion_length=config.max_completion_length,
                        num_items_in_batch=num_items_in_batch)
     lengths = completion_mask.sum(-1).cpu()  # (N,)
-    result = UpdateResult({}, advantages, ref_logps, old_logps, is_weights,
-                          num_items_in_batch=num_items_in_batch * world.size)
+    result = UpdateResult({}, advantages, ref_logps, old_logps, is_weights, num_items_in_batch=num_items_in_batch * world.size)
     for iteration in range(config.num_iterations):
         order = micro_batch_order(num_rows, config.seed, state.step, iteration, world.rank)  # (N,)
         for update_rows in order.chunk(num_updates):  # (N / k,) each update its own slice of the rows
@@ -318,10 +321,8 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
             for index, rows in enumerate(functions.update_batches(update_rows, lengths, config.micro_batch_size)):
                 rows = rows.to(device)
                 ids, attention_mask, mask = micro_batch(tensors, rows)
-                ref = None if ref_logps is None else ref_logps[rows, : mask.shape[1]]
-                old = None if old_logps is None else old_logps[rows, : mask.shape[1]]
-                sampled = None if behaviour is None else behaviour[rows, : mask.shape[1]]
-                weights = None if is_weights is None else is_weights[rows, : mask.shape[1]]
+                ref, old, sampled, weights = (None if per_row is None else per_row[rows, : mask.shape[1]]  # (n, T')
+                                              for per_row in (ref_logps, old_logps, behaviour, is_weights))
                 with accumulating(models.policy_call, last=index == num_micro - 1):  # DDP: one all-reduce
                     with models.autocast:
                         loss, stats = models.policy_call(functions.update_loss, ids, attention_mask, mask,
@@ -338,8 +339,7 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
             result.step_losses.append(world.sum(sum(losses)) / world.size)  # the loss whose gradient was applied
             result.micro_batch_losses += losses
 
-    result.metrics = {**reward_stats, **step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, result,
+    result.metrics = {**reward_stats, **sampling_stats, **step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, result,
                                                      [spec.name for spec in reward_specs],
-                                                     scheduler.get_last_lr()[0], state.skipped_updates),
-                      **sampling_metrics(world, mismatch)}
+                                                     scheduler.get_last_lr()[0], state.skipped_updates)}
     return result
