@@ -6,6 +6,8 @@
 #      at the budget and at realistic lengths (--lengths full,realistic), with each step's real-token floor, and
 #      one more step of each of our runs profiled (--profile: where the reference and update passes' time goes);
 #   2. the CUDA-only tests (tests/test_gpu.py: compiled decode == eager greedy tokens, a bf16 training step);
+#   2a. behaviour vs recomputed log-probs (bench/mismatch.py): the compiled bf16 decode's per-token log-probs
+#      against the update's passes for the same tokens and weights, plain and auto kernels;
 #   2b. ours without the shared-prompt passes (ours-unshared) at realistic lengths, profiled: what running each
 #      group's prompt once buys in the reference and update passes;
 #   2c. ours at realistic lengths with 8x the default log-prob chunk (1536 rows), profiled too: whether the
@@ -36,6 +38,8 @@ fi
 timeout "$(left 380)" python3 bench/trainer.py --device cuda --shape qwen2.5-0.5b --steps 3 --repeats 1 \
   --sides ours,trl --lengths full,realistic --side-timeout 90 --profile "$OUT/profile" 2>&1 | tee "$OUT/trainer.txt"
 timeout "$(left 110)" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
+timeout "$(left 120)" python3 bench/mismatch.py --device cuda --shape qwen2.5-0.5b --precisions bf16 --kernels plain,auto \
+  --dataset synthetic:64 --json "$OUT/mismatch.json" 2>&1 | tee "$OUT/mismatch.txt"
 timeout "$(left 100)" python3 bench/trainer.py --device cuda --shape qwen2.5-0.5b --steps 3 --repeats 1 \
   --sides ours-unshared --lengths realistic --side-timeout 80 --profile "$OUT/profile-unshared" 2>&1 | tee "$OUT/trainer_unshared.txt"
 timeout "$(left 100)" python3 bench/trainer.py --device cuda --shape qwen2.5-0.5b --steps 3 --repeats 1 --sides ours \
@@ -50,4 +54,4 @@ echo "=== summary ==="; cat "$OUT/machine.txt"; grep -v " run: " "$OUT/trainer.t
 head -8 "$OUT"/profile/realistic-ours-0.txt 2>/dev/null; grep -A3 "s/step" "$OUT/trainer_unshared.txt" "$OUT/trainer_chunk.txt"
 head -8 "$OUT"/profile-unshared/realistic-ours-unshared-0.txt 2>/dev/null
 head -8 "$OUT"/profile-chunk1536/realistic-ours-0.txt 2>/dev/null
-tail -3 "$OUT/gpu_tests.txt"; tail -6 "$OUT/sampler.txt"; tail -4 "$OUT/fsdp.txt"; tail -6 "$OUT/memory.txt"
+tail -3 "$OUT/gpu_tests.txt"; tail -3 "$OUT/mismatch.txt"; tail -6 "$OUT/sampler.txt"; tail -4 "$OUT/fsdp.txt"; tail -6 "$OUT/memory.txt"

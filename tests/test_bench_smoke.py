@@ -124,3 +124,21 @@ def test_trainer_benchmark_names_an_unknown_side():
 
     with pytest.raises(SystemExit):
         trainer.main(["--sides", "ours,vllm"])
+
+
+def test_mismatch_benchmark_runs(capsys, tmp_path):
+    # The GPU check's form (--shape, a synthetic dataset): fp32 on CPU, where sampler and update agree to rounding.
+    import json
+
+    from bench import mismatch
+
+    out = tmp_path / "rows.json"
+    assert mismatch.main(["--shape", "tiny", "--dataset", "synthetic:16", "--precisions", "fp32", "--kernels",
+                          "plain,auto", "--prompts", "2", "--num-generations", "4", "--max-completion-length", "12",
+                          "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["precision"], r["kernels"]) for r in rows] == [("fp32", "plain"), ("fp32", "auto")]
+    for row in rows:
+        assert row["tokens"] > 0 and row["sampling/sampling_logp_difference/max"] < 1e-4
+        assert abs(row["sampling/importance_sampling_ratio/max"] - 1) < 1e-3
+    assert "fp32    auto" in capsys.readouterr().out

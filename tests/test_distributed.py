@@ -238,8 +238,14 @@ def test_generation_processes_at_staleness_0_compute_what_one_synchronous_proces
 
 def test_generation_processes_run_ahead_within_max_staleness(tmp_path):
     """--max-staleness 1: every step after the first trains on rows sampled one update earlier, and the weights
-    move (the run is not the synchronous one)."""
-    done, ranks = launch(tmp_path, 2, max_staleness=1, max_steps=4)
+    move (the run is not the synchronous one). The folder holds an older run, which --overwrite replaces: one
+    process deletes its files while the others wait (every rank deleting them raced: FileNotFoundError)."""
+    old = tmp_path / "run"
+    (old / "checkpoints" / "step-000009").mkdir(parents=True)
+    for name in ("metrics.jsonl", "samples.jsonl", "run_config.json", "wandb_run_id"):
+        (old / name).write_text('{"step": 9}\n' * 9)
+    done, ranks = launch(tmp_path, 2, max_staleness=1, max_steps=4, overwrite=True)
+    assert not (old / "checkpoints" / "step-000009").exists() and not (old / "wandb_run_id").exists()
     logged = _logged(tmp_path / "run")
     assert [row["sample/staleness_max"] for row in logged] == [0.0, 1.0, 1.0, 1.0]
     assert all("sampling/importance_sampling_ratio/mean" in row for row in logged)

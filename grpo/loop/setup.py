@@ -88,15 +88,16 @@ def find_resume_checkpoint(config) -> Path | None:
     return checkpoint
 
 
-def check_run_dir(run_dir: Path, config, resume_from) -> None:
-    """A folder holding another run is replaced only with --overwrite (and kept with --resume)."""
+def check_run_dir(run_dir: Path, config, resume_from, replaces: bool = True) -> None:
+    """A folder holding another run is replaced only with --overwrite (and kept with --resume). `replaces`: this
+    process deletes the old run's files (under torchrun only global rank 0 does, or the ranks race on them)."""
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
     if not existing or resume_from is not None:
         return
     if not config.overwrite:
         raise ValueError(f"--output-dir {run_dir} holds another run ({', '.join(existing)}); "
                          "pass --resume to continue it or --overwrite to replace it")
-    for name in existing:
+    for name in existing if replaces else ():
         path = run_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 

@@ -311,7 +311,9 @@ class Trainer:
             logger.warning(note)
         self.run_dir = Path(cfg.output_dir)
         self.resume_from = setup.find_resume_checkpoint(cfg)
-        setup.check_run_dir(self.run_dir, cfg, self.resume_from)
+        setup.check_run_dir(self.run_dir, cfg, self.resume_from, replaces=self.global_rank == 0)
+        if torch.distributed.is_initialized():  # no process writes there before rank 0 has replaced an old run
+            torch.distributed.barrier()
 
         # --- data: loaded and checked before any model ---
         source, setting = (str(self.resume_from), "--resume") if self.resume_from else (cfg.model, "--model")
