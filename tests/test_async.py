@@ -94,6 +94,37 @@ def test_mismatch_statistics_are_means_over_the_scored_tokens():
     assert stats["w_min"].item() == pytest.approx(math.exp(-1.0))
 
 
+def test_a_rank_without_loss_tokens_leaves_the_logged_extremes_alone():
+    # Two ranks (a fake World that reduces over their statistics): one has every completion masked out
+    # (mask_truncated_completions in a token mode); the logged min / max of w are the other rank's.
+    from grpo.loop.metrics import sampling_metrics
+
+    class TwoRanks:
+        def __init__(self, other):
+            self.other = other
+
+        def sum(self, value):
+            return value + self.other["sum"].pop(0)
+
+        def max(self, value):
+            return max(value, self.other["max"].pop(0))
+
+    old = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    behaviour = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    full, empty = torch.ones(1, 2, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64)
+    stats = [mismatch_statistics(old, behaviour, mask, behaviour_weights(old, behaviour, mask, "token_truncate",
+                                                                          None, 10.0)) for mask in (full, empty)]
+    assert stats[1]["w_count"].item() == 0 and stats[1]["w_min"].item() == math.inf
+    sums = ("diff_sum", "tokens", "kl_sum", "w_sum", "w_count")
+    other = {"sum": [stats[1][k].item() for k in sums], "max": [stats[1]["diff_max"].item(),
+                                                                -stats[1]["w_min"].item(), stats[1]["w_max"].item()]}
+    metrics = sampling_metrics(TwoRanks(other), stats[0])
+    assert metrics["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1.0))
+    assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(0.5))
+    alone = sampling_metrics(TwoRanks({"sum": [0.0] * 5, "max": [0.0, -math.inf, 0.0]}), stats[1])
+    assert alone["sampling/importance_sampling_ratio/min"] == alone["sampling/importance_sampling_ratio/max"] == 1.0
+
+
 def test_trl_spellings_and_the_checks_of_the_correction():
     from grpo.cli import config_from_args
 

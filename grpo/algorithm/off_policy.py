@@ -70,7 +70,8 @@ def mismatch_statistics(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, 
                                         an unbiased estimate from tokens drawn from pi_b (Schulman's k3)
 
     Tokens the backend could not score (NaN) are left out. Returns 0-d tensors: diff_sum, diff_max, tokens,
-    kl_sum, w_sum, w_min, w_max, w_count (w over the loss tokens, or over completions for sequence modes).
+    kl_sum, w_sum, w_min, w_max, w_count (w over the loss tokens, or over completions for sequence modes). With
+    nothing to measure the extremes are neutral for a reduction over ranks: 0 for the maxima, +inf for w_min.
     """
     real = mask.bool() & ~torch.isnan(behaviour_logps)  # (n, T)
     log_r = (old_logps - behaviour_logps)[real]  # (M,)
@@ -79,5 +80,5 @@ def mismatch_statistics(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, 
     zero = old_logps.new_zeros(())
     return dict(diff_sum=diff.sum(), diff_max=diff.max() if diff.numel() else zero, tokens=zero + diff.numel(),
                 kl_sum=(torch.exp(log_r) - 1 - log_r).sum(), w_sum=flat_w.sum(),
-                w_min=flat_w.min() if flat_w.numel() else zero, w_max=flat_w.max() if flat_w.numel() else zero,
+                w_min=flat_w.min() if flat_w.numel() else zero + float("inf"), w_max=flat_w.max() if flat_w.numel() else zero,
                 w_count=zero + flat_w.numel())

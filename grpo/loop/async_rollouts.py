@@ -16,7 +16,9 @@ Two ways to run the generation:
                   (`ProcessRollouts.publish`); each training rank reads its rows from the run's TCPStore, where
                   one of them put them (small: token ids and rewards)
 Faults: an exception in the generator (thread or process) ends the run with its traceback named; a generation
-process that dies or hangs (no heartbeat for HEARTBEAT_LIMIT_S) ends it within a minute. On a stop (SIGTERM,
+process that dies or freezes (no heartbeat for HEARTBEAT_LIMIT_S) ends it within a minute. The heartbeat is a
+thread: a generator stuck inside its own loop (a reward function that never returns) still beats, and the
+training ranks wait for it. On a stop (SIGTERM,
 --max-steps in pieces) the rollouts already sampled for later steps are discarded: a checkpoint holds the
 weights and counters only, and the resumed run samples those steps again from the checkpoint's weights
 (exact at N = 0, where nothing is sampled ahead).
@@ -25,6 +27,7 @@ weights and counters only, and the resumed run samples those steps again from th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import logging
 import pickle
@@ -40,6 +43,7 @@ logger = logging.getLogger("grpo")
 
 HEARTBEAT_S = 2.0  # a generation process writes its heartbeat this often
 HEARTBEAT_LIMIT_S = 20.0  # ... and is declared dead when none came for this long
+CHANNEL_TIMEOUT = datetime.timedelta(days=7)  # a generator waits for the next weights as long as a step takes
 
 
 class GenerationError(RuntimeError):
@@ -151,8 +155,11 @@ class BackgroundRollouts:
 # ----------------------------------------------------------------------------- torchrun: generation processes
 
 def split_world(world, generation_processes: int):
-    """(the training ranks' World, the generation ranks): the last `generation_processes` ranks generate.
-    Every rank calls it (new_group is collective)."""
+    """(the training ranks' World, the generation ranks, the weights' channel): the last `generation_processes`
+    ranks generate. Every rank calls it (new_group is collective). The channel is a gloo group of training rank 0
+    and the generators: the weights travel as CPU tensors, which an NCCL group cannot carry, and a generator
+    waits on it while the trainers train, evaluate and save, so its timeout is long (a dead peer is found by
+    torchrun and the heartbeats instead)."""
     from grpo.loop.distributed import World
 
     if generation_processes >= world.size:
@@ -161,8 +168,9 @@ def split_world(world, generation_processes: int):
     trainers = list(range(world.size - generation_processes))
     group = dist.new_group(trainers)
     generators = list(range(world.size - generation_processes, world.size))
+    channel = dist.new_group([0, *generators], backend="gloo", timeout=CHANNEL_TIMEOUT)
     training = World(rank=world.rank, size=len(trainers), local_rank=world.local_rank, group=group)
-    return training, generators
+    return training, generators, channel
 
 
 def generator_of(rank: int, generators: list[int]) -> int:
@@ -183,12 +191,12 @@ def _header(obj) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([payload.numel()], dtype=torch.int64), payload
 
 
-def _receive_header(src: int):
+def _receive_header(src: int, channel):
     """A picklable message sent by `_Sender` (from training rank 0 of this same run)."""
     size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src)
+    dist.recv(size, src, group=channel)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(payload, src)
+    dist.recv(payload, src, group=channel)
     return pickle.loads(payload.numpy().tobytes())
 
 
@@ -210,8 +218,8 @@ class _Sender:
     """Training rank 0's messages to the generation ranks (weights, then stop), sent in order by a thread so that
     the loop goes on while a generation rank is still sampling with older weights."""
 
-    def __init__(self, generators: list[int]):
-        self.generators, self.queue, self.error = generators, [], None
+    def __init__(self, generators: list[int], channel):
+        self.generators, self.channel, self.queue, self.error = generators, channel, [], None
         self.condition = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="grpo-weights", daemon=True)
         self.thread.start()
@@ -232,7 +240,7 @@ class _Sender:
                     message, flat = self.queue.pop(0)
                 for rank in self.generators:
                     for tensor in (*_header(message), *(() if flat is None else (flat,))):
-                        dist.send(tensor, rank)
+                        dist.send(tensor, rank, group=self.channel)
                 if message[0] == "stop":
                     return
         except Exception as error:  # a generation process that died; the loop names it (check_generators)
@@ -246,10 +254,10 @@ class ProcessRollouts:
     """The training ranks' side: each rank reads its rows of every step from the store, written by its generation
     rank; training rank 0 sends the weights (a flat fp32 vector) after every step."""
 
-    def __init__(self, world, generators: list[int], start: int):
+    def __init__(self, world, generators: list[int], start: int, channel):
         self.world, self.generators, self.start = world, generators, start
         self.source = generator_of(world.rank, generators)
-        self.sender = _Sender(generators) if world.is_main else None
+        self.sender = _Sender(generators, channel) if world.is_main else None
 
     def begin(self, version: int, model: torch.nn.Module) -> None:
         self.publish(self.start, version, model)
@@ -287,6 +295,12 @@ class ProcessRollouts:
             self.sender.join(timeout=60)
 
 
+def on_cpu(rollout):
+    """The rollout with its tensors on the CPU (a GPU generator's rows would otherwise unpickle onto its GPU)."""
+    return dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).cpu() for f in dataclasses.fields(rollout)
+                                           if isinstance(getattr(rollout, f.name), torch.Tensor)})
+
+
 @torch.no_grad()
 def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy a flat fp32 vector (the parameters laid end to end) into `params`, each keeping its dtype and device."""
@@ -297,7 +311,7 @@ def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list[int], num_trainers: int,
-                    start: int, total: int, lag: int) -> None:
+                    start: int, total: int, lag: int, channel) -> None:
     """A generation rank: for every step, wait for the weights it samples from (messages from training rank 0,
     applied in order), sample each served training rank's rows (`collect(step, trainer_rank)`), and put them in
     the store for that rank. Ends at training rank 0's stop."""
@@ -319,12 +333,12 @@ def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list
 
     def next_message() -> bool:  # apply the next weights; False at the stop
         nonlocal done, version
-        message = _receive_header(0)
+        message = _receive_header(0, channel)
         if message[0] == "stop":
             return False
         _, done, version = message
         flat = torch.empty(numel, dtype=torch.float32)
-        dist.recv(flat, 0)
+        dist.recv(flat, 0, group=channel)
         load_flat(params, flat)
         return True
 
@@ -333,8 +347,9 @@ def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list
             while done < weights_step(step, lag, start):
                 if not next_message():
                     return
-            for trainer in served:
-                message = (collect(step, trainer), version)
+            for trainer in served:  # the rows on the CPU: a training rank loads them onto its own device
+                rollout, *rest = collect(step, trainer)
+                message = ((on_cpu(rollout), *rest), version)
                 store.set(f"grpo/rollout/{trainer}/{step}", pickle.dumps(message))
         while next_message():  # every step is sampled: the weights sent meanwhile are not needed
             pass

@@ -172,6 +172,8 @@ def sampling_metrics(world, mismatch: dict) -> dict:
     total = {key: world.sum(mismatch[key].item()) for key in ("diff_sum", "tokens", "kl_sum", "w_sum", "w_count")}
     largest = {key: -world.max(-mismatch[key].item()) if key == "w_min" else world.max(mismatch[key].item())
                for key in ("diff_max", "w_min", "w_max")}
+    if not total["w_count"]:  # no loss token on any rank: nothing was weighted
+        largest["w_min"] = largest["w_max"] = 1.0
     tokens, count = max(total["tokens"], 1.0), max(total["w_count"], 1.0)
     return {"sampling/sampling_logp_difference/mean": total["diff_sum"] / tokens,
             "sampling/sampling_logp_difference/max": largest["diff_max"],

@@ -196,7 +196,7 @@ class Trainer:
         cfg = self.config
         lag = steps_ahead(cfg.max_staleness, cfg.num_iterations * self.num_updates)
         if self.generators:
-            rollouts = ProcessRollouts(self.world, self.generators, self.step)
+            rollouts = ProcessRollouts(self.world, self.generators, self.step, self.channel)
         else:
             def make_backend(model):
                 sampler = self.kernels.sampler(cfg.max_prompt_length) if self.kernels is not None else None
@@ -233,7 +233,7 @@ class Trainer:
             return self.collect_rollout(step, self.generation, rank_world)
 
         generation_loop(collect, self.policy, self.global_rank, self.generators, self.world.size, self.step, stop_at,
-                        lag)
+                        lag, self.channel)
         return {"status": "finished", "step": self.step, "first_reward": None, "last_reward": None, "signal": None}
 
     # ------------------------------------------------------------------ update, evaluation, state
@@ -296,8 +296,9 @@ class Trainer:
         # --- processes: world size one unless launched by torchrun (grpo.loop.distributed) ---
         self.world = init_world(cfg.device, cfg.distributed_timeout, cfg.distributed)
         self.global_rank, self.generators = self.world.rank, []  # generators: ranks that only generate
+        self.channel = None  # the gloo group that carries the weights to them (grpo.loop.async_rollouts.split_world)
         if cfg.max_staleness is not None and self.world.size > 1:  # grpo.loop.async_rollouts
-            self.world, self.generators = split_world(self.world, cfg.generation_processes)
+            self.world, self.generators, self.channel = split_world(self.world, cfg.generation_processes)
             if cfg.dynamic_sampling:
                 raise ValueError("--dynamic-sampling with generation processes is not supported: its extra rounds "
                                  "need every training rank's groups (one process with --max-staleness runs it)")
