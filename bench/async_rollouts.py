@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from real_gsm8k import MODEL, evaluate, train_flags, warm_start  # noqa: E402
+from real_gsm8k import MODEL, add_recipe_arguments, evaluate, train_flags, warm_start  # noqa: E402
 
 STEP_KEYS = ("reward", "step_time", "sample_time", "sample/staleness_mean", "sampling/importance_sampling_ratio/mean",
              "sampling/importance_sampling_ratio/max", "sampling/mismatch_kl", "sampling/sampling_logp_difference/mean",
@@ -123,19 +123,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="GRPO steps of each sync / async run")
     parser.add_argument("--stale-steps", type=int, default=10, help="steps of each staleness-4 run (0: skip them)")
     parser.add_argument("--cores", type=int, default=2, help="the cores each comparison gets in all")
-    parser.add_argument("--prompts-per-step", type=int, default=2)
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--max-completion-length", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-5)
-    parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--max-grad-norm", type=float, default=0.1)
-    parser.add_argument("--warm-start-steps", type=int, default=24)
-    parser.add_argument("--warm-start-batch", type=int, default=4)
-    parser.add_argument("--warm-start-lr", type=float, default=2e-5)
-    parser.add_argument("--heldout", type=int, default=200, help="GSM8K test questions evaluated before and after")
-    parser.add_argument("--eval-batch-size", type=int, default=100)
-    parser.add_argument("--fresh", action="store_true", help="redo the warm start found in --out")
+    add_recipe_arguments(parser)  # bench/real_gsm8k.py's recipe, cold start and evaluation
     return parser.parse_args(argv)
 
 

@@ -311,15 +311,8 @@ def plot(results: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/real_gsm8k", help="experiment folder")
-    parser.add_argument("--model", default=MODEL, help="the starting model (a fetched offline name or a folder)")
-    parser.add_argument("--gsm8k", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k",
-                        help="a folder with GSM8K's train.jsonl and test.jsonl")
-    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="our runs' seeds")
-    parser.add_argument("--trl-seeds", type=int, nargs="*", default=[0], help="trl's runs' seeds (none: skip trl)")
-    parser.add_argument("--steps", type=int, default=10, help="GRPO steps of each run")
+def add_recipe_arguments(parser) -> None:
+    """The GRPO recipe, the cold start and the evaluation (bench/async_rollouts.py runs the same)."""
     parser.add_argument("--prompts-per-step", type=int, default=2)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=8, help="completions per forward/backward, both sides")
@@ -333,6 +326,18 @@ def parse_args(argv=None):
     parser.add_argument("--heldout", type=int, default=200, help="GSM8K test questions evaluated before and after")
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--fresh", action="store_true", help="redo the warm start found in --out")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/real_gsm8k", help="experiment folder")
+    parser.add_argument("--model", default=MODEL, help="the starting model (a fetched offline name or a folder)")
+    parser.add_argument("--gsm8k", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k",
+                        help="a folder with GSM8K's train.jsonl and test.jsonl")
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="our runs' seeds")
+    parser.add_argument("--trl-seeds", type=int, nargs="*", default=[0], help="trl's runs' seeds (none: skip trl)")
+    parser.add_argument("--steps", type=int, default=10, help="GRPO steps of each run")
+    add_recipe_arguments(parser)
     parser.add_argument("--plot", default=None, help="the figure's path (default OUT/real_gsm8k.png)")
     parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--child-model", help=argparse.SUPPRESS)
