@@ -266,10 +266,13 @@ class ProcessRollouts:
         """Every training rank (FSDP2 gathers the full weights); rank 0 sends them."""
         from grpo.loop.distributed import full_tensor
 
-        full = [full_tensor(p.detach()) for p in model.parameters()]  # FSDP2: a collective on every training rank
+        parts = []  # one full parameter at a time, freed at once: FSDP2 never holds the unsharded model
+        for param in model.parameters():
+            full = full_tensor(param.detach())  # FSDP2: a collective on every training rank
+            if self.sender is not None:
+                parts.append(full.reshape(-1).float().cpu())
         if self.sender is not None:
-            flat = torch.cat([tensor.reshape(-1).float().cpu() for tensor in full])
-            self.sender.put(("weights", steps_done, version), flat)
+            self.sender.put(("weights", steps_done, version), torch.cat(parts))
 
     def get(self, step: int) -> tuple:
         """(collected, policy version) of `step`, checking every second that the generation process is alive."""
