@@ -1,11 +1,15 @@
 """Evaluate a model with greedy decoding: on GSM8K strict accuracy, lenient accuracy and format compliance; on
-other tasks the mean of each reward function (--reward) or of your own scorer (--scorer module:function).
+other tasks the mean of each reward function (--reward) or of your own scorer (--scorer module:function). With
+--num-samples k > 1, also k completions per problem at --temperature: pass@1..k and maj@k with 95% intervals.
 
     python eval.py --model runs/smoke/checkpoints/step-000030 --dataset synthetic --limit 50
     python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --split test
     python eval.py --model runs/grpo/checkpoints/step-000500 --compare Qwen/Qwen2.5-0.5B-Instruct
+    python eval.py --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset reasoning-gym:chain_sum \
+        --task-settings '{"min_terms": 2, "max_terms": 2}' --reward task_score --num-samples 8 --temperature 1.0
 
-Writes <output-dir>/<model name>.samples.jsonl (one record per problem) and <model name>.summary.json.
+Writes <output-dir>/<model name>.samples.jsonl (one record per problem), <model name>.summary.json and, with
+--num-samples, <model name>.pass_at_k.jsonl (each problem's k completions, votes and correct count).
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ def output_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip("/")) or "model"
 
 
-def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> dict:
+def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task: str, pass_key: str | None) -> dict:
     import torch
 
-    from grpo.loop.evaluation import evaluate
+    from grpo.loop.evaluation import evaluate, evaluate_samples
     from grpo.loop.rollout import GroupSampler
     from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
@@ -55,6 +59,15 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer) -> d
     with (folder / f"{stem}.samples.jsonl").open("w") as handle:
         handle.writelines(json.dumps(record) + "\n" for record in records)
     summary = {"model": name, "dataset": config.dataset, "split": config.split, **summary}
+    if config.num_samples > 1:
+        torch.manual_seed(config.seed)
+        sampled, summary["sampling"] = evaluate_samples(
+            model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
+            config.max_completion_length, config.num_samples, config.temperature, pass_key, config.pass_threshold,
+            task, config.batch_size, autocast=autocast, scorer=scorer, backend=backend,
+            chat_template_kwargs=template_kwargs)
+        with (folder / f"{stem}.pass_at_k.jsonl").open("w") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in sampled)
     (folder / f"{stem}.summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -67,24 +80,39 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     from data import DataError, load_task_rows
-    from grpo.loop.evaluation import make_scorer
+    from grpo.loop.evaluation import default_pass_key, make_scorer
     from grpo.models import ModelError
     from rewards import RewardError, parse_reward_specs
 
     try:
         rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt,
-                                    config.one_shot)
+                                    config.one_shot, config.task_settings, config.task_seed, config.answer_extraction)
         rows = rows[: config.limit] if config.limit else rows
-        scorer = make_scorer(config.scorer, task, parse_reward_specs(config.reward), config.sandbox_isolation)
-        summaries = [evaluate_model(config, name, rows, scorer) for name in [config.model, config.compare] if name]
+        reward_specs = parse_reward_specs(config.reward)
+        scorer = make_scorer(config.scorer, task, reward_specs, config.sandbox_isolation)
+        pass_key = config.pass_key or default_pass_key(config.scorer, task, reward_specs)
+        if config.num_samples > 1 and pass_key is None:
+            raise ValueError(f"--scorer {config.scorer} with --num-samples: name the score that makes a sample correct "
+                             "with --pass-key")
+        summaries = [evaluate_model(config, name, rows, scorer, task, pass_key)
+                     for name in [config.model, config.compare] if name]
     except (ValueError, DataError, ModelError, RewardError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    keys = [key for key in summaries[0] if key not in ("model", "dataset", "split", "num_samples")]
+    keys = [key for key in summaries[0] if key not in ("model", "dataset", "split", "num_samples", "sampling")]
     width = max(len(s["model"]) for s in summaries)
-    print(f"{'model':{width}s}  " + "  ".join(f"{k:>17s}" for k in keys) + f"   ({len(rows)} problems)")
+    print(f"{'model':{width}s}  " + "  ".join(f"{k:>17s}" for k in keys) + f"   ({len(rows)} problems, greedy)")
     for summary in summaries:
         print(f"{summary['model']:{width}s}  " + "  ".join(f"{summary[k]:17.4f}" for k in keys))
+    if config.num_samples > 1:
+        names = [key for key in summaries[0]["sampling"] if key.startswith(("pass@", "maj@"))]
+        print(f"\n{config.num_samples} samples per problem at temperature {config.temperature} (correct: "
+              f"{summaries[0]['sampling']['pass_key']} >= {config.pass_threshold}), mean [95% interval]:")
+        print(f"{'model':{width}s}  " + "  ".join(f"{k:>21s}" for k in names))
+        for summary in summaries:
+            cells = [summary["sampling"][k] for k in names]
+            print(f"{summary['model']:{width}s}  " + "  ".join(
+                f"{c['mean']:.3f} [{c['low']:.3f},{c['high']:.3f}]".rjust(21) for c in cells))
     print(f"per-sample records and summaries in {config.output_dir}")
     return 0
 

@@ -4,6 +4,8 @@
              datasets: the prompt is used as it is, and every other column reaches the reward functions
     gsm8k    rows with GSM8K's `question` and `answer` (a solution ending in `#### N`, or a number): each row
              is checked (`validate_rows`) and gets the chat prompt [system prompt, question]
+    reasoning-gym  `--dataset reasoning-gym:NAME[:N]`: a reasoning-gym task's problems (data/reasoning_gym.py),
+             each given the chat prompt [system prompt, question] as GSM8K rows are; reward `task_score`
 
 A row's problems are reported with the file and row index before any model is loaded.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from data import reasoning_gym
 from data.gsm8k import DataError, read_rows, validate_rows
 from data.prompts import SYSTEM_PROMPT, add_prompts
 
@@ -55,9 +58,14 @@ def prepare_rows(rows: list[dict], where: str, skip_bad_rows: bool = False,
     return add_prompts(validate_rows(rows, where, skip_bad_rows), system_prompt, one_shot), task
 
 
-def load_task_rows(source: str, split: str, skip_bad_rows: bool = False,
-                   system_prompt: str = SYSTEM_PROMPT, one_shot: bool = False) -> tuple[list[dict], str]:
-    """Load a split (hub id, local file or folder, `synthetic[:N]`), check it for its task; returns (rows, task)."""
+def load_task_rows(source: str, split: str, skip_bad_rows: bool = False, system_prompt: str = SYSTEM_PROMPT,
+                   one_shot: bool = False, task_settings: dict | None = None, task_seed: int = 0,
+                   answer_extraction: str = "tag") -> tuple[list[dict], str]:
+    """Load a split (hub id, local file or folder, `synthetic[:N]`, `reasoning-gym:NAME[:N]` with its settings and
+    seed and answer extraction), check it for its task; returns (rows, task)."""
+    if reasoning_gym.is_source(source):
+        rows = reasoning_gym.task_rows(source, split, task_settings, task_seed, answer_extraction)
+        return add_prompts(rows, system_prompt, one_shot), "reasoning-gym"
     parts = read_rows(source, split)
     tasks = {detect_task(rows) for _, rows in parts if rows}
     if len(tasks) > 1:

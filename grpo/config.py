@@ -28,6 +28,7 @@ from grpo.loop.metrics import REPORT_TO
 from grpo.models import OPTIMIZERS, PRECISIONS
 from grpo.loop.prompts import LONG_PROMPTS
 from grpo.loop.update import LR_SCHEDULERS
+from data.reasoning_gym import ANSWER_EXTRACTIONS
 from rewards.sandbox import ISOLATION_CHOICES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -90,11 +91,33 @@ class ConfigMixin:
         return problems
 
     @staticmethod
-    def template_kwargs_problems(kwargs) -> list[str]:
-        """chat_template_kwargs must be a mapping of names (from a config file it could be anything)."""
+    def template_kwargs_problems(kwargs, name: str = "chat_template_kwargs") -> list[str]:
+        """chat_template_kwargs (or another JSON-object setting) must be a mapping of names (from a config file it
+        could be anything)."""
         if kwargs is None or (isinstance(kwargs, dict) and all(isinstance(key, str) for key in kwargs)):
             return []
-        return [f"chat_template_kwargs must be a JSON object of names to values, got {kwargs!r}"]
+        return [f"{name} must be a JSON object of names to values, got {kwargs!r}"]
+
+    def task_problems(self) -> list[str]:
+        """--task-settings and --task-seed belong to a reasoning-gym dataset, whose task and settings are checked
+        here (a problem is generated), before any model is loaded."""
+        from data import DataError
+        from data.reasoning_gym import is_source, make_task, parse_source
+
+        problems = self.template_kwargs_problems(self.task_settings, "task_settings")
+        if not is_source(self.dataset):
+            if self.task_settings is not None:
+                problems.append(f"--task-settings is for a reasoning-gym dataset (reasoning-gym:NAME), not {self.dataset}")
+            return problems
+        if not problems:
+            try:
+                make_task(parse_source(self.dataset)[0], self.task_settings, self.task_seed, 1)
+            except DataError as error:
+                problems.append(str(error))
+        if any(isinstance(spec, str) and spec.split(":")[0] == "correctness" for spec in self.reward):
+            problems.append(f"--dataset {self.dataset}: the correctness reward compares GSM8K numbers; a reasoning-gym "
+                            "task is scored by its own verifier: --reward task_score (beside any others)")
+        return problems
 
     @staticmethod
     def raise_problems(problems: list[str]) -> None:
@@ -112,13 +135,16 @@ class GRPOConfig(ConfigMixin):
 
     # --- model and data ---
     model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder; `tiny` or `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py)", section='model and data')
-    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, or `synthetic[:N]` (seeded GSM8K-shaped problems). Rows with a `prompt` column (a string or chat messages) train as they are, every other column reaching the rewards; rows with GSM8K's `question` and `answer` are checked and get --system-prompt")
+    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, `synthetic[:N]` (seeded GSM8K-shaped problems), or `reasoning-gym:NAME[:N]` (a reasoning-gym task, N problems per split; reward task_score). Rows with a `prompt` column (a string or chat messages) train as they are, every other column reaching the rewards; rows with GSM8K's `question` and `answer` are checked and get --system-prompt")
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option("test", "dataset split to evaluate on (--eval-steps)")
     system_prompt: str = option(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (question/answer), asking for <reasoning>/<answer> tags")
     one_shot: bool = option(False, "GSM8K-style rows: one worked example (a train problem answered in the format) as a user/assistant exchange before the question; for small instruct models that ignore the system prompt's format (docs/real-model.md)")
     chat_template: str | None = option(None, "a Jinja chat template file, for tokenizers that have none")
     chat_template_kwargs: dict | None = option(None, "extra keyword arguments of the chat template for chat prompts (training and evaluation), a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3; trl's option")
+    task_settings: dict | None = option(None, "a reasoning-gym dataset's settings, a JSON object of its config's fields, e.g. '{\"min_terms\": 2, \"max_terms\": 2}' (data/reasoning_gym.py)")
+    task_seed: int = option(0, "a reasoning-gym dataset's seed: train problems at this seed, held-out problems at a distant one, less any train question (independent of --seed)")
+    answer_extraction: str = option("tag", "how task_score finds a reasoning-gym completion's answer: tag (the text inside its last <answer>), tag-or-last-number or tag-or-last-line (the same, else its last number or last non-empty line: for models that do not write the tag; docs/tasks.md)", choices=ANSWER_EXTRACTIONS)
     skip_bad_rows: bool = option(False, "drop dataset rows without a prompt (or a question and a parseable gold answer) with a counted warning instead of stopping")
     long_prompts: str = option("truncate", "prompts longer than max_prompt_length: `truncate` (keep the last tokens, as trl) or `skip`", choices=LONG_PROMPTS)
     trust_remote_code: bool = option(False, "run model/tokenizer code from the hub (off: safe default)")
@@ -146,7 +172,7 @@ class GRPOConfig(ConfigMixin):
     generation_backend: str = option("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
 
     # --- rewards and advantages ---
-    reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)", section='rewards and advantages')
+    reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags, task_score and task_solved for reasoning-gym, accuracy_reward for math-verify, ...), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)", section='rewards and advantages')
     sandbox_isolation: str = option("available", "rewards that run the model's programs (execution): `available` runs them with the isolation layers this machine gives, the first log line naming any that is missing; `full` refuses to start without every layer (bubblewrap, root, cgroups; docs/tools.md)", choices=ISOLATION_CHOICES)
     overlong_buffer_len: int = option(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
     overlong_penalty_factor: float = option(1.0, "overlong reward shaping: the penalty at the full budget")
@@ -386,6 +412,7 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         problems += self.path_problems(self.model, self.output_dir, self.chat_template)
         problems += self.template_kwargs_problems(self.chat_template_kwargs)
+        problems += self.task_problems()
         try:
             parse_reward_specs(self.reward)
         except (ValueError, TypeError) as error:

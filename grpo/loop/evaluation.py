@@ -1,4 +1,5 @@
-"""Evaluation: greedy completions from the generation backend, scored by the task's scorer.
+"""Evaluation: greedy completions from the generation backend, scored by the task's scorer; with `num_samples` k > 1,
+also k sampled completions per problem at a temperature, reported as pass@1..k and maj@k (grpo/loop/pass_at_k.py).
 
 Scorers (`--eval-scorer`), each giving numbers per completion whose means are the summary:
     gsm8k      strict_accuracy (the number in the last <answer> equals the gold number), lenient_accuracy (the
@@ -7,6 +8,11 @@ Scorers (`--eval-scorer`), each giving numbers per completion whose means are th
     rewards    the training reward functions: `rewards/<name>` per function and `reward` (their weighted sum)
     module:function or path/to/file.py:function    fn(completion: str, row: dict) -> dict of numbers
     auto       gsm8k for GSM8K data, rewards for other tasks
+
+A sample counts as correct for pass@k when its `pass_key` score (default: strict_accuracy for gsm8k, the first
+reward function's value for rewards) is at least `pass_threshold`; its vote for maj@k is the text of its last
+<answer> (as a canonical number for GSM8K, as --answer-extraction finds it for reasoning-gym), a sample without one
+casting none.
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ from grpo.models import PRECISIONS
 from grpo.loop.prompts import encode_prompts
 from grpo.algorithm.sampler import SamplingParams
 from grpo.algorithm.advantages import weighted_rewards
+from grpo.loop.pass_at_k import summarize_samples
 from grpo.loop.rollout import GroupSampler
 from rewards import load_function, score_rows
 from rewards.gsm8k import extract_xml_answer, strict_format
+from rewards.reasoning_gym import extract_answer as extract_task_answer
+from data.reasoning_gym import ANSWER_EXTRACTIONS
 from rewards.sandbox import ISOLATION_CHOICES, check_isolation
 
 
@@ -39,13 +48,16 @@ class EvalConfig(ConfigMixin):
 
     model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder or checkpoint, or `tiny`")
     compare: str | None = option(None, "a second model evaluated on the same problems, printed side by side")
-    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, or `synthetic[:N]`; rows with a `prompt` column, or GSM8K's question/answer")
+    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, `synthetic[:N]` or `reasoning-gym:NAME[:N]`; rows with a `prompt` column, or a question and an answer")
     split: str = option("test", "dataset split")
     limit: int = option(0, "evaluate the first N problems (0 = all)")
     system_prompt: str = option(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (the same as training)")
     one_shot: bool = option(False, "GSM8K-style rows: a worked example before the question (the same as training)")
     chat_template: str | None = option(None, "a Jinja chat template file for tokenizers that have none (as train.py's; a checkpoint keeps the one it trained with), used for --model and --compare")
     chat_template_kwargs: dict | None = option(None, "extra keyword arguments of the chat template, a JSON object (the same as training), e.g. '{\"enable_thinking\": false}'")
+    task_settings: dict | None = option(None, "a reasoning-gym dataset's settings, a JSON object (the same as training)")
+    task_seed: int = option(0, "a reasoning-gym dataset's seed (the same as training: the held-out split is disjoint from that seed's train split)")
+    answer_extraction: str = option("tag", "how task_score finds a reasoning-gym completion's answer: tag (the text inside its last <answer>), tag-or-last-number or tag-or-last-line (the same, else its last number or last non-empty line: for models that do not write the tag; docs/tasks.md)", choices=ANSWER_EXTRACTIONS)
     tools: list[str] = option([], "functions the model may call, module:function each (the same as training's --tools)")
     max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most (as training)")
     scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
@@ -53,7 +65,12 @@ class EvalConfig(ConfigMixin):
     sandbox_isolation: str = option("available", "a scorer or reward that runs the model's programs: `available` runs them with the isolation layers this machine gives (a warning names any that is missing), `full` refuses to start without every layer (as train.py's)", choices=ISOLATION_CHOICES)
     max_prompt_length: int = option(512, "prompt tokens kept (truncated from the left)")
     max_completion_length: int = option(512, "completion token budget")
-    batch_size: int = option(32, "prompts decoded together")
+    batch_size: int = option(32, "prompts decoded together (greedy); with --num-samples, batch_size // k prompts of k completions each")
+    num_samples: int = option(1, "k: completions sampled per problem at --temperature, beside the greedy one; k > 1 reports pass@1..k (Chen et al.'s unbiased estimator) and maj@k, each with a 95% interval over the problems")
+    temperature: float = option(1.0, "sampling temperature of the --num-samples completions (the greedy scores do not use it)")
+    seed: int = option(0, "seed of the sampled completions")
+    pass_key: str | None = option(None, "the score that makes a sample correct for pass@k and maj@k; default: strict_accuracy (gsm8k scorer) or the first --reward's value (rewards scorer); a custom scorer names one of its keys")
+    pass_threshold: float = option(1.0, "a sample is correct when its --pass-key score is at least this")
     device: str = option("auto", "cuda, cpu, or auto")
     kernels: str = option("auto", "fast paths (as train.py): auto or plain", choices=KERNEL_CHOICES)
     precision: str = option("auto", "fp32, bf16 (autocast) or bf16-pure; auto = bf16 on CUDA", choices=PRECISIONS)
@@ -66,9 +83,14 @@ class EvalConfig(ConfigMixin):
                     for name in ("max_prompt_length", "max_completion_length", "batch_size") if getattr(self, name) < 1]
         if self.limit < 0:
             problems.append(f"limit must be >= 0, got {self.limit}")
+        if self.num_samples < 1:
+            problems.append(f"num_samples must be >= 1, got {self.num_samples}")
+        if self.num_samples > 1 and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be a finite number > 0 for --num-samples > 1, got {self.temperature}")
         for model in [self.model, self.compare]:
             problems += self.path_problems(model, self.output_dir, self.chat_template) if model else []
         problems += self.template_kwargs_problems(self.chat_template_kwargs)
+        problems += self.task_problems()
         self.raise_problems(problems)
         return self
 
@@ -166,12 +188,82 @@ def evaluate(
         for row, text, ids, scores in zip(batch_rows, texts, completion_ids, scorer(texts, batch_rows, completion_ids),
                                           strict=True):
             question = row.get("question") or _prompt_text(row["prompt"])
-            gold = gold_from_column(row.get("answer")) if "answer" in row else None
+            gold = row.get("answer")
+            gold = (gold_from_column(gold) or str(gold)) if gold is not None else None  # a number, or the task's text
             records.append({"question": question, "gold": gold, "completion": text, "length": len(ids), **scores})
         bar.update(len(batch_rows))
     bar.close()
     model.train(was_training)
     return records, summarize(records)
+
+
+def sample_answer(text: str, task: str, row: dict) -> str | None:
+    """A sample's vote for maj@k: the text of its last <answer> (GSM8K: as a canonical number; reasoning-gym: as the
+    row's --answer-extraction finds it), or None."""
+    if task == "reasoning-gym":
+        return extract_task_answer(text, row.get("answer_extraction", "tag")) or None
+    answer = extract_xml_answer(text)
+    if task == "gsm8k":
+        return canonical_number(answer)
+    return answer or None
+
+
+def default_pass_key(scorer_name: str, task: str, reward_specs=None) -> str | None:
+    """The score that makes a sample correct when --pass-key is not given (None: a custom scorer must name one)."""
+    if scorer_name == "auto":
+        scorer_name = "gsm8k" if task == "gsm8k" else "rewards"
+    if scorer_name == "gsm8k":
+        return "strict_accuracy"
+    if scorer_name == "rewards" and reward_specs:
+        return f"rewards/{reward_specs[0].name}"
+    return None
+
+
+@torch.no_grad()
+def evaluate_samples(model, tokenizer, rows: list[dict], eos_token_ids: tuple[int, ...], max_prompt_length: int,
+                     max_completion_length: int, num_samples: int, temperature: float, pass_key: str,
+                     pass_threshold: float = 1.0, task: str = "prompt", batch_size: int = 32, autocast=None,
+                     progress: bool = True, scorer=gsm8k_scores, backend=None,
+                     chat_template_kwargs: dict | None = None) -> tuple[list[dict], dict]:
+    """k = `num_samples` completions per row at `temperature` (seed the global RNG first), scored by `scorer`;
+    returns (one record per problem: its completions, scores, votes and correct count; pass@1..k and maj@k with
+    95% intervals, grpo.loop.pass_at_k)."""
+    backend = backend or GroupSampler(model, tokenizer.pad_token_id)
+    was_training = model.training
+    model.eval()
+    prompt_ids, rows, _ = encode_prompts(tokenizer, rows, max_prompt_length, "truncate", where="eval", progress=False,
+                                         chat_template_kwargs=chat_template_kwargs)
+    params = SamplingParams(max_completion_length=max_completion_length, temperature=temperature,
+                            eos_token_ids=eos_token_ids)
+    prompts_per_batch = max(1, batch_size // num_samples)
+    records = []
+    bar = tqdm(total=len(rows), desc=f"eval {num_samples} samples", disable=not progress, leave=False)
+    for start in range(0, len(rows), prompts_per_batch):
+        batch_rows = rows[start : start + prompts_per_batch]
+        with autocast or contextlib.nullcontext():
+            sample = backend.generate(prompt_ids[start : start + prompts_per_batch], num_samples, params)
+        # completions are grouped by prompt: rows [i*k, (i+1)*k) belong to prompt i
+        completion_ids = [ids[mask.bool()].tolist() for ids, mask in
+                          zip(sample.completion_ids.cpu(), sample.completion_mask.cpu(), strict=True)]
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        repeated = [row for row in batch_rows for _ in range(num_samples)]
+        scores = scorer(texts, repeated, completion_ids)
+        if scores and pass_key not in scores[0]:
+            raise ValueError(f"--pass-key {pass_key!r} is not a score of this scorer; its scores: {sorted(scores[0])}")
+        for index, row in enumerate(batch_rows):
+            group = slice(index * num_samples, (index + 1) * num_samples)
+            correct = [score[pass_key] >= pass_threshold for score in scores[group]]
+            records.append({"question": row.get("question") or _prompt_text(row["prompt"]),
+                            "gold": gold_from_column(row.get("answer")) if task == "gsm8k" else row.get("answer"),
+                            "completions": texts[group], "answers": [sample_answer(t, task, row) for t in texts[group]],
+                            "correct": correct, "num_correct": sum(correct), "scores": scores[group]})
+        bar.update(len(batch_rows))
+    bar.close()
+    model.train(was_training)
+    summary = {"num_samples": num_samples, "temperature": temperature, "pass_key": pass_key,
+               "pass_threshold": pass_threshold,
+               **summarize_samples([r["correct"] for r in records], [r["answers"] for r in records])}
+    return records, summary
 
 
 def _prompt_text(prompt) -> str:

@@ -1,0 +1,86 @@
+"""reasoning-gym's verifiers as a reward: `task_score` (rows from `--dataset reasoning-gym:NAME`, data/reasoning_gym.py).
+
+    task_score = score_answer(the completion's answer, the row's problem)   in [0, 1]
+
+The answer is the text inside the completion's last <answer>; a row's `answer_extraction` column (set by
+--answer-extraction) may add a fallback for completions without the tag: their last number, or their last line.
+Each task scores its own way (exact text, numbers with sign and separators tolerated, partial credit for some); a
+completion without an answer is scored as the answer None, which every task scores 0; an answer the task's verifier
+raises on (prime_factorization on a word) scores 0, with one warning per task. Only the extracted answer is
+scored, never the whole completion: a task whose scorer gives partial credit to an answer that contains the oracle
+(reasoning-gym's default) would otherwise pay for a completion that lists many candidates.
+
+    task_solved = 1 if task_score == 1 else 0
+
+Partial credit can be climbed without solving anything: reasoning-gym's default verifier pays len(oracle) /
+len(answer) to an answer that contains the oracle, so on `letter_counting` (answers 1, 2, 3, ...) the answer "10"
+collects half marks whenever the count is 1 or 0, and GRPO on SmolLM2-135M-Instruct drove its greedy answers to
+"10" (docs/tasks.md). `task_solved` pays only a solved problem.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import re
+
+from data.reasoning_gym import ANSWER_EXTRACTIONS, scorer
+from rewards.gsm8k import extract_xml_answer
+from rewards.scoring import completion_text
+
+logger = logging.getLogger("grpo.rewards")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_answer(text: str, extraction: str = "tag") -> str | None:
+    """The answer a completion gives, by `--answer-extraction` (data.reasoning_gym.ANSWER_EXTRACTIONS): the text
+    inside its last <answer>; failing that, with tag-or-last-number its last number, with tag-or-last-line its last
+    non-empty line."""
+    tagged = extract_xml_answer(text)
+    if tagged is not None or extraction == "tag":
+        return tagged
+    if extraction == "tag-or-last-number":
+        numbers = _NUMBER.findall(text.replace(",", ""))
+        return numbers[-1] if numbers else None
+    if extraction == "tag-or-last-line":
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1] if lines else None
+    raise ValueError(f"unknown answer extraction {extraction!r}; known: {', '.join(ANSWER_EXTRACTIONS)}")
+
+
+def task_score(prompts, completions, question, answer, metadata, task, task_settings, answer_extraction=None,
+               **kwargs) -> list[float]:
+    """The task's `score_answer` of the extracted answer, per completion; rows carry their task, its settings and
+    how to extract the answer."""
+    scores = []
+    extractions = answer_extraction or ["tag"] * len(completions)
+    for completion, *entry in zip(completions, question, answer, metadata, task, task_settings, extractions,
+                                  strict=True):
+        row_question, row_answer, row_metadata, name, settings, extraction = entry
+        problem = {"question": row_question, "answer": row_answer, "metadata": row_metadata}
+        extracted = extract_answer(completion_text(completion), extraction)
+        try:
+            score = float(scorer(name, settings)(extracted, problem))
+        except Exception as error:  # noqa: BLE001 - a task's verifier that raises on a malformed answer scores it 0
+            _warn_once(name, error)
+            score = 0.0
+        scores.append(score)
+    return scores
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(name: str, error: Exception) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("reasoning-gym task %s: its score_answer raised %s (%s) on an answer; such answers score 0 "
+                       "(said once per task)", name, type(error).__name__, error)
+
+
+def task_solved(prompts, completions, **columns) -> list[float]:
+    """1.0 when the task's verifier gives the extracted answer full marks, else 0.0: no partial credit to climb."""
+    return [1.0 if score >= 1.0 else 0.0 for score in task_score(prompts, completions, **columns)]
+
+
+TASK_REWARDS = {"task_score": task_score, "task_solved": task_solved}
