@@ -86,7 +86,8 @@ def main(argv=None) -> int:
 
     try:
         rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt,
-                                    config.one_shot, config.task_settings, config.task_seed, config.answer_extraction)
+                                    config.one_shot, config.task_settings, config.task_seed, config.answer_extraction,
+                                    config.trust_task_verifier)
         rows = rows[: config.limit] if config.limit else rows
         reward_specs = parse_reward_specs(config.reward)
         scorer = make_scorer(config.scorer, task, reward_specs, config.sandbox_isolation)

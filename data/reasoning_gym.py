@@ -14,14 +14,24 @@ rewards.reasoning_gym.task_score rebuilds the task's scorer from them, so a row 
 Train and held-out problems are disjoint: the train split is the task at `seed`, the held-out split (`test`,
 `validation` or `eval`) the task at a seed far from it, less every problem whose question is also a train question.
 Small problem spaces repeat questions between seeds, so the held-out split can be shorter than N; how many were
-dropped is logged, and a split left empty is an error.
+dropped is logged, and a split left empty is an error. The held-out split is disjoint from the train split of the
+same N: evaluate with the N you trained with.
+
+Some verifiers cannot be trusted with a policy's answers (`verifier_problems`): those that evaluate the answer as
+code (eval, sympy's parser: `countdown`, `puzzle24`, `n_queens`, ...), and those that give full marks to a
+constant nonsense answer (`game_of_life_halting` pays any non-empty answer, `coin_flip` pays "0", `complex_arithmetic`
+pays "nan"). Their tasks are refused unless `trust_verifier` (`--trust-task-verifier`).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 import json
 import logging
+import re
+import textwrap
 
 from data.gsm8k import DataError
 
@@ -44,10 +54,10 @@ def is_source(source: str) -> bool:
 
 def parse_source(source: str) -> tuple[str, int]:
     """`reasoning-gym:NAME[:N]` -> (NAME, N)."""
-    name, _, size_text = source[len(PREFIX):].partition(":")
+    name, colon, size_text = source[len(PREFIX):].partition(":")
     if not name:
         raise DataError(f"--dataset {source}: expected reasoning-gym:NAME or reasoning-gym:NAME:N (N problems per split)")
-    if size_text and (not size_text.isdigit() or int(size_text) < 1):
+    if colon and not (size_text.isascii() and size_text.isdigit() and int(size_text) >= 1):
         raise DataError(f"--dataset {source}: N must be a positive number of problems per split, got {size_text!r}")
     return name, int(size_text) if size_text else DEFAULT_SIZE
 
@@ -75,13 +85,81 @@ def make_task(name: str, settings: dict | None, seed: int, size: int):
         close = [k for k in known if name.lower() in k or k in name.lower()][:5]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise DataError(f"reasoning-gym has no task {name!r}{hint}; its {len(known)} tasks: {', '.join(known)}")
-    try:
-        return package.create_dataset(name, seed=seed, size=size, **(settings or {}))
-    except (TypeError, ValueError, AssertionError) as error:  # an unknown setting, or a value the task's config refuses
-        config_class = DATASETS[name][1]
-        fields = sorted(getattr(config_class, "__dataclass_fields__", {}))
+    config_class = DATASETS[name][1]
+    fields = sorted(set(getattr(config_class, "__dataclass_fields__", {})) - {"seed", "size"})
+    given = sorted({"seed", "size"} & set(settings or {}))
+    if given:
+        raise DataError(f"--task-settings {settings_json(settings)}: {', '.join(given)} come from --task-seed and "
+                        f"reasoning-gym:{name}:N, not from the settings")
+    try:  # the first problem too: some settings pass the config and fail only when a problem is drawn
+        task = package.create_dataset(name, seed=seed, size=size, **(settings or {}))
+        task[0]
+        return task
+    except Exception as error:  # noqa: BLE001 - an unknown setting, or a value the task refuses, however it fails
         raise DataError(f"reasoning-gym task {name!r} refuses --task-settings {settings_json(settings)}: "
                         f"{type(error).__name__}: {error}; its settings: {', '.join(fields)}") from None
+
+
+# A verifier that hands the answer to one of these runs the model's text as code in the training process.
+_EVALUATING = re.compile(r"\b(eval|exec|compile|parse_expr|sympify|parse_latex)\s*\(")
+# Answers no task should give full marks to: a verifier that does on nearly every problem pays a constant.
+NONSENSE_ANSWERS = ("", "0", "1", "no idea", "nan", "inf", "None", "True", "[]")
+PROBE_PROBLEMS, PROBE_SHARE = 32, 0.9
+
+
+def evaluates_answers(task_class) -> bool:
+    """Whether the task's score_answer, or a method of its class or a function of reasoning-gym it calls (at any
+    depth), calls Python's eval, exec or compile, or sympy's parse_expr, sympify or parse_latex on something."""
+    module = inspect.getmodule(task_class)
+    seen, todo = set(), [task_class.score_answer]
+    while todo:
+        function = todo.pop()
+        if function in seen:
+            continue
+        seen.add(function)
+        try:
+            source = textwrap.dedent(inspect.getsource(function))
+        except (OSError, TypeError):
+            continue
+        if _EVALUATING.search(source):
+            return True
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                for owner in (task_class, module):
+                    found = getattr(owner, name, None) if name else None
+                    if callable(found) and getattr(found, "__module__", "").startswith("reasoning_gym"):
+                        todo.append(found)
+    return False
+
+
+def verifier_problems(name: str, settings: dict | None, seed: int = 0) -> list[str]:
+    return list(_verifier_problems(name, settings_json(settings), seed))
+
+
+@functools.lru_cache(maxsize=64)
+def _verifier_problems(name: str, settings_text: str, seed: int) -> tuple[str, ...]:
+    """Why the task's verifier cannot be trusted with a policy's answers (empty: it can): it evaluates them as code,
+    or it gives full marks to a constant nonsense answer on nearly every problem (NONSENSE_ANSWERS, probed on
+    PROBE_PROBLEMS problems). --trust-task-verifier skips this check."""
+    from reasoning_gym.factory import DATASETS
+
+    task = make_task(name, json.loads(settings_text), seed + 2 * HELD_OUT_SEED_OFFSET, PROBE_PROBLEMS)
+    if evaluates_answers(DATASETS[name][0]):
+        return (f"reasoning-gym task {name!r}: its verifier evaluates the answer as code (eval, exec or sympy's "
+                "parser), so a completion would run Python in the training process",)
+    problems = [task[index] for index in range(PROBE_PROBLEMS)]
+    for answer in NONSENSE_ANSWERS:
+        paid = 0
+        for problem in problems:
+            try:
+                paid += float(task.score_answer(answer, problem)) >= 1.0
+            except Exception:  # noqa: BLE001 - a verifier that raises on it does not pay it
+                pass
+        if paid >= PROBE_SHARE * PROBE_PROBLEMS:
+            return (f"reasoning-gym task {name!r}: its verifier gives full marks to the constant answer {answer!r} on "
+                    f"{paid} of {PROBE_PROBLEMS} problems, so a policy would learn that answer",)
+    return ()
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,12 +175,16 @@ def _rows(name: str, settings: dict | None, seed: int, size: int, answer_extract
              **columns} for entry in (task[index] for index in range(size))]
 
 
-def task_rows(source: str, split: str, settings: dict | None = None, seed: int = 0,
-              answer_extraction: str = "tag") -> list[dict]:
-    """The problems of one split (see the module docstring): train at `seed`, held-out disjoint from train."""
+def task_rows(source: str, split: str, settings: dict | None = None, seed: int = 0, answer_extraction: str = "tag",
+              trust_verifier: bool = False) -> list[dict]:
+    """The problems of one split (see the module docstring): train at `seed`, held-out disjoint from train. A task
+    whose verifier fails `verifier_problems` is refused unless `trust_verifier`."""
     name, size = parse_source(source)
     if answer_extraction not in ANSWER_EXTRACTIONS:
         raise DataError(f"answer extraction {answer_extraction!r} is none of {', '.join(ANSWER_EXTRACTIONS)}")
+    untrusted = [] if trust_verifier else verifier_problems(name, settings, seed)
+    if untrusted:
+        raise DataError(untrusted[0] + "; pass --trust-task-verifier to use it anyway")
     if split != "train" and split not in HELD_OUT_SPLITS:
         raise DataError(f"--dataset {source}: split {split!r} is neither train nor a held-out split "
                         f"({', '.join(HELD_OUT_SPLITS)})")

@@ -60,11 +60,11 @@ def prepare_rows(rows: list[dict], where: str, skip_bad_rows: bool = False,
 
 def load_task_rows(source: str, split: str, skip_bad_rows: bool = False, system_prompt: str = SYSTEM_PROMPT,
                    one_shot: bool = False, task_settings: dict | None = None, task_seed: int = 0,
-                   answer_extraction: str = "tag") -> tuple[list[dict], str]:
+                   answer_extraction: str = "tag", trust_verifier: bool = False) -> tuple[list[dict], str]:
     """Load a split (hub id, local file or folder, `synthetic[:N]`, `reasoning-gym:NAME[:N]` with its settings and
-    seed and answer extraction), check it for its task; returns (rows, task)."""
+    seed, answer extraction and trust in its verifier), check it for its task; returns (rows, task)."""
     if reasoning_gym.is_source(source):
-        rows = reasoning_gym.task_rows(source, split, task_settings, task_seed, answer_extraction)
+        rows = reasoning_gym.task_rows(source, split, task_settings, task_seed, answer_extraction, trust_verifier)
         return add_prompts(rows, system_prompt, one_shot), "reasoning-gym"
     parts = read_rows(source, split)
     tasks = {detect_task(rows) for _, rows in parts if rows}

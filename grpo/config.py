@@ -99,10 +99,10 @@ class ConfigMixin:
         return [f"{name} must be a JSON object of names to values, got {kwargs!r}"]
 
     def task_problems(self) -> list[str]:
-        """--task-settings and --task-seed belong to a reasoning-gym dataset, whose task and settings are checked
-        here (a problem is generated), before any model is loaded."""
+        """--task-settings and --task-seed belong to a reasoning-gym dataset, whose task, settings and verifier are
+        checked here (a problem is generated, the verifier probed), before any model is loaded."""
         from data import DataError
-        from data.reasoning_gym import is_source, make_task, parse_source
+        from data.reasoning_gym import is_source, make_task, parse_source, verifier_problems
 
         problems = self.template_kwargs_problems(self.task_settings, "task_settings")
         if not is_source(self.dataset):
@@ -111,7 +111,10 @@ class ConfigMixin:
             return problems
         if not problems:
             try:
-                make_task(parse_source(self.dataset)[0], self.task_settings, self.task_seed, 1)
+                name = parse_source(self.dataset)[0]
+                make_task(name, self.task_settings, self.task_seed, 1)
+                untrusted = [] if self.trust_task_verifier else verifier_problems(name, self.task_settings, self.task_seed)
+                problems += [f"{problem}; pass --trust-task-verifier to use it anyway" for problem in untrusted]
             except DataError as error:
                 problems.append(str(error))
         if any(isinstance(spec, str) and spec.split(":")[0] == "correctness" for spec in self.reward):
@@ -145,6 +148,7 @@ class GRPOConfig(ConfigMixin):
     task_settings: dict | None = option(None, "a reasoning-gym dataset's settings, a JSON object of its config's fields, e.g. '{\"min_terms\": 2, \"max_terms\": 2}' (data/reasoning_gym.py)")
     task_seed: int = option(0, "a reasoning-gym dataset's seed: train problems at this seed, held-out problems at a distant one, less any train question (independent of --seed)")
     answer_extraction: str = option("tag", "how task_score finds a reasoning-gym completion's answer: tag (the text inside its last <answer>), tag-or-last-number or tag-or-last-line (the same, else its last number or last non-empty line: for models that do not write the tag; docs/tasks.md)", choices=ANSWER_EXTRACTIONS)
+    trust_task_verifier: bool = option(False, "use a reasoning-gym task whose verifier cannot be trusted with a policy's answers: one that evaluates them as code (eval, sympy's parser) in this process, or that gives full marks to a constant nonsense answer (off: such tasks are refused, naming why; docs/tasks.md)")
     skip_bad_rows: bool = option(False, "drop dataset rows without a prompt (or a question and a parseable gold answer) with a counted warning instead of stopping")
     long_prompts: str = option("truncate", "prompts longer than max_prompt_length: `truncate` (keep the last tokens, as trl) or `skip`", choices=LONG_PROMPTS)
     trust_remote_code: bool = option(False, "run model/tokenizer code from the hub (off: safe default)")

@@ -19,9 +19,11 @@ from rewards.scoring import completion_text
 INSTALL_HINT = "pip install -e '.[tasks]' (the math-verify package)"
 
 
-def accuracy_reward(prompts=None, completions=(), solution=(), **kwargs) -> list[float | None]:
+def accuracy_reward(prompts=None, completions=(), solution=None, **kwargs) -> list[float | None]:
     """1.0 when the completion's math answer equals the `solution` column's (math-verify), 0.0 when not, None when
     the solution does not parse."""
+    if solution is None:
+        raise ValueError(f"accuracy_reward needs a `solution` column (the gold answer); the rows have {sorted(kwargs)}")
     try:
         from latex2sympy2_extended import NormalizationConfig
         from math_verify import LatexExtractionConfig, parse, verify
@@ -36,7 +38,7 @@ def accuracy_reward(prompts=None, completions=(), solution=(), **kwargs) -> list
                                         try_extract_without_anchor=False)]
     rewards = []
     for completion, gold in zip(completions, solution, strict=True):
-        gold_parsed = parse(str(gold), parsing_timeout=parsing_timeout)
+        gold_parsed = parse(gold, parsing_timeout=parsing_timeout)  # as trl: a gold that is not text does not parse
         if not gold_parsed:
             rewards.append(None)
             continue

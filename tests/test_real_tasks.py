@@ -55,6 +55,15 @@ def test_rows_get_the_chat_prompt_and_bad_names_settings_and_splits_are_named():
         task_rows("reasoning-gym:chain_sum:5", "dev")
     with pytest.raises(DataError, match="positive number"):
         task_rows("reasoning-gym:chain_sum:0", "train")
+    for bad in ("reasoning-gym:chain_sum:", "reasoning-gym:chain_sum:\u00b2"):
+        with pytest.raises(DataError, match="positive number"):
+            task_rows(bad, "train")
+    with pytest.raises(DataError, match="seed come from --task-seed"):
+        task_rows("reasoning-gym:chain_sum:5", "train", {"seed": 3})
+    with pytest.raises(DataError, match="refuses --task-settings"):  # passes the config, fails drawing a problem
+        task_rows("reasoning-gym:chain_sum:5", "train", {"min_terms": 2.5, "max_terms": 3.5})
+    with pytest.raises(DataError, match="'composite' refuses"):  # its settings are objects JSON cannot give
+        task_rows("reasoning-gym:composite:5", "train", {"datasets": [{"name": "chain_sum", "weight": 1}]})
     with pytest.raises(DataError, match="every held-out problem is also a train problem"):
         task_rows("reasoning-gym:chain_sum:3000", "test", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
 
@@ -115,6 +124,9 @@ def test_answer_extraction_falls_back_only_where_asked():
     assert extract_answer("I think 3. <answer>4</answer> or 5", "tag-or-last-number") == "4"  # the tag comes first
     assert extract_answer("1,234 apples", "tag-or-last-number") == "1234"
     assert extract_answer("no digits", "tag-or-last-number") is None and extract_answer("", "tag-or-last-line") is None
+    assert extract_answer("the list 1,2,3", "tag-or-last-number") == "3"
+    assert extract_answer("about 2.5e3 pages", "tag-or-last-number") == "2.5e3"
+    assert extract_answer("The answer is 42 <answer>", "tag-or-last-number") == "42"  # an empty tag falls back
     rows = task_rows("reasoning-gym:chain_sum:3", "train", TWO_TERMS, answer_extraction="tag-or-last-number")
     assert score(rows, [f"so it is {row['answer']}" for row in rows]) == [1.0] * 3
     with pytest.raises(DataError, match="answer extraction 'last'"):
@@ -131,18 +143,65 @@ def test_a_verifier_that_raises_on_a_malformed_answer_scores_it_zero(caplog):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tasks_no_test_names_generate_rows_that_their_oracle_answer_wins(seed):
     """A random draw of reasoning-gym's tasks (default settings): rows generate, the oracle answer in tags scores 1
-    and a wrong one less, through the same path as the benchmark's tasks."""
+    and a wrong one less, through the same path as the benchmark's tasks; a task refused for its verifier is refused
+    with the reason and the way out, and loads with it."""
     from reasoning_gym.factory import DATASETS
 
-    # tasks whose oracle `answer` is None (many answers are right; the verifier checks them), that need settings,
-    # or whose verifier pays any non-empty answer (game_of_life_halting: bool("zzz") == bool("False"); docs/tasks.md)
-    skip = {"boxnet", "graph_color", "propositional_logic", "rubiks_cube", "rush_hour", "composite",
-            "game_of_life_halting", "knight_swap"}
+    # tasks whose oracle `answer` is None (many answers are right; the verifier checks them), that need settings the
+    # JSON cannot give, or that take seconds a problem
+    skip = {"boxnet", "graph_color", "propositional_logic", "rubiks_cube", "rush_hour", "composite", "knight_swap",
+            "futoshiki", "arc_agi", "rearc", "codeio"}
     names = random.Random(seed).sample(sorted(set(DATASETS) - skip), 6)
     for name in names:
-        rows = task_rows(f"reasoning-gym:{name}:3", "train", seed=seed)
+        try:
+            rows = task_rows(f"reasoning-gym:{name}:3", "train", seed=seed)
+        except DataError as error:
+            assert "--trust-task-verifier" in str(error), name
+            rows = task_rows(f"reasoning-gym:{name}:3", "train", seed=seed, trust_verifier=True)
         assert score(rows, [f"<answer>{row['answer']}</answer>" for row in rows]) == [1.0] * 3, name
         assert max(score(rows, ["<answer>\u2603 not it</answer>"] * 3)) < 1.0, name
+
+
+def test_verifiers_that_run_answers_as_code_or_pay_a_constant_are_refused():
+    from data.reasoning_gym import evaluates_answers, verifier_problems
+    from grpo.config import GRPOConfig
+    from reasoning_gym.factory import DATASETS
+
+    for name in ("countdown", "puzzle24", "n_queens", "binary_matrix", "bitwise_arithmetic"):  # eval / sympy
+        assert evaluates_answers(DATASETS[name][0]), name
+    for name in ("chain_sum", "letter_counting", "gcd", "basic_arithmetic", "spell_backward"):
+        assert not evaluates_answers(DATASETS[name][0]) and verifier_problems(name, None) == [], name
+    for name, constant in [("game_of_life_halting", "'0'"), ("coin_flip", "'0'"), ("complex_arithmetic", "'nan'")]:
+        (problem,) = verifier_problems(name, None)
+        assert f"constant answer {constant}" in problem, (name, problem)
+    with pytest.raises(ValueError, match="evaluates the answer as code.*--trust-task-verifier"):
+        GRPOConfig(dataset="reasoning-gym:countdown", reward=["task_score"]).validate()
+    with pytest.raises(DataError, match="evaluates the answer as code"):
+        task_rows("reasoning-gym:countdown:3", "train")
+    # the payload the refusal keeps out of the training process
+    trusted = task_rows("reasoning-gym:countdown:2", "train", trust_verifier=True)
+    assert GRPOConfig(dataset="reasoning-gym:countdown", reward=["task_score"], trust_task_verifier=True).validate()
+    assert score(trusted, ["<answer>" + row["answer"] + "</answer>" for row in trusted]) == [1.0, 1.0]
+
+
+def test_non_finite_answers_and_float_overshoot_earn_nothing():
+    from rewards.reasoning_gym import task_solved
+
+    rows = task_rows("reasoning-gym:complex_arithmetic:3", "train", trust_verifier=True)
+    assert score(rows, ["<answer>nan</answer>", "<answer>inf</answer>", "<answer>NaN + nan i</answer>"]) == [0.0] * 3
+    words = [row for row in task_rows("reasoning-gym:spell_backward:200", "train") if len(row["answer"]) == 9][:2]
+    overshoot = [f"<answer>{row['answer']} is my guess, or maybe not</answer>" for row in words]
+    columns = {column: [row[column] for row in words] for column in words[0]}
+    assert all(value <= 1.0 for value in task_score(None, overshoot, **columns))  # clipped
+    assert task_solved(None, overshoot, **columns) == [0.0, 0.0]  # the verifier's 1.0000000000000002 is not solved
+    assert task_solved(None, [f"<answer>{r['answer']}</answer>" for r in words], **columns) == [1.0, 1.0]
+
+
+def test_a_row_naming_an_unknown_task_stops_the_step_instead_of_scoring_zero():
+    rows = task_rows("reasoning-gym:chain_sum:2", "train")
+    broken = [{**row, "task": "chainsum"} for row in rows]
+    with pytest.raises(DataError, match="no task 'chainsum'"):
+        score(broken, ["<answer>1</answer>"] * 2)
 
 
 # ---------------------------------------------------------------------------------- math-verify: trl's semantics
@@ -165,6 +224,7 @@ ANSWERS = [  # (completion, solution)
     (r"$\boxed{\infty}$", r"\infty"),
     (r"\boxed{-3}", "-3"),
     (r"\boxed{3}", "-3"),
+    (r"\boxed{42}", 42),  # a gold that is not text does not parse, as in trl
 ]
 
 
@@ -181,6 +241,8 @@ def test_accuracy_reward_matches_trl_on_a_set_of_answers():
     assert ours[0] == 1.0 and ours[1] == 0.0 and ours[4] == 0.0 and ours[13] is None  # the cases cover each outcome
     # plain-string completions (our other completion shape) score as their message form does
     assert accuracy_reward(completions=[text for text, _ in ANSWERS], solution=solutions) == theirs
+    with pytest.raises(ValueError, match="needs a `solution` column"):
+        accuracy_reward(completions=completions[:1], answer=["1/3"])
 
 
 def test_accuracy_reward_is_registered_under_trls_name():
@@ -212,6 +274,10 @@ def test_majority_vote_ties_share_credit_and_no_answer_scores_zero():
     assert majority_correct(["8", "7", "8"], [False, True, False]) == 0.0
     assert majority_correct(["7", "8", None, None], [True, False, False, False]) == 0.5  # tie; None casts no vote
     assert majority_correct([None, None], [False, False]) == 0.0
+    # one answer scored both ways (a correctness key that also scores something else): no order decides it
+    assert majority_correct(["x", "x"], [False, True]) == majority_correct(["x", "x"], [True, False]) == 0.5
+    with pytest.raises(ValueError, match="at least one problem"):
+        summarize_samples([], [])
 
 
 def test_mean_interval_and_summary():

@@ -58,6 +58,7 @@ class EvalConfig(ConfigMixin):
     task_settings: dict | None = option(None, "a reasoning-gym dataset's settings, a JSON object (the same as training)")
     task_seed: int = option(0, "a reasoning-gym dataset's seed (the same as training: the held-out split is disjoint from that seed's train split)")
     answer_extraction: str = option("tag", "how task_score finds a reasoning-gym completion's answer: tag (the text inside its last <answer>), tag-or-last-number or tag-or-last-line (the same, else its last number or last non-empty line: for models that do not write the tag; docs/tasks.md)", choices=ANSWER_EXTRACTIONS)
+    trust_task_verifier: bool = option(False, "use a reasoning-gym task whose verifier cannot be trusted with a policy's answers: one that evaluates them as code (eval, sympy's parser) in this process, or that gives full marks to a constant nonsense answer (off: such tasks are refused, naming why; docs/tasks.md)")
     tools: list[str] = option([], "functions the model may call, module:function each (the same as training's --tools)")
     max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most (as training)")
     scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")

@@ -8,9 +8,10 @@ first k samples is unbiased too, but wastes the other n - k samples; the estimat
 
     maj@k  = E_problems[ correctness of the most frequent answer among the k = n samples ]
 
-A vote is a completion's extracted answer; completions without one do not vote; answers tied for the most votes
-share the problem's credit equally (so the figure does not depend on the order of the samples); no answer at all
-scores 0. Interval: mean +- 1.96 standard errors of the per-problem values (a normal approximation over the
+A vote is a completion's extracted answer, compared as text (reasoning-gym's "5" and "5.0" are two answers, and
+tasks with many right answers split their votes); completions without one do not vote; answers tied for the most
+votes share the problem's credit equally (so the figure does not depend on the order of the samples); no answer at
+all scores 0. Interval: mean +- 1.96 standard errors of the per-problem values (a normal approximation over the
 problems; clipped to [0, 1]), so it says how much the figure would move on another draw of problems and samples.
 """
 
@@ -37,9 +38,12 @@ def majority_correct(answers: list[str | None], correct: list[bool]) -> float:
         return 0.0
     most = max(votes.values())
     winners = [answer for answer, count in votes.items() if count == most]
-    # an answer is correct when its first sample was scored correct (samples with one answer score alike)
-    first = {answer: ok for answer, ok in reversed(list(zip(answers, correct, strict=True)))}
-    return sum(float(first[answer]) for answer in winners) / len(winners)
+    # an answer's correctness: the share of its samples scored correct (1 or 0 when they score alike, as they do
+    # unless the correctness key also scores something else), so that no sample order changes the figure
+    def share(answer):
+        marks = [ok for a, ok in zip(answers, correct, strict=True) if a == answer]
+        return sum(marks) / len(marks)
+    return sum(share(answer) for answer in winners) / len(winners)
 
 
 def mean_interval(values: list[float]) -> dict:
@@ -55,7 +59,9 @@ def mean_interval(values: list[float]) -> dict:
 def summarize_samples(correct: list[list[bool]], answers: list[list[str | None]]) -> dict:
     """pass@1..n and maj@n, each {"mean", "low", "high"}, from per-problem correctness and extracted answers of n
     samples each."""
-    n = len(correct[0]) if correct else 0
+    if not correct:
+        raise ValueError("pass@k needs at least one problem")
+    n = len(correct[0])
     if any(len(row) != n for row in correct):
         raise ValueError("every problem needs the same number of samples")
     summary = {f"pass@{k}": mean_interval([pass_at_k(n, sum(row), k) for row in correct]) for k in range(1, n + 1)}

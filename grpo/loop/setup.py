@@ -106,7 +106,8 @@ def task_rows(config, rows, split: str, purpose: str) -> tuple[list[dict], str]:
     """(rows with a `prompt`, task): loaded from --dataset, or the rows given, checked for their task (data/tasks.py)."""
     if rows is None:
         rows, task = load_task_rows(config.dataset, split, config.skip_bad_rows, config.system_prompt, config.one_shot,
-                                    config.task_settings, config.task_seed, config.answer_extraction)
+                                    config.task_settings, config.task_seed, config.answer_extraction,
+                                    config.trust_task_verifier)
     elif rows and "prompt" not in rows[0]:  # GSM8K rows given from Python get their chat prompts
         rows, task = add_prompts(rows, config.system_prompt, config.one_shot), "gsm8k"
     else:
