@@ -125,11 +125,17 @@ def reward_scores(reward_specs):
     return score
 
 
+def scorer_kind(name: str, task: str) -> str:
+    """`--eval-scorer auto` resolved for the task: gsm8k for GSM8K data, rewards otherwise; any other name as given."""
+    if name == "auto":
+        return "gsm8k" if task == "gsm8k" else "rewards"
+    return name
+
+
 def make_scorer(name: str, task: str, reward_specs=None, sandbox_isolation: str = "available"):
     """The batch scorer `fn(completions, rows, completion_ids) -> list of dicts` that `--eval-scorer name` means;
     `sandbox_isolation` as rewards.sandbox.check_isolation takes it, for a scorer that runs the model's programs."""
-    if name == "auto":
-        name = "gsm8k" if task == "gsm8k" else "rewards"
+    name = scorer_kind(name, task)
     if name == "gsm8k":
         return gsm8k_scores
     if name == "rewards":
@@ -189,9 +195,8 @@ def evaluate(
         for row, text, ids, scores in zip(batch_rows, texts, completion_ids, scorer(texts, batch_rows, completion_ids),
                                           strict=True):
             question = row.get("question") or _prompt_text(row["prompt"])
-            gold = row.get("answer")
-            gold = (gold_from_column(gold) or str(gold)) if gold is not None else None  # a number, or the task's text
-            records.append({"question": question, "gold": gold, "completion": text, "length": len(ids), **scores})
+            records.append({"question": question, "gold": gold_answer(row), "completion": text, "length": len(ids),
+                            **scores})
         bar.update(len(batch_rows))
     bar.close()
     model.train(was_training)
@@ -211,8 +216,7 @@ def sample_answer(text: str, task: str, row: dict) -> str | None:
 
 def default_pass_key(scorer_name: str, task: str, reward_specs=None) -> str | None:
     """The score that makes a sample correct when --pass-key is not given (None: a custom scorer must name one)."""
-    if scorer_name == "auto":
-        scorer_name = "gsm8k" if task == "gsm8k" else "rewards"
+    scorer_name = scorer_kind(scorer_name, task)
     if scorer_name == "gsm8k":
         return "strict_accuracy"
     if scorer_name == "rewards" and reward_specs:
@@ -255,7 +259,7 @@ def evaluate_samples(model, tokenizer, rows: list[dict], eos_token_ids: tuple[in
             group = slice(index * num_samples, (index + 1) * num_samples)
             correct = [score[pass_key] >= pass_threshold for score in scores[group]]
             records.append({"question": row.get("question") or _prompt_text(row["prompt"]),
-                            "gold": gold_from_column(row.get("answer")) if task == "gsm8k" else row.get("answer"),
+                            "gold": gold_answer(row),
                             "completions": texts[group], "answers": [sample_answer(t, task, row) for t in texts[group]],
                             "correct": correct, "num_correct": sum(correct), "scores": scores[group]})
         bar.update(len(batch_rows))
@@ -265,6 +269,12 @@ def evaluate_samples(model, tokenizer, rows: list[dict], eos_token_ids: tuple[in
                "pass_threshold": pass_threshold,
                **summarize_samples([r["correct"] for r in records], [r["answers"] for r in records])}
     return records, summary
+
+
+def gold_answer(row: dict) -> str | None:
+    """A record's gold: the row's `answer` as a canonical number when it is one (GSM8K), else as the task's text."""
+    gold = row.get("answer")
+    return (gold_from_column(str(gold)) or str(gold)) if gold is not None else None
 
 
 def _prompt_text(prompt) -> str:
