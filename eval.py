@@ -30,14 +30,15 @@ def output_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip("/")) or "model"
 
 
-def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task: str, pass_key: str | None) -> dict:
+def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task: str, pass_key: str | None,
+                   reward_specs=None) -> dict:
     import torch
 
     from grpo.loop.evaluation import evaluate, evaluate_samples
     from grpo.loop.rollout import GroupSampler
     from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
-    from grpo.loop.setup import tool_set
+    from grpo.loop.setup import environments as load_environments, tool_set
 
     device = resolve_device(config.device)
     precision = resolve_precision(config.precision, device)
@@ -48,11 +49,13 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     kernels = select_kernels(config.kernels, device, model=model)
     kernels.prepare_model(model)
-    tools, template_kwargs = tool_set(config, tokenizer)  # as in training: the tools' schemas in the prompt
+    # as in training: the tools' schemas in the prompt; environments played and scored by the rewards
+    tools, template_kwargs, played = tool_set(config, tokenizer, environments=load_environments(config))
     backend = GroupSampler(model, tokenizer.pad_token_id, kernels.sampler(config.max_prompt_length), tools)
+    played_with = dict(environments=played, reward_specs=reward_specs)
     records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
                                 config.max_completion_length, config.batch_size, autocast=autocast, scorer=scorer,
-                                backend=backend, chat_template_kwargs=template_kwargs)
+                                backend=backend, chat_template_kwargs=template_kwargs, **played_with)
     folder = Path(config.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     stem = output_stem(name)
@@ -65,7 +68,7 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
             model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
             config.max_completion_length, config.num_samples, config.temperature, pass_key, config.pass_threshold,
             task, config.batch_size, autocast=autocast, scorer=scorer, backend=backend,
-            chat_template_kwargs=template_kwargs)
+            chat_template_kwargs=template_kwargs, **played_with)
         with (folder / f"{stem}.pass_at_k.jsonl").open("w") as handle:
             handle.writelines(json.dumps(record) + "\n" for record in sampled)
     (folder / f"{stem}.summary.json").write_text(json.dumps(summary, indent=2))
@@ -82,20 +85,23 @@ def main(argv=None) -> int:
     from data import DataError, load_task_rows
     from grpo.loop.evaluation import default_pass_key, make_scorer
     from grpo.models import ModelError
-    from rewards import RewardError, parse_reward_specs
+    from grpo.loop.setup import environments as load_environments, reward_specs as reward_specs_of
+    from rewards import RewardError
 
     try:
         rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt,
                                     config.one_shot, config.task_settings, config.task_seed, config.answer_extraction,
                                     config.trust_task_verifier)
         rows = rows[: config.limit] if config.limit else rows
-        reward_specs = parse_reward_specs(config.reward)
-        scorer = make_scorer(config.scorer, task, reward_specs, config.sandbox_isolation)
-        pass_key = config.pass_key or default_pass_key(config.scorer, task, reward_specs)
+        environments = load_environments(config)  # their get_reward scores join the rewards, as in training
+        reward_specs = reward_specs_of(config, environments=environments)
+        scorer = make_scorer("rewards" if environments else config.scorer, task, reward_specs,
+                             config.sandbox_isolation)
+        pass_key = config.pass_key or default_pass_key("rewards" if environments else config.scorer, task, reward_specs)
         if config.num_samples > 1 and pass_key is None:
             raise ValueError(f"--scorer {config.scorer} with --num-samples: name the score that makes a sample correct "
                              "with --pass-key")
-        summaries = [evaluate_model(config, name, rows, scorer, task, pass_key)
+        summaries = [evaluate_model(config, name, rows, scorer, task, pass_key, reward_specs)
                      for name in [config.model, config.compare] if name]
     except (ValueError, DataError, ModelError, RewardError) as error:
         print(f"error: {error}", file=sys.stderr)

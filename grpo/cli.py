@@ -103,7 +103,7 @@ def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
     elif kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
     elif is_list:
-        parser.add_argument(flag, nargs="+", type=kind, help=help_text)
+        parser.add_argument(flag, nargs="*", type=kind, help=help_text)  # the flag alone: an empty list
     elif kind is dict:  # `none` clears it, as for the other optional flags
         parser.add_argument(flag, type=_optional(json_object), help=help_text)
     else:

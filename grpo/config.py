@@ -173,6 +173,8 @@ class GRPOConfig(ConfigMixin):
     min_p: float = option(0.0, "min-p sampling (0.0 = off)")
     tools: list[str] = option([], "functions the model may call during its rollout, module:function each (trl's tools): type hints and a docstring give the schema the chat template shows; a turn that writes <tool_call>{json}</tool_call> gets the result and goes on; results are not trained on (grpo/loop/tools.py)")
     max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most, as trl (default: until max_completion_length)")
+    environment: list[str] = option([], "multi-turn environments (trl's environment_factory): module:Class or path/to/file.py:Class, each rollout getting a fresh instance in its own process; reset(**row) may return text appended to the prompt, the public methods are tools, an optional get_reward() is a reward named after the class (weight 1; --reward may then be empty). Several (name=module:Class to rename) mix tasks by the rows' `environment` column (grpo/loop/environments.py, docs/tools.md)")
+    environment_timeout: float = option(10.0, "seconds an environment's reset, tool call or get_reward may take; a call past it fails (the model reads an error) and its environment is stopped")
     generation_backend: str = option("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
 
     # --- rewards and advantages ---
@@ -410,8 +412,13 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             problems.append(f"max_tool_calling_iterations must be >= 0, got {self.max_tool_calling_iterations}")
-        if self.tools and self.generation_backend != "sampler":
-            problems.append("tools need --generation-backend sampler (it pauses a row for a tool's result)")
+        if (self.tools or self.environment) and self.generation_backend != "sampler":
+            problems.append("tools and environments need --generation-backend sampler (it pauses a row for a tool's "
+                            "result)")
+        if not self.environment_timeout > 0:
+            problems.append(f"environment_timeout must be > 0 seconds, got {self.environment_timeout}")
+        if self.use_peft and not self.lora_target_modules:
+            problems.append("lora_target_modules: empty; name the modules that get adapters")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         problems += self.path_problems(self.model, self.output_dir, self.chat_template)

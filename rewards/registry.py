@@ -83,8 +83,6 @@ def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[Rew
             parsed.append(_parse_spec(spec))
         else:
             raise TypeError(f"a reward must be a name, a function or a RewardSpec, got {type(spec).__name__}")
-    if not parsed:
-        raise ValueError("at least one reward function is needed")
     names = [spec.name for spec in parsed]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:

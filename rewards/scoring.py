@@ -105,18 +105,21 @@ def score_completions(
 
 
 def score_rows(specs: Sequence[RewardSpec], rows: list[dict], texts: list[str], completion_ids: list[list[int]],
-               group_size: int = 1, messages: list[list[dict]] | None = None) -> torch.Tensor:
+               group_size: int = 1, messages: list[list[dict]] | None = None, prompts: list | None = None,
+               extra_columns: dict | None = None) -> torch.Tensor:
     """(N, K) rewards of completion texts for dataset rows, `group_size` consecutive completions per row.
 
     trl's convention: chat prompts get chat-message completions, plain-string prompts plain strings, and
     every column but `prompt` arrives as a keyword list aligned with the completions, `completion_ids` too.
-    `messages`: each completion's turns (tool rollouts: assistant, tool, ..., assistant), used for chat prompts.
+    `messages`: each completion's turns (tool rollouts: assistant, tool, ..., assistant), used for chat prompts;
+    `prompts`: each completion's own prompt (environments append their reset text), default its row's;
+    `extra_columns`: more keyword lists, one value per completion (`environments`: grpo.loop.environments).
     """
-    prompts = [row["prompt"] for row in rows for _ in range(group_size)]
+    prompts = prompts or [row["prompt"] for row in rows for _ in range(group_size)]
     completions = texts if isinstance(prompts[0], str) else messages or [[{"role": "assistant", "content": t}]
                                                                           for t in texts]
     columns = {key: [row.get(key) for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
-    columns["completion_ids"] = completion_ids
+    columns.update(completion_ids=completion_ids, **(extra_columns or {}))
     return score_completions(specs, prompts, completions, columns)
 
 

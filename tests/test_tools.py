@@ -183,7 +183,7 @@ def test_a_group_whose_rows_call_tools_at_different_steps(setup):
         assert sample.tool_mask[row, : lengths[row]].tolist() == mask, row
         assert torch.all(sample.logprobs[row, : lengths[row]][torch.tensor(mask) == 0] == 0)
     assert not sample.truncated.any()
-    assert sample.tool_calls.tolist() == [[1, 0], [0, 0], [1, 0], [1, 1]]
+    assert sample.tool_calls.tolist() == [[1, 0, 2], [0, 0, 1], [1, 0, 2], [1, 1, 2]]  # calls, failed, turns
     assert [m["role"] for m in sample.messages[0]] == ["assistant", "tool", "assistant"]
     assert sample.messages[0][0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert sample.messages[0][1] == {"role": "tool", "name": "add", "content": "5"}
@@ -203,20 +203,20 @@ def test_several_turns_budget_and_turn_limit(setup):
     sample = run(setup, plans, group=2, budget=300)  # no limit: two tool turns, then the answer
     full = call_23 + [eos] + s5 + call_11 + [eos] + s2 + answer + [eos]
     assert sample.completion_ids[0, : len(full)].tolist() == full
-    assert sample.tool_calls[0].tolist() == [2, 0] and [m["role"] for m in sample.messages[0]] == [
+    assert sample.tool_calls[0].tolist() == [2, 0, 3] and [m["role"] for m in sample.messages[0]] == [
         "assistant", "tool", "assistant", "tool", "assistant"]
 
     sample = run(setup, plans, group=2, max_iterations=1)  # the second call is not run: the row ends there
     ends_at = call_23 + [eos] + s5 + call_11 + [eos]
     assert sample.completion_mask[0].sum().item() == len(ends_at)
     assert sample.completion_ids[0, : len(ends_at)].tolist() == ends_at and not sample.truncated[0]
-    assert sample.tool_calls[0].tolist() == [1, 0]
+    assert sample.tool_calls[0].tolist() == [1, 0, 2]  # the turn that called past the limit is the last
 
     budget = len(call_23) + 1 + len(s5) - 1  # the result does not fit: dropped, the row ends after its call
     sample = run(setup, plans, group=2, budget=budget)
     assert sample.completion_mask[0].sum().item() == len(call_23) + 1 and not sample.truncated[0]
     assert sample.tool_mask[0].tolist() == [1] * sample.tool_mask.shape[1]
-    assert sample.tool_calls[0].tolist() == [1, 0]  # the call was made (as trl counts it), its result dropped
+    assert sample.tool_calls[0].tolist() == [1, 0, 1]  # the call was made (as trl counts it), its result dropped
 
     budget = len(call_23) + 1 + len(s5) + 3  # the result fits, the next turn is cut at the budget
     sample = run(setup, plans, group=2, budget=budget)
@@ -235,8 +235,8 @@ def test_tools_run_through_our_sampler_whatever_the_kernel(setup):
     backend = make_generation_backend("sampler", model, tokenizer.pad_token_id, fast_sampler, toolset)
     params = SamplingParams(max_completion_length=4, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,))
     sample = backend.generate([prompt], 2, params, torch.Generator().manual_seed(0))
-    assert sample.tool_mask is not None and sample.tool_calls.shape == (2, 2)
-    with pytest.raises(ValueError, match="tools need --generation-backend sampler"):  # checked once, by the config
+    assert sample.tool_mask is not None and sample.tool_calls.shape == (2, 3)
+    with pytest.raises(ValueError, match="tools and environments need --generation-backend sampler"):  # checked once, by the config
         GRPOConfig(tools=["data.calculator:calculator"], generation_backend="transformers").validate()
 
 

@@ -68,7 +68,7 @@ class GroupSample:
     num_generated_tokens: int  # real completion tokens (sum of completion_mask)
     logprobs: torch.Tensor | None = None  # (N, T) log-probs of the chosen tokens under softmax(logits / temperature)
     tool_mask: torch.Tensor | None = None  # (N, T) with tools (grpo.loop.tools): 0 on the tool results fed in
-    tool_calls: torch.Tensor | None = None  # (N, 2) with tools: calls made, calls failed
+    tool_calls: torch.Tensor | None = None  # (N, 3) with tools: calls made, calls failed, assistant turns
     messages: list[list[dict]] | None = None  # with tools: each row's turns as chat messages
 
 

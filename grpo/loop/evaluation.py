@@ -61,6 +61,8 @@ class EvalConfig(ConfigMixin):
     trust_task_verifier: bool = option(False, "use a reasoning-gym task whose verifier cannot be trusted with a policy's answers: one that evaluates them as code (eval, sympy's parser) in this process, or that gives full marks to a constant nonsense answer (off: such tasks are refused, naming why; docs/tasks.md)")
     tools: list[str] = option([], "functions the model may call, module:function each (the same as training's --tools)")
     max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most (as training)")
+    environment: list[str] = option([], "multi-turn environments, module:Class or file.py:Class each (the same as training's --environment); their get_reward scores are reported with the --reward ones")
+    environment_timeout: float = option(10.0, "seconds an environment's reset, tool call or get_reward may take (as training)")
     scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
     reward: list[str] = option(["correctness"], "reward functions for --scorer rewards (names, module:function or file.py:function)")
     sandbox_isolation: str = option("available", "a scorer or reward that runs the model's programs: `available` runs them with the isolation layers this machine gives (a warning names any that is missing), `full` refuses to start without every layer (as train.py's)", choices=ISOLATION_CHOICES)
@@ -86,6 +88,8 @@ class EvalConfig(ConfigMixin):
             problems.append(f"limit must be >= 0, got {self.limit}")
         if self.num_samples < 1:
             problems.append(f"num_samples must be >= 1, got {self.num_samples}")
+        if not self.environment_timeout > 0:
+            problems.append(f"environment_timeout must be > 0 seconds, got {self.environment_timeout}")
         if self.num_samples > 1 and not (self.temperature > 0 and math.isfinite(self.temperature)):
             problems.append(f"temperature must be a finite number > 0 for --num-samples > 1, got {self.temperature}")
         for model in [self.model, self.compare]:
@@ -115,14 +119,18 @@ def gsm8k_scores(completions: list[str], rows: list[dict], completion_ids=None) 
 
 def reward_scores(reward_specs):
     """A scorer from the training rewards: each function's value and the weighted sum `reward` (None rows left out)."""
-    weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)
-
     def score(completions: list[str], rows: list[dict], completion_ids: list[list[int]]) -> list[dict]:
-        per_func = score_rows(reward_specs, rows, completions, completion_ids)  # (n, K)
-        totals = weighted_rewards(per_func, weights).tolist()  # (n,), NaN where no function scored the row
-        return [{**{f"rewards/{spec.name}": value for spec, value in zip(reward_specs, values, strict=True)},
-                 "reward": total} for values, total in zip(per_func.tolist(), totals, strict=True)]
+        return reward_records(score_rows(reward_specs, rows, completions, completion_ids), reward_specs)
     return score
+
+
+def reward_records(per_func: torch.Tensor, reward_specs) -> list[dict]:
+    """(n, K) rewards as the rewards scorer's records: each function's value and the weighted sum `reward` (NaN
+    where no function scored the row)."""
+    weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)
+    totals = weighted_rewards(per_func, weights).tolist()  # (n,)
+    return [{**{f"rewards/{spec.name}": value for spec, value in zip(reward_specs, values, strict=True)},
+             "reward": total} for values, total in zip(per_func.tolist(), totals, strict=True)]
 
 
 def scorer_kind(name: str, task: str) -> str:
@@ -171,11 +179,15 @@ def evaluate(
     scorer=gsm8k_scores,
     backend=None,
     chat_template_kwargs: dict | None = None,
+    environments=None,
+    reward_specs=None,
 ) -> tuple[list[dict], dict]:
     """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary of means).
 
     `backend`: a grpo.loop.rollout backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
-    `chat_template_kwargs`: as in training (grpo.loop.prompts.encode_prompt).
+    `chat_template_kwargs`: as in training (grpo.loop.prompts.encode_prompt); `environments`
+    (grpo.loop.environments.EnvironmentRollouts): each completion plays its own, and is scored by `reward_specs`
+    (the environments' get_reward among them) instead of `scorer`.
     """
     backend = backend or GroupSampler(model, tokenizer.pad_token_id)
     was_training = model.training
@@ -188,12 +200,10 @@ def evaluate(
     for start in range(0, len(rows), batch_size):
         batch_rows = rows[start : start + batch_size]
         with autocast or contextlib.nullcontext():
-            sample = backend.generate(prompt_ids[start : start + batch_size], 1, params)
-        completion_ids = [ids[mask.bool()].tolist() for ids, mask in
-                          zip(sample.completion_ids.cpu(), sample.completion_mask.cpu(), strict=True)]
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        for row, text, ids, scores in zip(batch_rows, texts, completion_ids, scorer(texts, batch_rows, completion_ids),
-                                          strict=True):
+            texts, completion_ids, batch_scores = complete_and_score(
+                backend, tokenizer, batch_rows, prompt_ids[start : start + batch_size], 1, params, scorer,
+                environments, reward_specs)
+        for row, text, ids, scores in zip(batch_rows, texts, completion_ids, batch_scores, strict=True):
             question = row.get("question") or _prompt_text(row["prompt"])
             records.append({"question": question, "gold": gold_answer(row), "completion": text, "length": len(ids),
                             **scores})
@@ -229,10 +239,11 @@ def evaluate_samples(model, tokenizer, rows: list[dict], eos_token_ids: tuple[in
                      max_completion_length: int, num_samples: int, temperature: float, pass_key: str,
                      pass_threshold: float = 1.0, task: str = "prompt", batch_size: int = 32, autocast=None,
                      progress: bool = True, scorer=gsm8k_scores, backend=None,
-                     chat_template_kwargs: dict | None = None) -> tuple[list[dict], dict]:
+                     chat_template_kwargs: dict | None = None, environments=None,
+                     reward_specs=None) -> tuple[list[dict], dict]:
     """k = `num_samples` completions per row at `temperature` (seed the global RNG first), scored by `scorer`;
     returns (one record per problem: its completions, scores, votes and correct count; pass@1..k and maj@k with
-    95% intervals, grpo.loop.pass_at_k)."""
+    95% intervals, grpo.loop.pass_at_k). `environments`, `reward_specs`: as `evaluate`'s."""
     backend = backend or GroupSampler(model, tokenizer.pad_token_id)
     was_training = model.training
     model.eval()
@@ -245,19 +256,15 @@ def evaluate_samples(model, tokenizer, rows: list[dict], eos_token_ids: tuple[in
     bar = tqdm(total=len(rows), desc=f"eval {num_samples} samples", disable=not progress, leave=False)
     for start in range(0, len(rows), prompts_per_batch):
         batch_rows = rows[start : start + prompts_per_batch]
-        with autocast or contextlib.nullcontext():
-            sample = backend.generate(prompt_ids[start : start + prompts_per_batch], num_samples, params)
-        # completions are grouped by prompt: rows [i*k, (i+1)*k) belong to prompt i
-        completion_ids = [ids[mask.bool()].tolist() for ids, mask in
-                          zip(sample.completion_ids.cpu(), sample.completion_mask.cpu(), strict=True)]
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        repeated = [row for row in batch_rows for _ in range(num_samples)]
-        scores = scorer(texts, repeated, completion_ids)
+        with autocast or contextlib.nullcontext():  # grouped by prompt: rows [i*k, (i+1)*k) belong to prompt i
+            texts, completion_ids, scores = complete_and_score(
+                backend, tokenizer, batch_rows, prompt_ids[start : start + prompts_per_batch], num_samples, params,
+                scorer, environments, reward_specs)
         if scores and pass_key not in scores[0]:
             raise ValueError(f"--pass-key {pass_key!r} is not a score of this scorer; its scores: {sorted(scores[0])}")
         for index, row in enumerate(batch_rows):
             group = slice(index * num_samples, (index + 1) * num_samples)
-            correct = [score[pass_key] >= pass_threshold for score in scores[group]]
+            correct = [score[pass_key] >= pass_threshold for score in scores[group]]  # NaN: not correct
             records.append({"question": row.get("question") or _prompt_text(row["prompt"]),
                             "gold": gold_answer(row),
                             "completions": texts[group], "answers": [sample_answer(t, task, row) for t in texts[group]],
@@ -269,6 +276,24 @@ def evaluate_samples(model, tokenizer, rows: list[dict], eos_token_ids: tuple[in
                "pass_threshold": pass_threshold,
                **summarize_samples([r["correct"] for r in records], [r["answers"] for r in records])}
     return records, summary
+
+
+def complete_and_score(backend, tokenizer, rows: list[dict], prompt_ids: list[list[int]], per_row: int, params,
+                       scorer, environments=None, reward_specs=None) -> tuple[list[str], list[list[int]], list[dict]]:
+    """`per_row` completions of each row, grouped by row: (texts, token ids, a dict of scores each). With
+    environments they are played and scored as in training (grpo.loop.rollout.sample_rollout), with the rewards
+    scorer's records."""
+    if environments is not None:
+        rollout, _, texts = environments.sample_rollout(backend, tokenizer, reward_specs, rows, prompt_ids, per_row,
+                                                        params, None)
+        completion_ids = [ids[mask.bool()].tolist() for ids, mask in
+                          zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu(), strict=True)]
+        return texts, completion_ids, reward_records(rollout.rewards_per_func, reward_specs)
+    sample = backend.generate(prompt_ids, per_row, params)
+    completion_ids = [ids[mask.bool()].tolist() for ids, mask in
+                      zip(sample.completion_ids.cpu(), sample.completion_mask.cpu(), strict=True)]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return texts, completion_ids, scorer(texts, [row for row in rows for _ in range(per_row)], completion_ids)
 
 
 def gold_answer(row: dict) -> str | None:

@@ -153,11 +153,13 @@ def group_samples(prompts: list, texts: list[str], rewards_per_func, names: list
 
 
 def tool_metrics(world, rollout, device) -> dict:
-    """trl's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls), of a rollout
-    with tool calls."""
-    calls, failed = world.gather_rows(rollout.tool_calls.float().to(device)).sum(0).tolist()  # (N_all, 2) summed
-    return {"tools/call_frequency": calls / (rollout.num_rows * world.size),
-            "tools/failure_frequency": failed / calls if calls else 0.0}
+    """trl's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls), and the
+    assistant turns per completion as trl's asynchronous trainer names them (rollout/turns_mean, rollout/turns_max),
+    of a rollout with tool calls."""
+    counts = world.gather_rows(rollout.tool_calls.float().to(device))  # (N_all, 3) calls, failed, turns
+    calls, failed, turns = counts.sum(0).tolist()
+    return {"tools/call_frequency": calls / counts.shape[0], "tools/failure_frequency": failed / calls if calls else 0.0,
+            "rollout/turns_mean": turns / counts.shape[0], "rollout/turns_max": counts[:, 2].max().item()}
 
 
 # trl's metric name -> the LossStats field it averages (over the step's tokens, or rows; LossStats.weights)

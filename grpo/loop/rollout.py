@@ -74,7 +74,7 @@ class Rollout:
     rewards_per_func: torch.Tensor  # (N, K) fp32, NaN where a function returned None
     sampler_logprobs: torch.Tensor | None = None  # (N, T) the generation backend's log-probs, when it gives them
     tool_mask: torch.Tensor | None = None  # (N, T) 0 on tool-result tokens (trl's name); None: no tools
-    tool_calls: torch.Tensor | None = None  # (N, 2) per row: tool calls made, and of those failed
+    tool_calls: torch.Tensor | None = None  # (N, 3) per row: tool calls made, of those failed, assistant turns
     policy_version: int | None = None  # optimizer updates the sampling weights had seen (asynchronous rollouts)
 
     def __post_init__(self):
@@ -148,23 +148,38 @@ def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt
                    params, noise, return_logprobs: bool = False) -> tuple[Rollout, list, list]:
     """G completions for each of the B rows' prompts from the generation backend (grpo.loop.rollout), decoded and
     scored by every reward function (rewards.score_rows). Returns (rollout, prompts, texts), N = B * G rows;
-    return_logprobs: the rollout keeps the sampler's log-probs (the behaviour policy's, grpo.algorithm.off_policy)."""
-    # rows [prompt 0 x G, prompt 1 x G, ...]
+    return_logprobs: the rollout keeps the sampler's log-probs (the behaviour policy's, grpo.algorithm.off_policy).
+    With environments, grpo.loop.environments.EnvironmentRollouts.sample_rollout takes the same arguments."""
     sample = generation.generate(prompt_ids, group, params, noise, return_logprobs=return_logprobs)
+    return rollout_from_sample(sample, tokenizer, reward_specs, rows, group)
+
+
+def rollout_from_sample(sample, tokenizer, reward_specs, rows: list[dict], group: int, prompts: list | None = None,
+                        columns: dict | None = None, per_prompt: int | None = None) -> tuple[Rollout, list, list]:
+    """A GroupSample's completions decoded and scored, as a Rollout; (rollout, prompts, texts). `prompts`: each
+    completion's own (default its row's); `columns`: more keyword lists for the reward functions; `per_prompt`:
+    completions per sampled prompt (default G; 1 where every completion had its own)."""
     completion_ids = [ids[mask].tolist() for ids, mask in
                       zip(sample.completion_ids.cpu(), sample.completion_mask.bool().cpu(), strict=True)]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    # with tools, chat completions are the turns as messages (assistant, tool, ..., assistant), as trl's
-    rewards_per_func = score_rows(reward_specs, rows, texts, completion_ids, group, sample.messages)  # (N, K)
-    prompts = [row["prompt"] for row in rows for _ in range(group)]
-    rollout = Rollout(
-        prompt_ids=sample.prompt_ids.repeat_interleave(group, 0),  # (N, P)
-        prompt_mask=sample.prompt_mask.repeat_interleave(group, 0),
+    prompts = prompts or [row["prompt"] for row in rows for _ in range(group)]  # rows [prompt 0 x G, ...]
+    # (N, K); with tools, chat completions are the turns as messages (assistant, tool, ..., assistant), as trl's
+    rewards_per_func = score_rows(reward_specs, rows, texts, completion_ids, group, sample.messages, prompts, columns)
+    return Rollout(
+        prompt_ids=sample.prompt_ids.repeat_interleave(per_prompt or group, 0),  # (N, P)
+        prompt_mask=sample.prompt_mask.repeat_interleave(per_prompt or group, 0),
         completion_ids=sample.completion_ids, completion_mask=sample.completion_mask,  # (N, T)
         truncated=sample.truncated, rewards_per_func=rewards_per_func, sampler_logprobs=sample.logprobs,
-        tool_mask=sample.tool_mask, tool_calls=sample.tool_calls,
-    )
-    return rollout, prompts, texts
+        tool_mask=sample.tool_mask, tool_calls=sample.tool_calls), prompts, texts
+
+
+def rollout_seeds(noise, num_rows: int) -> list[int]:
+    """A seed per completion for its environment's process: from the completion's own pre-drawn uniforms (its
+    last column, which only the budget's last token reads), so a resumed run or another world size seeds each
+    rollout the same; from the generator otherwise."""
+    if isinstance(noise, RowUniforms):
+        return [int(value * 2**32) ^ 0x5EED for value in noise.values[:, -1].tolist()]
+    return torch.randint(2**31, (num_rows,), generator=noise).tolist()
 
 
 # ----------------------------------------------------------------------------- the generation seam
@@ -184,10 +199,13 @@ class GroupSampler:
     def __init__(self, model, pad_token_id: int, sample=sample_groups, tools=None):
         self.model, self.pad_token_id, self.sample, self.tools = model, pad_token_id, sample, tools
 
-    def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False) -> GroupSample:
-        if self.tools is not None:
+    def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False,
+                 tools=None) -> GroupSample:
+        """`tools`: this call's own (an environment batch's, grpo.loop.environments), instead of the run's."""
+        tools = tools if tools is not None else self.tools
+        if tools is not None:
             return sample_groups(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
-                                 return_logprobs, tools=self.tools)
+                                 return_logprobs, tools=tools)
         return self.sample(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
                            return_logprobs)
 

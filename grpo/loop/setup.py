@@ -25,6 +25,7 @@ from grpo.loop.lora import add_lora
 from grpo.algorithm.loss import LossOptions
 from grpo.algorithm.sampler import sample_groups
 from grpo.loop.update import make_scheduler, plain_step_functions
+from grpo.loop.environments import EnvironmentRollouts, Environments, load_environments
 from grpo.loop.tools import ToolSet, check_template_renders_tools, load_tools
 from grpo.models import cast_head_to_fp32, disable_dropout, load_model, make_optimizer
 from rewards import RewardSpec, parse_reward_specs
@@ -37,30 +38,63 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "eval", "run_confi
              "wandb_run_id")
 
 
-def reward_specs(config, reward_functions=None) -> list[RewardSpec]:
-    """--reward (or the functions given from Python), plus DAPO's overlong shaping as one more reward; for rewards
-    that run the model's programs, the sandbox's isolation is logged (or, short of --sandbox-isolation full, refused)."""
+def environments(config, environment_factory=None) -> Environments | None:
+    """--environment (or trl's `environment_factory` given from Python) probed (grpo.loop.environments); None
+    without. One --environment is a single factory; several, or one named `name=...`, a dict chosen by rows."""
+    if environment_factory is None and not config.environment:
+        return None
+    if environment_factory is None:
+        factories = load_environments(config.environment)
+        single = len(factories) == 1 and not any("=" in spec.split(":")[0] for spec in config.environment)
+        environment_factory = next(iter(factories.values())) if single else factories
+    return Environments.from_factory(environment_factory, config.environment_timeout)
+
+
+def reward_specs(config, reward_functions=None, environments: Environments | None = None) -> list[RewardSpec]:
+    """--reward (or the functions given from Python), each environment class's get_reward (weight 1, named after the
+    class, as trl), plus DAPO's overlong shaping as one more reward; for rewards that run the model's programs, the
+    sandbox's isolation is logged (or, short of --sandbox-isolation full, refused)."""
     specs = parse_reward_specs(reward_functions if reward_functions is not None else config.reward)
+    if environments is not None:
+        specs += [RewardSpec(name, fn, 1.0) for name, fn in environments.reward_functions()]
+        names = [spec.name for spec in specs]
+        if len(set(names)) < len(names):
+            raise ValueError(f"rewards {names}: an environment's get_reward is logged under its class name, which a "
+                             "--reward function has too; rename one")
+    if not specs:
+        raise ValueError("no reward source: give --reward functions, or an --environment whose class defines "
+                         "get_reward")
     check_isolation([spec.fn for spec in specs], config.sandbox_isolation)
-    if config.overlong_buffer_len > 0:  # rewards/shaping.py
+    if getattr(config, "overlong_buffer_len", 0) > 0:  # rewards/shaping.py (training's option, not eval.py's)
         shaping = overlong_penalty(config.max_completion_length, config.overlong_buffer_len,
                                    config.overlong_penalty_factor)
         specs = [*specs, RewardSpec("overlong", shaping, 1.0)]
     return specs
 
 
-def tool_set(config, tokenizer, tools=None) -> tuple[ToolSet | None, dict | None]:
-    """--tools (or the functions given from Python) as the sampler's ToolSet (None without tools), and the chat
-    template's keyword arguments for prompts: the config's, with the tools whose schemas the template shows."""
+def tool_set(config, tokenizer, tools=None, environments: Environments | None = None):
+    """--tools (or the functions given from Python) as the sampler's ToolSet (None without tools), the chat
+    template's keyword arguments for prompts (the config's, with the tools whose schemas the template shows), and
+    with environments the EnvironmentRollouts that sample_rollout plays (else None)."""
     tools = load_tools(config.tools) if tools is None else list(tools)
+    if environments is not None:
+        every = tools + [tool for methods in environments.tools.values() for tool in methods]
+        if every and not check_template_renders_tools(tokenizer, every):
+            logger.warning("the chat template does not show tools in the prompt: the task's system prompt must tell "
+                           "the model how to call %s", ", ".join(sorted({tool.__name__ for tool in every})))
+        toolset = ToolSet(tools, tokenizer, tokenizer.eos_token_id, config.max_tool_calling_iterations,
+                          config.chat_template_kwargs or {})
+        played = EnvironmentRollouts(environments, toolset, config.chat_template_kwargs or {},
+                                     config.max_prompt_length)
+        return None, {**(config.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}, played
     if not tools:
-        return None, config.chat_template_kwargs
+        return None, config.chat_template_kwargs, None
     if not check_template_renders_tools(tokenizer, tools):
         logger.warning("the chat template does not show tools in the prompt: the task's system prompt must tell "
                        "the model how to call %s", ", ".join(tool.__name__ for tool in tools))
     toolset = ToolSet(tools, tokenizer, tokenizer.eos_token_id, config.max_tool_calling_iterations,
                       config.chat_template_kwargs or {})
-    return toolset, {**(config.chat_template_kwargs or {}), "tools": tools}
+    return toolset, {**(config.chat_template_kwargs or {}), "tools": tools}, None
 
 
 def check_world(config, world) -> None:

@@ -61,6 +61,11 @@ def parse_tool_calls(text: str) -> list[dict]:
     return calls
 
 
+class ToolCallFailed(Exception):
+    """A tool that reports its own failure (an environment's call that raised, timed out or returned a non-string):
+    the model reads the message as it is."""
+
+
 def run_tool_call(tools: dict[str, Callable], call: dict) -> tuple[str, str, bool]:
     """(tool name, result text, failed) of one parsed call; nothing it does raises."""
     name = call["function"]["name"]
@@ -70,6 +75,8 @@ def run_tool_call(tools: dict[str, Callable], call: dict) -> tuple[str, str, boo
         return name, json.dumps({"error": f"Tool {name} not found."}), True
     try:
         return name, str(tools[name](**call["function"]["arguments"])), False
+    except ToolCallFailed as error:
+        return name, json.dumps({"error": str(error)}), True
     except (Exception, SystemExit) as error:  # noqa: BLE001 - a failing tool is reported back to the model
         return name, json.dumps({"error": f"{type(error).__name__}: {error}"}), True
 
@@ -110,12 +117,14 @@ class ToolSet:
 
 
 class ToolTurns:
-    """One sampling call's tool state, N rows: results waiting to be fed, the tool mask, calls, messages."""
+    """One sampling call's tool state, N rows: results waiting to be fed, the tool mask, calls, messages.
+    `row_tools`: each row's own {name: function} (environments, grpo.loop.environments); default the run's tools."""
 
-    def __init__(self, toolset: ToolSet, num_rows: int, max_new: int, device):
+    def __init__(self, toolset: ToolSet, num_rows: int, max_new: int, device, row_tools: list[dict] | None = None):
         self.toolset, self.max_new = toolset, max_new
+        self.row_tools = row_tools or [toolset.by_name] * num_rows
         self.tool_mask = torch.ones(num_rows, max_new, dtype=torch.long, device=device)  # (N, T)
-        self.calls = torch.zeros(num_rows, 2, dtype=torch.long)  # (N, 2) calls made, calls failed
+        self.calls = torch.zeros(num_rows, 3, dtype=torch.long)  # (N, 3) calls made, calls failed, assistant turns
         self.waiting: list[list[int]] = [[] for _ in range(num_rows)]  # result tokens each row still has to take
         self.turn_start = [0] * num_rows  # where each row's current assistant turn began
         self.turns = [0] * num_rows  # tool-calling turns so far
@@ -147,7 +156,7 @@ class ToolTurns:
             calls = parse_tool_calls(text)
             if not calls or (limit is not None and self.turns[row] >= limit):
                 continue
-            results = [run_tool_call(toolset.by_name, call) for call in calls]
+            results = [run_tool_call(self.row_tools[row], call) for call in calls]
             tool_messages = [{"role": "tool", "name": name, "content": content} for name, content, _ in results]
             suffix = tool_suffix_ids(toolset.tokenizer, tool_messages, toolset.eos_token_id,
                                      toolset.chat_template_kwargs)
@@ -174,6 +183,7 @@ class ToolTurns:
                 text = self.toolset.tokenizer.decode(sample.completion_ids[row, self.turn_start[row] : length].tolist(),
                                                      skip_special_tokens=True)
                 self.messages[row].append({"role": "assistant", "content": text})
+        self.calls[:, 2] = torch.tensor(self.turns) + 1  # every row ends with a turn that called nothing
         sample.tool_calls, sample.messages = self.calls, self.messages
         return sample
 

@@ -176,7 +176,7 @@ class Trainer:
         positions = range(world.rank * size, (world.rank + 1) * size)
         noise = RowUniforms.per_prompt([seeded(cfg.seed, 104729, step, round_, p) for p in positions],
                                        cfg.num_generations, cfg.max_completion_length)
-        sample = partial(sample_rollout, tokenizer=self.tokenizer, reward_specs=self.rewards,
+        sample = partial(self.sample_rollout, tokenizer=self.tokenizer, reward_specs=self.rewards,
                          rows=[self.train_rows[indices[p]] for p in positions],
                          prompt_ids=[self.train_prompt_ids[indices[p]] for p in positions], group=cfg.num_generations,
                          params=self.sampling, noise=noise, return_logprobs=cfg.corrects_behaviour)
@@ -256,7 +256,8 @@ class Trainer:
                                         cfg.max_prompt_length, cfg.eval_max_completion_length or cfg.max_completion_length,
                                         cfg.eval_batch_size, autocast=self.models.autocast, scorer=self.eval_scorer,
                                         backend=self.generation, progress=self.world.is_main,
-                                        chat_template_kwargs=self.template_kwargs)
+                                        chat_template_kwargs=self.template_kwargs, environments=self.played,
+                                        reward_specs=self.rewards)
         if self.world.is_main:
             save_evaluation(self.run_dir, self.step, records, summary)
         return {f"eval/{key}": value for key, value in summary.items()}
@@ -289,10 +290,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up (grpo.loop.setup)
     def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None,
-                 eval_rows=None, tools=None):
+                 eval_rows=None, tools=None, environment_factory=None):
         setup.use_cpu_huge_pages()  # before the first large tensor (it is read once)
         self.config = cfg = config.validate()
-        self.rewards = setup.reward_specs(cfg, reward_functions)  # first: a code reward's sandbox is logged
+        self.environments = setup.environments(cfg, environment_factory)  # grpo/loop/environments.py, trl's name
+        self.rewards = setup.reward_specs(cfg, reward_functions, self.environments)  # first: a sandbox is logged
         # --- processes: world size one unless launched by torchrun (grpo.loop.distributed) ---
         self.world = init_world(cfg.device, cfg.distributed_timeout, cfg.distributed)
         self.global_rank, self.generators = self.world.rank, []  # generators: ranks that only generate
@@ -319,7 +321,9 @@ class Trainer:
         # --- data: loaded and checked before any model ---
         source, setting = (str(self.resume_from), "--resume") if self.resume_from else (cfg.model, "--model")
         self.tokenizer = tokenizer or load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template, setting)
-        self.tool_set, self.template_kwargs = setup.tool_set(cfg, self.tokenizer, tools)  # grpo/loop/tools.py
+        # grpo/loop/tools.py; with environments, each batch's tools are its environments' (self.played)
+        self.tool_set, self.template_kwargs, self.played = setup.tool_set(cfg, self.tokenizer, tools, self.environments)
+        self.sample_rollout = sample_rollout if self.played is None else self.played.sample_rollout  # same arguments
         self.train_rows, self.task = setup.task_rows(cfg, train_rows, cfg.train_split, "train")
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
             self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts,
