@@ -103,7 +103,8 @@ def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
     elif kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
     elif is_list:
-        parser.add_argument(flag, nargs="*", type=kind, help=help_text)  # the flag alone: an empty list
+        # the flag alone: an empty list; given again, it adds to the list (--environment a:A --environment b:B)
+        parser.add_argument(flag, nargs="*", action="extend", type=kind, help=help_text)
     elif kind is dict:  # `none` clears it, as for the other optional flags
         parser.add_argument(flag, type=_optional(json_object), help=help_text)
     else:

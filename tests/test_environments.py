@@ -399,11 +399,12 @@ def test_the_command_line_and_config_checks(tmp_path):
                       "    def get_reward(self):\n        return 1.0\n")
     config = config_from_args(["--environment", f"{source}:Game", "--reward"], GRPOConfig)
     assert config.reward == [] and config.environment == [f"{source}:Game"]
+    assert config_from_args(["--reward", "int", "--reward", "tags:0.5"], GRPOConfig).reward == ["int", "tags:0.5"]
     loaded = environments(config)
     assert not loaded.multi and loaded.class_names == {None: "Game"}
     assert [spec.name for spec in reward_specs(config, None, loaded)] == ["Game"]
-    named = environments(config_from_args(["--environment", f"easy={source}:Game", f"hard={source}:Game",
-                                           "--reward"], GRPOConfig))
+    named = environments(config_from_args(["--environment", f"easy={source}:Game", "--environment",
+                                           f"hard={source}:Game", "--reward"], GRPOConfig))  # the flag twice
     assert named.multi and sorted(named.factories) == ["easy", "hard"]
     assert [name for name, _ in named.reward_functions()] == ["Game"]  # one column per class, as trl
     with pytest.raises(ValueError, match="a second environment named 'Game'"):
