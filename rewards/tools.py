@@ -38,7 +38,8 @@ def tool_call_format(prompts, completions, **kwargs) -> list[float]:
         turns = [completion] if isinstance(completion, str) else [m for m in completion if m.get("role") == "assistant"]
         well_formed = any(not isinstance(turn, str) and any("error" not in call for call in turn.get("tool_calls", []))
                           for turn in turns)
-        began = any("<tool_call>" in (turn if isinstance(turn, str) else str(turn.get("content", ""))) for turn in turns)
+        began = any("<tool_call>" in turn if isinstance(turn, str) else bool(turn.get("tool_calls"))  # a calling turn
+                    or "<tool_call>" in str(turn.get("content", "")) for turn in turns)  # or an open tag
         rewards.append(1.0 if well_formed else 0.5 if began else 0.0)
     return rewards
 

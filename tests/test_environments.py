@@ -503,3 +503,21 @@ def test_stopping_an_environment_stops_the_programs_it_started_and_a_hung_reset_
     with pytest.raises(EnvironmentStartError, match="reset: no answer within 1 s"):
         Environments.from_factory(Stuck, 1.0).start(rows(1), 1, seeds=[1])
     assert not [child for child in multiprocessing.active_children() if child.is_alive()]
+
+
+def test_get_reward_may_return_a_bool_or_a_numpy_scalar_as_trl_takes_them():
+    import numpy
+
+    class Solved(Quiet):
+        def get_reward(self):
+            return [True, numpy.float32(0.25), numpy.bool_(False), 3][self.keys.count("prompt") + self.level - 1]
+
+        def reset(self, **row):
+            self.keys, self.level = sorted(row), row["level"]
+
+    environments = Environments.from_factory(Solved, TIMEOUT)
+    episodes = environments.start(rows(4), 1, seeds=[1, 2, 3, 4])
+    try:
+        assert [handle._reward() for handle in episodes.handles] == [1.0, 0.25, 0.0, 3.0]
+    finally:
+        episodes.close()

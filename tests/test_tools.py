@@ -314,3 +314,19 @@ def test_rollout_from_token_lists_keeps_tool_results_out_of_the_loss_mask():
     assert not rollout.truncated.any()
     with pytest.raises(ValueError, match="one 0/1 value per completion token"):
         Rollout.from_token_lists([[4], [4]], completions, [1.0, 0.0], (eos,), pad, [masks[0], [1]])
+
+
+def test_string_arguments_take_the_type_their_schema_declares():
+    from grpo.loop.tools import coerce_arguments, tool_parameters, typed_calls
+
+    parameters = {"a": {"type": "integer"}, "b": {"type": "number"}, "c": {"type": "boolean"}, "d": {"type": "string"},
+                  "e": {"type": "array"}, "f": {"type": ["integer", "null"]}}
+    assert coerce_arguments({"a": "42", "b": "3.5", "c": "true", "d": "7", "e": "[1, 2]", "f": "x", "g": "9"},
+                            parameters) == {"a": 42, "b": 3.5, "c": True, "d": "7", "e": [1, 2], "f": "x", "g": "9"}
+    assert coerce_arguments({"a": "3.0", "b": "7"}, parameters) == {"a": 3, "b": 7}
+    as_written = {"a": "3.5", "b": "nan", "c": "maybe"}
+    assert coerce_arguments(as_written, parameters) == as_written
+    assert tool_parameters(add) == {"a": {"type": "integer", "description": "The first number."},
+                                    "b": {"type": "integer", "description": "The second number."}}
+    (call,) = typed_calls(parse_tool_calls(call_text("add", a="2", b=3)), {"add": add})
+    assert call["function"]["arguments"] == {"a": 2, "b": 3}

@@ -40,7 +40,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from grpo.loop.tools import ToolCallFailed, ToolSet, ToolTurns
+from grpo.loop.tools import ToolCallFailed, ToolSet, ToolTurns, tool_parameters
 
 logger = logging.getLogger("grpo")
 
@@ -192,9 +192,11 @@ def _serve(connection, factory, row: dict, seed: int) -> None:
                 result = getattr(environment, name)(**kwargs)
                 if not isinstance(result, str):
                     raise TypeError(f"{name} returned {type(result).__name__}, not a string")
-            elif request == "reward":
+            elif request == "reward":  # a number, a bool or a numpy scalar, as trl's float tensor takes them
                 result = environment.get_reward()
-                if isinstance(result, bool) or not isinstance(result, numbers.Real) or not math.isfinite(result):
+                if not isinstance(result, numbers.Real) and type(result).__module__ != "numpy":
+                    raise TypeError(f"get_reward returned {result!r}, not a finite number")
+                if not math.isfinite(float(result)):
                     raise TypeError(f"get_reward returned {result!r}, not a finite number")
                 result = float(result)
             elif request == "getattr":  # a reward function reading the environment (trl's `environments`)
@@ -398,15 +400,15 @@ class EpisodeTools:
         for rollout, handle in enumerate(self.episodes.handles):
             tools = dict(self.toolset.by_name)
             for method in self.episodes.environments.tools[self.episodes.names[rollout]]:
-                tools[method.__name__] = _remote(handle, method.__name__)
+                tools[method.__name__] = _remote(handle, method.__name__, tool_parameters(method))
             row_tools.append(tools)
         return ToolTurns(self.toolset, num_rows, max_new, device, row_tools=row_tools)
 
 
-def _remote(handle: EnvironmentHandle, name: str) -> Callable:
+def _remote(handle: EnvironmentHandle, name: str, parameters: dict) -> Callable:
     def call(**arguments):
         return handle._call(name, **arguments)
-    call.__name__ = name
+    call.__name__, call.parameters = name, parameters  # the schema is the probe's method's (grpo.loop.tools)
     return call
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -64,6 +65,56 @@ def parse_tool_calls(text: str) -> list[dict]:
 class ToolCallFailed(Exception):
     """A tool that reports its own failure (an environment's call that raised, timed out or returned a non-string):
     the model reads the message as it is."""
+
+
+def tool_parameters(tool: Callable) -> dict:
+    """{argument: its JSON schema} of a tool, from its type hints and docstring as the chat template shows them
+    (`parameters` set on a function that stands for another: an environment's method in its own process)."""
+    if hasattr(tool, "parameters"):
+        return tool.parameters
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(tool)["function"]["parameters"].get("properties", {})
+    except Exception:  # noqa: BLE001 - no schema (no docstring): the arguments go as the model wrote them
+        return {}
+
+
+def coerce_arguments(arguments: dict, parameters: dict) -> dict:
+    """A string argument whose schema declares no string, converted to the declared type where it reads as one
+    ("42" -> 42 for an integer, "true" -> True for a boolean, a JSON list or object), as transformers' response
+    parser does for trl; anything else as written."""
+    coerced = {}
+    for key, value in arguments.items():
+        declared = parameters.get(key, {}).get("type")
+        types = declared if isinstance(declared, list) else [declared]
+        coerced[key] = value if not isinstance(value, str) or "string" in types else _coerce(value, types)
+    return coerced
+
+
+def _coerce(text: str, types: list) -> object:
+    for kind in types:
+        try:
+            if kind == "integer" and float(text).is_integer():  # "3.0" too, as JSON Schema's integers
+                return int(float(text)) if not text.strip().lstrip("+-").isdigit() else int(text)
+            if kind == "number" and math.isfinite(float(text)):
+                return int(float(text)) if float(text).is_integer() and "." not in text else float(text)
+            if kind == "boolean" and text.strip().lower() in ("true", "1", "false", "0"):
+                return text.strip().lower() in ("true", "1")
+            if kind in ("object", "array") and isinstance(json.loads(text), dict if kind == "object" else list):
+                return json.loads(text)
+        except ValueError:
+            continue
+    return text
+
+
+def typed_calls(calls: list[dict], tools: dict[str, Callable]) -> list[dict]:
+    """Parsed calls with their string arguments converted to the types their tool's schema declares
+    (`coerce_arguments`), as trl's calls are."""
+    return [call if "error" in call or call["function"]["name"] not in tools else
+            {**call, "function": {**call["function"], "arguments": coerce_arguments(
+                call["function"]["arguments"], tool_parameters(tools[call["function"]["name"]]))}}
+            for call in calls]
 
 
 def run_tool_call(tools: dict[str, Callable], call: dict) -> tuple[str, str, bool]:
@@ -153,7 +204,7 @@ class ToolTurns:
         for row in hit_eos.nonzero().flatten().tolist():
             text = toolset.tokenizer.decode(completion_ids[row, self.turn_start[row] : step + 1].tolist(),
                                             skip_special_tokens=True)
-            calls = parse_tool_calls(text)
+            calls = typed_calls(parse_tool_calls(text), self.row_tools[row])
             if not calls or (limit is not None and self.turns[row] >= limit):
                 continue
             results = [run_tool_call(self.row_tools[row], call) for call in calls]
@@ -164,7 +215,9 @@ class ToolTurns:
             self.calls[row, 1] += sum(failed for _, _, failed in results)
             if step + 1 + len(suffix) > self.max_new:  # the result does not fit: the row ends with its call
                 continue
-            self.messages[row] += [{"role": "assistant", "content": text, "tool_calls": calls}, *tool_messages]
+            # the turn's text around its calls, as trl's parse_response gives it; the calls as parsed
+            turn = {"role": "assistant", "content": TOOL_CALL.sub("", text).strip(), "tool_calls": calls}
+            self.messages[row] += [turn, *tool_messages]
             self.waiting[row] = suffix
             self.turn_start[row] = step + 1 + len(suffix)
             self.turns[row] += 1
