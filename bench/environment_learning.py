@@ -1,7 +1,8 @@
 """A multi-turn environment learned on CPU: SmolLM2-135M-Instruct plays textarena's GuessTheNumber (data/games.py).
 
     python -m grpo.models fetch smollm2-135m-instruct      # once
-    python bench/environment_learning.py [--steps 25] [--seed 0]
+    python bench/environment_learning.py [--steps 30] [--seed 0]
+    python bench/environment_learning.py --startup        # what a step's 16 environment processes cost
 
 Each rollout plays its own game in its own process (grpo/loop/environments.py): the model calls the `guess` tool,
 textarena answers higher or lower, up to 10 guesses. The G = 8 rollouts of a row play the same secret (the row's
@@ -32,12 +33,16 @@ KEYS = ("reward", "reward_std", "tools/call_frequency", "tools/failure_frequency
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/environment_learning")
     parser.add_argument("--figure", default=str(ROOT / "docs" / "environment_learning.png"))
     parser.add_argument("--plot-only", action="store_true", help="plot an earlier run's metrics")
+    parser.add_argument("--startup", action="store_true",
+                        help="only measure what starting and stopping a step's 16 environments costs, beside the model")
     args = parser.parse_args(argv)
+    if args.startup:
+        return startup_cost(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.plot_only:
@@ -60,6 +65,39 @@ def main(argv=None) -> int:
         print(f"{m['step']:>4} " + " ".join(f"{m.get(key, float('nan')):>15.3f}" for key in KEYS)
               + f"  {solved.get(m['step'], float('nan')):>8.3f}")
     plot(metrics, solved, Path(args.figure))
+    return 0
+
+
+def startup_cost(model: str, rounds: int = 7) -> int:
+    """Milliseconds to fork, make and reset a step's 16 GuessTheNumber environments and stop them, with the
+    policy, its reference and AdamW's state in the trainer's memory (a fork copies the page tables of all of it)."""
+    import statistics
+    import time
+
+    import torch
+
+    from data.games import GuessTheNumber
+    from grpo.loop.environments import Environments
+    from grpo.models import load_model, load_tokenizer, resolve_model_name
+
+    path = resolve_model_name(model)
+    tokenizer = load_tokenizer(path, False, None, "--model")
+    policy = load_model(path, torch.device("cpu"), torch.float32, False, tokenizer, "--model")
+    reference = load_model(path, torch.device("cpu"), torch.float32, False, tokenizer, "--model")
+    state = [torch.zeros_like(p) for p in policy.parameters() for _ in range(2)]  # AdamW's two moments
+    environments = Environments.from_factory(GuessTheNumber)
+    rows = game_rows(2)
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        episodes = environments.start(rows, 8, seeds=list(range(16)))
+        reset = time.perf_counter()
+        episodes.close()
+        times.append((reset - started, time.perf_counter() - reset))
+    resident = sum(p.numel() for p in [*policy.parameters(), *reference.parameters(), *state]) * 4 / 2**20
+    start, stop = (1000 * statistics.median(column) for column in zip(*times))
+    print(f"16 environments beside {resident:.0f} MiB of tensors, median of {rounds}: start and reset {start:.0f} ms, "
+          f"stop {stop:.0f} ms")
     return 0
 
 

@@ -60,6 +60,7 @@ class GuessTheNumber:
     def reset(self, seed: int | None = None, **row) -> str:
         self.game.reset(num_players=1, seed=seed)
         self.done, self.outcome = False, None
+        self.secret = self.game.game_number  # for reward functions and tests (a tool would show it to the model)
         self.game.get_observation()  # textarena's rules, which ask for `[n]` in the text: the tool replaces that
         game = self.game
         return f" The secret is from {game.min_number} to {game.max_number}; you have {game.max_turns} guesses."

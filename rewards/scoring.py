@@ -20,6 +20,7 @@ import torch
 
 
 RewardFn = Callable[..., list]
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class RewardError(RuntimeError):
     """A reward function raised or returned something unusable; the message names it and the row."""
 
 
+class Unscorable(Exception):
+    """Raised from inside a reward function by something it reads that is gone (a rollout's stopped environment,
+    grpo.loop.environments): that completion scores None, as if the function had returned None for it."""
+
+
 def _check_values(name: str, values, num_rows: int) -> list[float]:
     """Rewards as floats (NaN for None). Accepts what trl accepts: any sequence of numbers, bools, numpy
     or 0-d torch scalars; anything else, a wrong count, or NaN/inf is an error naming the function and row."""
@@ -67,9 +73,9 @@ def _check_values(name: str, values, num_rows: int) -> list[float]:
         if not isinstance(value, numbers.Real):  # bool, int, float and numpy scalars are Real
             raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for row {row}")
         value = float(value)
-        if not math.isfinite(value):
-            raise RewardError(f"reward {name!r} returned a non-finite value {value} for row {row} (return None for a "
-                              "row it cannot score: trl's convention, which leaves it out of the reward)")
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:  # the rewards are fp32: it would be inf there
+            raise RewardError(f"reward {name!r} returned {value}, not a finite fp32 number, for row {row} (return None "
+                              "for a row it cannot score: trl's convention, which leaves it out of the reward)")
         checked.append(value)
     return checked
 
@@ -78,15 +84,22 @@ def _call(spec: RewardSpec, prompts: list, completions: list, columns: dict[str,
     try:
         return spec.fn(prompts=prompts, completions=completions, **columns)
     except Exception as batch_error:  # noqa: BLE001 - re-raised with the row that causes it
-        # Find the row that fails by scoring rows one at a time, so the message can name it.
+        # Find the row that fails by scoring rows one at a time, so the message can name it; rows that read something
+        # gone (Unscorable) score None, and then the rows one at a time are the function's values.
+        scored = []
         for row in range(len(completions)):
             row_columns = {key: values[row : row + 1] for key, values in columns.items()}
             try:
-                spec.fn(prompts=prompts[row : row + 1], completions=completions[row : row + 1], **row_columns)
+                value = spec.fn(prompts=prompts[row : row + 1], completions=completions[row : row + 1], **row_columns)
+            except Unscorable:
+                value = [None]
             except Exception as row_error:  # noqa: BLE001
                 raise RewardError(
                     f"reward {spec.name!r} raised {type(row_error).__name__} on row {row}: {row_error}"
                 ) from row_error
+            scored.append(_check_values(spec.name, value, 1)[0])
+        if any(math.isnan(value) for value in scored):
+            return [None if math.isnan(value) else value for value in scored]
         raise RewardError(
             f"reward {spec.name!r} raised {type(batch_error).__name__} on the batch: {batch_error}"
         ) from batch_error
@@ -123,4 +136,4 @@ def score_rows(specs: Sequence[RewardSpec], rows: list[dict], texts: list[str], 
     return score_completions(specs, prompts, completions, columns)
 
 
-__all__ = ["RewardError", "score_completions", "score_rows"]
+__all__ = ["RewardError", "Unscorable", "score_completions", "score_rows"]

@@ -10,9 +10,11 @@ differs in any token misaligns the rest of the plan and fails the test).
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
+import signal
+import struct
+import sys
 import time
 
 import pytest
@@ -89,6 +91,20 @@ class Quiet:
         return "pong"
 
 
+def live_children() -> list[int]:
+    """This process's children that are still running (not zombies), from /proc."""
+    found = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                found.append(int(stat))
+    return found
+
+
 def rows(count: int, **extra) -> list[dict]:
     return [{"prompt": [{"role": "user", "content": f"Question {i}"}], "level": i, **extra} for i in range(count)]
 
@@ -147,7 +163,7 @@ def test_every_rollout_gets_a_fresh_environment_in_its_own_process(tokenizer):
     finally:
         episodes.close()
     assert Tally.instances == before  # nothing was made in the trainer's process
-    assert not [child for child in multiprocessing.active_children() if child.is_alive()]
+    assert not live_children()
 
 
 def test_seeds_make_resets_repeat_and_differ_between_rollouts():
@@ -219,7 +235,7 @@ def test_a_reset_that_fails_stops_the_step_naming_the_row_and_leaves_no_process(
         Environments.from_factory(BadReset, TIMEOUT).start(rows(2), 2, seeds=[1, 2, 3, 4])
     with pytest.raises(EnvironmentStartError, match="reset returned int, not None or a string"):
         Environments.from_factory(WrongType, TIMEOUT).start(rows(1), 1, seeds=[1])
-    assert not [child for child in multiprocessing.active_children() if child.is_alive()]
+    assert not live_children()
 
 
 def test_factories_are_checked_when_the_run_starts():
@@ -280,7 +296,7 @@ def test_every_fault_becomes_a_failed_call_the_model_reads_and_the_run_goes_on(t
     # get_reward: the tally of rows whose environment still runs; None (NaN) where it is gone
     assert rollout.rewards_per_func[:2, 0].tolist() == [2.0, 0.0]
     assert torch.isnan(rollout.rewards_per_func[2:, 0]).all()
-    assert not [child for child in multiprocessing.active_children() if child.is_alive()]
+    assert not live_children()
 
 
 def test_get_reward_is_a_reward_named_after_the_class_and_reward_functions_see_the_environments(
@@ -456,7 +472,7 @@ def test_textarena_guess_the_number_in_its_own_process():
     episodes = environments.start(batch, 2, seeds=[1, 2, 3, 4])
     try:
         assert "from 1 to 20; you have 10 guesses" in episodes.handles[0]._observation
-        secrets = [handle.game.game_number for handle in episodes.handles]
+        secrets = [handle.secret for handle in episodes.handles]
         assert secrets[0] == secrets[1] and secrets[2] == secrets[3]  # the row's seed, not the process's
         low, high, handle, messages = 1, 20, episodes.handles[0], []
         while True:
@@ -502,7 +518,7 @@ def test_stopping_an_environment_stops_the_programs_it_started_and_a_hung_reset_
     assert not marker.exists()
     with pytest.raises(EnvironmentStartError, match="reset: no answer within 1 s"):
         Environments.from_factory(Stuck, 1.0).start(rows(1), 1, seeds=[1])
-    assert not [child for child in multiprocessing.active_children() if child.is_alive()]
+    assert not live_children()
 
 
 def test_get_reward_may_return_a_bool_or_a_numpy_scalar_as_trl_takes_them():
@@ -521,3 +537,164 @@ def test_get_reward_may_return_a_bool_or_a_numpy_scalar_as_trl_takes_them():
         assert [handle._reward() for handle in episodes.handles] == [1.0, 0.25, 0.0, 3.0]
     finally:
         episodes.close()
+
+
+@pytest.mark.slow
+def test_the_textarena_benchmark_runs_train_py_with_an_environment_and_no_reward(tmp_path, capsys):
+    """bench/environment_learning.py end to end on the tiny model: train.py --environment data.games:GuessTheNumber
+    --reward, one step, its metrics printed and plotted."""
+    pytest.importorskip("textarena")
+    pytest.importorskip("matplotlib")
+    from bench.environment_learning import main
+
+    assert main(["--model", "tiny", "--steps", "1", "--out", str(tmp_path), "--figure", str(tmp_path / "f.png")]) == 0
+    out = capsys.readouterr().out
+    assert "--environment data.games:GuessTheNumber --reward --max-steps 1" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "rewards/GuessTheNumber/mean" in metrics and "rollout/turns_mean" in metrics
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- attacks (an adversarial review's)
+
+
+class Tricky(Quiet):
+    """Methods that attack the transport and the trainer's process."""
+
+    def reset(self, **row):
+        import pathlib
+
+        self.moves, self.level, self.place = 0, row.get("level", 0), pathlib.Path("/tmp")
+
+    def launch(self) -> str:
+        """Fork a worker that ends with sys.exit."""
+        if os.fork() == 0:
+            time.sleep(0.2)
+            sys.exit(0)  # caught by the environment's loop in the copy: the copy must not answer anything
+        return "launched"
+
+    def move(self) -> str:
+        """Move."""
+        self.moves += 1
+        return f"move {self.moves}"
+
+    def stall(self) -> str:
+        """Write the start of a reply on the environment's socket, then hang."""
+        frame = sys._getframe()
+        while "sock" not in frame.f_locals:
+            frame = frame.f_back
+        frame.f_locals["sock"].sendall(struct.pack("!Q", 1000) + b"\x80")
+        time.sleep(3600)
+        return "never"
+
+    def escape(self) -> str:
+        """Leave the process group, ignore SIGTERM, hang."""
+        os.setpgid(0, os.getpgid(os.getppid()))
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
+        return "never"
+
+    def shout(self) -> str:
+        """A str subclass whose __str__ would run in the trainer."""
+
+        class Loud(str):
+            def __str__(self):
+                return "ran in the trainer"
+
+        return Loud("plain text")
+
+    def draws(self) -> str:
+        """The torch draw of this process."""
+        return f"{torch.rand(1).item():.6f}"
+
+    def get_reward(self):
+        return [float(self.moves), 1e39, None][self.level % 3]
+
+
+def test_a_forked_copy_never_answers_so_replies_stay_in_order():
+    episodes = Environments.from_factory(Tricky, TIMEOUT).start(rows(1), 1, seeds=[1])
+    try:
+        handle = episodes.handles[0]
+        assert handle._call("launch") == "launched"
+        time.sleep(0.5)  # the copy has exited by now
+        assert [handle._call("move"), handle._call("move"), handle._reward()] == ["move 1", "move 2", 2.0]
+    finally:
+        episodes.close()
+
+
+def test_a_reply_that_starts_and_stalls_times_out_and_an_escaped_process_is_still_killed():
+    episodes = Environments.from_factory(Tricky, 1.0).start(rows(1), 2, seeds=[1, 2])
+    try:
+        started = time.monotonic()
+        with pytest.raises(Exception, match="stall: no answer within 1 s"):
+            episodes.handles[0]._call("stall")
+        with pytest.raises(Exception, match="escape: no answer within 1 s"):
+            episodes.handles[1]._call("escape")
+        assert time.monotonic() - started < 30
+        assert not live_children()  # the escaped one too: killed by its pid, not only its group
+    finally:
+        episodes.close()
+
+
+def test_what_reaches_the_trainer_is_plain_data_and_torch_is_reseeded():
+    episodes = Environments.from_factory(Tricky, TIMEOUT).start(rows(1), 2, seeds=[1, 2])
+    try:
+        result = episodes.handles[0]._call("shout")
+        assert type(result) is str and str(result) == "plain text"
+        assert episodes.handles[0]._call("draws") != episodes.handles[1]._call("draws")
+        assert episodes.handles[0].level == 0  # plain data is read as it is
+        with pytest.raises(Exception, match="a PosixPath, not plain data"):
+            episodes.handles[0].place  # an object would be unpickled, running its code, in the trainer
+    finally:
+        episodes.close()
+
+
+def test_reward_functions_reading_a_gone_or_missing_attribute_score_none_or_fall_back(tiny_model_and_tokenizer):
+    """getattr(env, name, default) and hasattr work; an environment stopped by a timeout scores None in every reward
+    that reads it, and the step goes on; get_reward past fp32's range scores None."""
+    from rewards.scoring import score_completions
+
+    episodes = Environments.from_factory(Tricky, 1.0).start(rows(3), 1, seeds=[1, 2, 3])
+    try:
+        with pytest.raises(Exception, match="no answer within 1 s"):
+            episodes.handles[1]._call("stall")
+        handles = episodes.handles
+        assert getattr(handles[0], "won", False) is False and not hasattr(handles[0], "won")
+        assert hasattr(handles[0], "moves") and handles[0].moves == 0
+
+        def moves(completions, environments, **_):
+            return [float(env.moves) for env in environments]
+
+        (name, owned), = Environments.from_factory(Tricky).reward_functions()
+        rewards = score_completions([RewardSpec("moves", moves), RewardSpec(name, owned)], ["q"] * 3, ["a"] * 3,
+                                    {"environments": handles})
+        assert rewards[0].tolist() == [0.0, 0.0]
+        assert torch.isnan(rewards[1]).all()  # gone: both rewards leave it out
+        assert rewards[2, 0].item() == 0.0 and torch.isnan(rewards[2, 1])  # get_reward gave None
+    finally:
+        episodes.close()
+
+
+def test_environments_die_with_a_trainer_that_is_killed(tmp_path):
+    import subprocess
+
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).resolve().parents[1])!r})\n"
+        "from tests.test_environments import Quiet, rows\n"
+        "from grpo.loop.environments import Environments\n"
+        "episodes = Environments.from_factory(Quiet).start(rows(1), 3, seeds=[1, 2, 3])\n"
+        "print(' '.join(str(handle._pid) for handle in episodes.handles), flush=True)\n"
+        "time.sleep(3600)\n")
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in trainer.stdout.readline().split()]
+        assert len(pids) == 3
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        time.sleep(0.1)
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]

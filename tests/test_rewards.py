@@ -153,8 +153,9 @@ def test_reward_that_raises_names_function_and_row():
     "returned, message",
     [
         ([1.0], "returned 1 values for 2 completions"),
-        ([1.0, float("nan")], "returned a non-finite value nan for row 1"),
-        ([float("inf"), 1.0], "returned a non-finite value inf for row 0"),
+        ([1.0, float("nan")], "returned nan, not a finite fp32 number, for row 1"),
+        ([float("inf"), 1.0], "returned inf, not a finite fp32 number, for row 0"),
+        ([1e39, 1.0], "returned 1e\\+39, not a finite fp32 number, for row 0"),
         (["1", 1.0], "returned '1' \\(str\\) for row 0"),
         (1.0, "returned float, expected a list"),
         ("ab", "returned str, expected a list"),

@@ -16,14 +16,16 @@ Token in, token out: the sampler feeds each result into the same KV cache and th
 completion_ids, so what the model saw is what it is trained on; no turn is ever re-tokenized.
 
 Isolation and reliability (where we differ from trl, which runs the instances in its own process and reuses them):
-every rollout's environment is made fresh in its own forked process, so no instance, class attribute or module
-global is shared between rollouts, and a call that raises, returns something other than a string or runs past
-`--environment-timeout` seconds is a failed call: `{"error": ...}` is the result the model reads, it counts in
-tools/failure_frequency, and a timed-out (or crashed) process is killed, every later call of that rollout failing
-too. `reset` failing stops the step with the row's index (a broken environment is a bug, not a move); `get_reward`
-failing scores the rollout None (left out of its weighted sum) with a warning. Each process seeds `random` (and
-numpy's global generator) from the rollout's own sampling noise, so runs repeat, also resumed or on another world
-size.
+every rollout's environment is made fresh in its own forked process (its own process group; it dies with the
+trainer), so no instance, class attribute or module global is shared between rollouts. A call that raises, returns
+something other than a string or runs past `--environment-timeout` seconds (a reply that starts and stalls too) is
+a failed call: `{"error": ...}` is the result the model reads and it counts in tools/failure_frequency; a timed-out
+(or crashed) process is killed with its group, and every later call of that rollout fails too. Only exact plain
+data comes back to the trainer (str subclasses made str), so no environment code runs in the trainer's process.
+`reset` failing stops the step with the row's index (a broken environment is a bug, not a move); `get_reward`
+failing scores the rollout None (left out of its weighted sum) with a warning, and so does any reward function's
+read of a stopped environment (rewards.scoring.Unscorable). Each process seeds `random`, numpy's and torch's global
+generators from the rollout's own sampling noise, so runs repeat, also resumed or on another world size.
 """
 
 from __future__ import annotations
@@ -31,16 +33,21 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import multiprocessing
 import numbers
 import os
+import pickle
 import random
 import signal
+import socket
+import struct
 import sys
+import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 from grpo.loop.tools import ToolCallFailed, ToolSet, ToolTurns, tool_parameters
+from rewards.scoring import FLOAT32_MAX, Unscorable
 
 logger = logging.getLogger("grpo")
 
@@ -157,33 +164,92 @@ class Environments:
 # ----------------------------------------------------------------------------- one rollout's environment
 
 
-def _serve(connection, factory, row: dict, seed: int) -> None:
+# The transport: a socket pair, each message an 8-byte length and a pickle. The trainer reads with a deadline on every
+# byte (a reply that starts and stalls times out too); the environment's process only ever sends exact plain data.
+PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def _send(sock: socket.socket, message) -> None:
+    payload = pickle.dumps(message)
+    sock.sendall(struct.pack("!Q", len(payload)) + payload)
+
+
+def _read(sock: socket.socket, size: int, deadline: float | None) -> bytes:
+    chunks, left = [], size
+    while left:
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(sock: socket.socket, deadline: float | None = None):
+    (size,) = struct.unpack("!Q", _read(sock, 8, deadline))
+    return pickle.loads(_read(sock, size, deadline))
+
+
+def _plain(value, depth: int = 0):
+    """`value` as exact plain data (str subclasses made str), or TypeError: what reaches the trainer runs no code of
+    the environment's when it is unpickled or printed."""
+    if depth > 32:
+        raise TypeError("nested too deeply")
+    if isinstance(value, str):
+        return str.__str__(value)
+    if type(value) in PLAIN:
+        return value
+    if type(value) in (list, tuple, set, frozenset):
+        return type(value)(_plain(item, depth + 1) for item in value)
+    if type(value) is dict:
+        return {_plain(key, depth + 1): _plain(item, depth + 1) for key, item in value.items()}
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return _plain(value.item(), depth + 1)  # a numpy scalar
+    raise TypeError(f"a {type(value).__name__}, not plain data (None, bool, int, float, str, bytes, list, tuple, "
+                    "dict, set)")
+
+
+def _serve(sock: socket.socket, factory, row: dict, seed: int, trainer_pid: int) -> None:
     """The environment's process: make it, reset it with the row, then answer requests until told to stop."""
+    owner = os.getpid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it kills this process
-    os.setpgrp()  # a group of its own: stopping it also stops any program the environment started
+    os.setpgrp()  # a group of its own: stopping it also stops the programs it started (in their own group or not)
+    if sys.platform.startswith("linux"):  # and it dies with the trainer, however the trainer dies
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != trainer_pid:  # the trainer died before that took effect
+            return
     random.seed(seed)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(seed)
+    for name in ("numpy", "torch"):  # their global generators too, when the trainer has them
+        module = sys.modules.get(name)
+        if module is not None:
+            module.random.seed(seed % 2**32) if name == "numpy" else module.manual_seed(seed)
 
     def reply(kind, value):
+        if os.getpid() != owner:  # a copy the environment forked returned here: it must not answer
+            os._exit(0)
         try:
-            connection.send((kind, value))
-        except Exception as error:  # noqa: BLE001 - a value that does not pickle
-            connection.send(("error", f"{type(error).__name__}: {error}"))
+            _send(sock, (kind, value))
+        except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as error:  # it does not pickle
+            _send(sock, ("error", f"{type(error).__name__}: {error}"))
 
     try:
         environment = factory()
         observation = environment.reset(**row)
         if observation is not None and not isinstance(observation, str):
             raise TypeError(f"reset returned {type(observation).__name__}, not None or a string")
+        observation = _plain(observation)
     except BaseException as error:  # noqa: BLE001 - reported to the trainer, which stops the step
         reply("error", f"{type(error).__name__}: {error}")
         return
     reply("ok", observation)
     while True:
         try:
-            request, name, args, kwargs = connection.recv()
-        except EOFError:  # the trainer is gone
+            request, name, args, kwargs = _receive(sock)
+        except (EOFError, OSError):  # the trainer is gone
             return
         if request == "close":
             return
@@ -192,45 +258,67 @@ def _serve(connection, factory, row: dict, seed: int) -> None:
                 result = getattr(environment, name)(**kwargs)
                 if not isinstance(result, str):
                     raise TypeError(f"{name} returned {type(result).__name__}, not a string")
-            elif request == "reward":  # a number, a bool or a numpy scalar, as trl's float tensor takes them
+            elif request == "reward":  # a number, a bool, a numpy scalar (as trl's float tensor takes them) or None
                 result = environment.get_reward()
-                if not isinstance(result, numbers.Real) and type(result).__module__ != "numpy":
-                    raise TypeError(f"get_reward returned {result!r}, not a finite number")
-                if not math.isfinite(float(result)):
-                    raise TypeError(f"get_reward returned {result!r}, not a finite number")
-                result = float(result)
+                if result is not None:
+                    if not isinstance(result, numbers.Real) and type(result).__module__ != "numpy":
+                        raise TypeError(f"get_reward returned {result!r}, not a finite number")
+                    if not math.isfinite(float(result)) or abs(float(result)) > FLOAT32_MAX:  # rewards are fp32
+                        raise TypeError(f"get_reward returned {result!r}, not a finite number")
+                    result = float(result)
             elif request == "getattr":  # a reward function reading the environment (trl's `environments`)
-                value = getattr(environment, name)
+                try:
+                    value = getattr(environment, name)
+                except AttributeError as error:
+                    reply("missing", str(error))
+                    continue
                 result = ("method", None) if callable(value) else ("value", value)
-            else:  # "method": a method called by a reward function, any result
+            else:  # "method": a method called by a reward function
                 result = getattr(environment, name)(*args, **kwargs)
+            result = _plain(result)
         except BaseException as error:  # noqa: BLE001 - SystemExit too: a failed call, the process goes on
             reply("error", f"{type(error).__name__}: {error}")
             continue
         reply("ok", result)
 
 
+class EnvironmentGone(ToolCallFailed, Unscorable):
+    """The rollout's environment was stopped (a call ran past the timeout) or its process died: a tool call fails,
+    and a reward function that reads it scores that completion None."""
+
+
+_OPEN: "weakref.WeakSet[EnvironmentHandle]" = weakref.WeakSet()  # the trainer's handles, which a new process closes
+
+
 class EnvironmentHandle:
     """One rollout's environment, living in its own process: what reward functions get as `environments`. Any
-    public attribute reads the environment's (`handle.score`, `handle.method(...)`), by a request with the
-    timeout; the handle's own API is underscored so that it never hides one (tool calls `_call`, `_reward`)."""
+    public attribute reads the environment's (`handle.score`, `handle.method(...)`; a missing one raises
+    AttributeError), by a request with the timeout; the handle's own API is underscored so that it never hides one
+    (tool calls `_call`, `_reward`)."""
 
     def __init__(self, factory, row: dict, class_name: str, seed: int, timeout: float):
-        self._class_name, self._timeout, self._dead = class_name, timeout, None
-        context = multiprocessing.get_context("fork")  # the factory and row need no pickling; starts in ms
-        self._connection, theirs = context.Pipe()
-        self._process = context.Process(target=_serve, args=(theirs, factory, row, seed), daemon=True)
-        self._process.start()
-        theirs.close()  # so that recv sees EOF when the process dies
+        self._class_name, self._timeout, self._dead, self._status = class_name, timeout, None, None
+        self._socket, theirs = socket.socketpair()
+        trainer_pid = os.getpid()
+        self._pid = os.fork()  # the factory and row are inherited, not pickled; a fork takes milliseconds
+        if self._pid == 0:  # the environment's process
+            try:
+                self._socket.close()
+                for handle in list(_OPEN):  # other rollouts' trainer ends: only the trainer may hold them
+                    handle._socket.close()
+                _serve(theirs, factory, row, seed, trainer_pid)
+            finally:
+                os._exit(0)  # never the trainer's exit handlers
+        theirs.close()
+        _OPEN.add(self)
         self._observation = None
 
     def _wait_for_reset(self, row: dict, index: int) -> None:
         try:
             self._observation = self._receive("reset")
         except ToolCallFailed as error:
-            label = self._class_name
-            raise EnvironmentStartError(f"environment {label}: reset(**row) of row {index} failed: {error} "
-                                    f"(row keys: {', '.join(map(str, row))})") from None
+            raise EnvironmentStartError(f"environment {self._class_name}: reset(**row) of row {index} failed: {error} "
+                                        f"(row keys: {', '.join(map(str, row))})") from None
 
     def _call(self, name: str, /, **arguments) -> str:
         """A tool call; raises ToolCallFailed (the model reads its message) when it fails in any way."""
@@ -255,45 +343,72 @@ class EnvironmentHandle:
 
     def _request(self, request: str, name: str, args: tuple, kwargs: dict):
         if self._dead is not None:
-            raise ToolCallFailed(f"{name}: the environment is gone ({self._dead})")
+            raise EnvironmentGone(f"{name}: the environment is gone ({self._dead})")
         try:
-            self._connection.send((request, name, args, kwargs))
-        except (BrokenPipeError, OSError):
-            self._dead = f"its process exited with code {self._process.exitcode}"
-            raise ToolCallFailed(f"{name}: the environment is gone ({self._dead})") from None
+            _send(self._socket, (request, name, args, kwargs))
+        except OSError:
+            self._kill(f"its process exited{self._exit_status()}")
+            raise EnvironmentGone(f"{name}: the environment is gone ({self._dead})") from None
+        except (pickle.PicklingError, TypeError, AttributeError) as error:  # arguments that do not pickle
+            raise ToolCallFailed(f"{name}: {type(error).__name__}: {error}") from None
         return self._receive(name)
 
     def _receive(self, name: str):
-        if not self._connection.poll(self._timeout):
-            self._kill(f"{name} ran past the {self._timeout:g} s timeout")
-            raise ToolCallFailed(f"{name}: no answer within {self._timeout:g} s; the environment was stopped")
         try:
-            kind, value = self._connection.recv()
-        except (EOFError, OSError):
-            self._process.join(1)
-            self._kill(f"its process exited with code {self._process.exitcode}")
-            raise ToolCallFailed(f"{name}: the environment's process died ({self._dead})") from None
+            kind, value = _receive(self._socket, time.monotonic() + self._timeout)
+        except (socket.timeout, TimeoutError):
+            self._kill(f"{name} ran past the {self._timeout:g} s timeout")
+            raise EnvironmentGone(f"{name}: no answer within {self._timeout:g} s; the environment was "
+                                  "stopped") from None
+        except (EOFError, OSError, pickle.UnpicklingError, struct.error):
+            self._kill(f"its process exited{self._exit_status(wait=1.0)}")
+            raise EnvironmentGone(f"{name}: the environment's process died ({self._dead})") from None
+        if kind == "missing":
+            raise AttributeError(value)
         if kind == "error":
             raise ToolCallFailed(value)
         return value
 
+    def _exit_status(self, wait: float = 0.0) -> str:
+        """' with code N' (or ' on signal S') once the process has ended, waiting up to `wait` seconds for it."""
+        deadline = time.monotonic() + wait
+        while self._status is None:
+            pid, status = os.waitpid(self._pid, os.WNOHANG)
+            if pid:
+                self._status = status
+            elif time.monotonic() >= deadline:
+                return ""
+            else:
+                time.sleep(0.01)
+        if os.WIFSIGNALED(self._status):
+            return f" on signal {signal.Signals(os.WTERMSIG(self._status)).name}"
+        return f" with code {os.WEXITSTATUS(self._status)}"
+
     def _kill(self, reason: str) -> None:
         self._dead = self._dead or reason
-        try:
-            os.killpg(self._process.pid, signal.SIGKILL)  # the process and whatever it started
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._process.join(5)
-
-    def _close(self) -> None:
-        if self._dead is None and self._process.is_alive():
+        for kill in (os.killpg, os.kill):  # its group, and itself wherever it moved
             try:
-                self._connection.send(("close", "", (), {}))
+                kill(self._pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._exit_status(wait=5.0)  # reaped, no zombie
+
+    def _close(self, asked: bool = False) -> None:
+        """Ask the process to end (unless `asked` already), give it half a second, then kill what is left."""
+        if not asked:
+            self._ask_to_close()
+        if self._dead is None:
+            self._exit_status(wait=0.5)
+        self._kill("closed")
+        self._socket.close()
+        _OPEN.discard(self)
+
+    def _ask_to_close(self) -> None:
+        if self._dead is None:
+            try:
+                _send(self._socket, ("close", "", (), {}))
             except OSError:
                 pass
-            self._process.join(0.5)
-        self._kill("closed")
-        self._connection.close()
 
 
 def class_name(environment: EnvironmentHandle) -> str:
@@ -329,8 +444,10 @@ class Episodes:
         return EpisodeTools(base, self)
 
     def close(self) -> None:
+        for handle in self.handles:  # all asked first, so that they end side by side
+            handle._ask_to_close()
         for handle in self.handles:
-            handle._close()
+            handle._close(asked=True)
 
 
 @dataclass

@@ -174,12 +174,12 @@ def rollout_from_sample(sample, tokenizer, reward_specs, rows: list[dict], group
 
 
 def rollout_seeds(noise, num_rows: int) -> list[int]:
-    """A seed per completion for its environment's process: from the completion's own pre-drawn uniforms (its
-    last column, which only the budget's last token reads), so a resumed run or another world size seeds each
-    rollout the same; from the generator otherwise."""
-    if isinstance(noise, RowUniforms):
-        return [int(value * 2**32) ^ 0x5EED for value in noise.values[:, -1].tolist()]
-    return torch.randint(2**31, (num_rows,), generator=noise).tolist()
+    """A seed per completion for its environment's process: from the completion's own pre-drawn uniforms (its first
+    and last columns), so a resumed run or another world size seeds each rollout the same; from the generator
+    otherwise."""
+    if isinstance(noise, RowUniforms):  # fp32 uniforms have 2^24 values: two columns make 48 bits
+        return [int(last * 2**24) << 24 | int(first * 2**24) for first, last in noise.values[:, [0, -1]].tolist()]
+    return torch.randint(2**48, (num_rows,), generator=noise).tolist()
 
 
 # ----------------------------------------------------------------------------- the generation seam
