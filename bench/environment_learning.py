@@ -119,7 +119,7 @@ def plot(metrics: list[dict], solved: dict[int, float], path: Path) -> None:
     steps = [m["step"] for m in metrics]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot(steps, [m.get("reward") for m in metrics], marker="o", ms=3, label="textarena score (get_reward)")
-    left.plot(sorted(solved), [solved[s] for s in sorted(solved)], marker="o", ms=3, label="logged games solved")
+    left.plot(sorted(solved), [solved[s] for s in sorted(solved)], marker="o", ms=3, label="solved, of the step's first 8 games (samples.jsonl)")
     left.set_xlabel("GRPO step")
     left.set_ylim(-0.02, 1.02)
     left.set_title("reward (mean over the step's 16 games)")
