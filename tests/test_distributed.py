@@ -108,6 +108,16 @@ def test_two_ranks_compute_what_one_process_computes(single, tmp_path, mode):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3  # written once, by rank 0
 
 
+def test_environments_under_two_ranks_compute_what_one_process_computes(tmp_path):
+    # Each rank plays its own rows' environments; each environment's process is seeded from its completion's own
+    # noise, so the reset texts (a seeded die roll here), completions and get_reward agree with one process's.
+    settings = dict(environment=["tests.test_environments:Dice"], reward=["tags"], max_steps=2)
+    _, (one,) = launch(tmp_path / "one", 1, **settings)
+    _, ranks = launch(tmp_path / "two", 2, distributed="ddp", **settings)
+    assert one["steps"][0]["metrics"]["rewards/Dice/std"] > 0  # the rolls differ between rollouts
+    _compare_steps(one, ranks)
+
+
 def test_four_ranks_compute_what_one_process_computes(single, tmp_path):
     # One prompt (its whole group) per rank: the same prompts, completions, advantages, metrics and gradients.
     done, ranks = launch(tmp_path, 4, distributed="fsdp")

@@ -91,6 +91,17 @@ class Quiet:
         return "pong"
 
 
+class Dice:
+    """A seeded roll in the prompt and as the reward (tests/test_distributed.py: the same under two ranks)."""
+
+    def reset(self, **row):
+        self.roll = random.randint(1, 6)
+        return f" You rolled {self.roll}."
+
+    def get_reward(self):
+        return self.roll / 6
+
+
 def live_children() -> list[int]:
     """This process's children that are still running (not zombies), from /proc."""
     found = []
