@@ -31,14 +31,14 @@ def output_stem(name: str) -> str:
 
 
 def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task: str, pass_key: str | None,
-                   reward_specs=None) -> dict:
+                   reward_specs=None, environments=None) -> dict:
     import torch
 
     from grpo.loop.evaluation import evaluate, evaluate_samples
     from grpo.loop.rollout import GroupSampler
     from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
-    from grpo.loop.setup import environments as load_environments, tool_set
+    from grpo.loop.setup import tool_set
 
     device = resolve_device(config.device)
     precision = resolve_precision(config.precision, device)
@@ -50,7 +50,7 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
     kernels = select_kernels(config.kernels, device, model=model)
     kernels.prepare_model(model)
     # as in training: the tools' schemas in the prompt; environments played and scored by the rewards
-    tools, template_kwargs, played = tool_set(config, tokenizer, environments=load_environments(config))
+    tools, template_kwargs, played = tool_set(config, tokenizer, environments=environments)
     backend = GroupSampler(model, tokenizer.pad_token_id, kernels.sampler(config.max_prompt_length), tools)
     played_with = dict(environments=played, reward_specs=reward_specs)
     records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
@@ -95,13 +95,13 @@ def main(argv=None) -> int:
         rows = rows[: config.limit] if config.limit else rows
         environments = load_environments(config)  # their get_reward scores join the rewards, as in training
         reward_specs = reward_specs_of(config, environments=environments)
-        scorer = make_scorer("rewards" if environments else config.scorer, task, reward_specs,
-                             config.sandbox_isolation)
-        pass_key = config.pass_key or default_pass_key("rewards" if environments else config.scorer, task, reward_specs)
+        scorer_name = "rewards" if environments else config.scorer
+        scorer = make_scorer(scorer_name, task, reward_specs, config.sandbox_isolation)
+        pass_key = config.pass_key or default_pass_key(scorer_name, task, reward_specs)
         if config.num_samples > 1 and pass_key is None:
             raise ValueError(f"--scorer {config.scorer} with --num-samples: name the score that makes a sample correct "
                              "with --pass-key")
-        summaries = [evaluate_model(config, name, rows, scorer, task, pass_key, reward_specs)
+        summaries = [evaluate_model(config, name, rows, scorer, task, pass_key, reward_specs, environments)
                      for name in [config.model, config.compare] if name]
     except (ValueError, DataError, ModelError, RewardError) as error:
         print(f"error: {error}", file=sys.stderr)

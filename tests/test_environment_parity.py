@@ -52,14 +52,13 @@ datasets = pytest.importorskip("datasets")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-import grpo.loop.update  # noqa: E402
 from grpo.config import GRPOConfig  # noqa: E402
 from grpo.loop.tools import tool_suffix_ids  # noqa: E402
 from grpo.loop.trainer import Trainer  # noqa: E402
 from grpo.tiny_model import save_tiny_model  # noqa: E402
 from rewards import RewardSpec  # noqa: E402
 from tests.test_tools import Scripted, call_text, encode  # noqa: E402
-from tests.test_trl_parity import ADAM_EPS, BASE, LR, OFF, _extras, trl_step  # noqa: E402
+from tests.test_trl_parity import ADAM_EPS, BASE, LR, OFF, _extras, trl_step, update_in_rollout_order  # noqa: E402
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
@@ -266,25 +265,6 @@ def make_ours(model_dir, settings, tmp_path, kernels, reward_fn):
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     return Trainer(config, policy=policy, reward_functions=[RewardSpec("answer", reward_fn, ANSWER_WEIGHT)],
                    train_rows=[dict(row) for row in ROWS], environment_factory=Vault)
-
-
-def update_in_rollout_order(trainer, rollout, grads_out):
-    """trainer.update(rollout) on micro-batches of consecutive rows, as trl cuts them (tests/test_trl_parity.our_step),
-    appending each optimizer step's clipped gradient to `grads_out`."""
-    step = trainer.optimizer.step
-
-    def capture():
-        grads_out.append({n: None if p.grad is None else p.grad.clone() for n, p in trainer.policy.named_parameters()})
-        return step()
-
-    order, functions = grpo.loop.update.micro_batch_order, trainer.functions
-    grpo.loop.update.micro_batch_order = lambda num_rows, *seeds: torch.arange(num_rows)
-    trainer.functions = dataclasses.replace(functions, update_batches=grpo.loop.update.plain_update_batches)
-    trainer.optimizer.step = capture
-    try:
-        return trainer.update(rollout)
-    finally:
-        trainer.optimizer.step, grpo.loop.update.micro_batch_order, trainer.functions = step, order, functions
 
 
 # ----------------------------------------------------------------------------- the comparison

@@ -279,6 +279,12 @@ def our_step(trainer, inputs, completions, grads_out, tool_masks=None, behaviour
         for row, values in enumerate(behaviour):
             width = min(len(values), rollout.completion_ids.shape[1])
             rollout.sampler_logprobs[row, :width] = torch.tensor(values[:width])
+    return rollout, update_in_rollout_order(trainer, rollout, grads_out)
+
+
+def update_in_rollout_order(trainer, rollout, grads_out):
+    """trainer.update(rollout) on micro-batches of consecutive rows, as trl cuts them, appending each optimizer
+    step's clipped gradient to `grads_out`."""
     step = trainer.optimizer.step
 
     def capture():
@@ -292,10 +298,9 @@ def our_step(trainer, inputs, completions, grads_out, tool_masks=None, behaviour
     trainer.functions = dataclasses.replace(functions, update_batches=grpo.loop.update.plain_update_batches)
     trainer.optimizer.step = capture
     try:
-        result = trainer.update(rollout)
+        return trainer.update(rollout)
     finally:
         trainer.optimizer.step, grpo.loop.update.micro_batch_order, trainer.functions = step, order, functions
-    return rollout, result
 
 
 BASE = dict(loss_type="grpo", scale="group", beta=0.04, bias_kl=True, iterations=1, epsilon=0.2, epsilon_high=0.2,
