@@ -432,3 +432,37 @@ def test_sample_returns_tensors_usable_with_autograd(tiny_model_and_tokenizer, p
     embedding = torch.nn.Embedding(model.config.vocab_size, 3)
     embedding(sample.completion_ids).sum().backward()  # the ids saved for backward
     assert embedding.weight.grad is not None
+
+
+@pytest.fixture(scope="module")
+def ends_often(tokenizer):
+    """A tiny model that draws its EOS token with probability about 0.1 at every position."""
+    from grpo.tiny_model import set_eos_rate
+
+    model, _ = build_tiny_model("tiny", seed=5, tokenizer=tokenizer)
+    set_eos_rate(model, 0.1, tokenizer.eos_token_id)
+    return model
+
+
+@pytest.mark.parametrize("sampler,static_cache", [("plain", False), ("kernel", False), ("kernel", True)])
+def test_pad_equal_to_eos_ends_each_row_at_its_first_eos(ends_often, prompts, tokenizer, sampler, static_cache):
+    """Most real tokenizers pad with their EOS token. A finished row is then padded with EOS at every later step,
+    and those pads must not count as the row's end again: each row's length is its first EOS, found here by a
+    plain scan of the drawn ids. The kernel's rows wait in the loop after they end (until a share of them has
+    ended, or always with a static cache), so it meets the padded EOS too."""
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(max_completion_length=16, eos_token_ids=(eos,))
+    options = {"static_cache": True} if static_cache else {}
+    sample = SAMPLERS[sampler](ends_often, prompts, 8, params, eos, generator=torch.Generator().manual_seed(0),
+                               **options)
+    ids, width = sample.completion_ids, sample.completion_ids.shape[1]
+    expected_lengths, ended = [], []
+    for row in ids.tolist():
+        first = row.index(eos) + 1 if eos in row else width
+        assert all(token == eos for token in row[first:]), "a finished row must hold only padding"
+        expected_lengths.append(first)
+        ended.append(eos in row)
+    assert sample.completion_mask.sum(1).tolist() == expected_lengths
+    assert sample.truncated.tolist() == [not e for e in ended]
+    assert sample.num_generated_tokens == sum(expected_lengths)
+    assert sum(length < width - 1 for length in expected_lengths) >= 3, "too few rows ended early to test padding"
