@@ -257,11 +257,15 @@ def test_killed_run_resumes_to_the_same_result(uninterrupted, tmp_path, how):
         assert "checkpoint saved. Resume with: python train.py --resume" in output
     else:
         assert process.returncode == -signal.SIGKILL
-    stopped_at = int(latest_checkpoint(out).name.split("-")[1])
+    stopped_at = max(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))  # the newest saved
     assert 2 <= stopped_at < 8
     resumed = subprocess.run(_train_command(out, "--save-steps", "2", "--resume"), env=_env(),
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # It resumed from the newest checkpoint the killed run wrote, and kept only the newest two (save_total_limit).
+    assert f"resumed from {out / 'checkpoints' / f'step-{stopped_at:06d}'} at step {stopped_at}" in (
+        resumed.stdout + resumed.stderr)
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-000006", "step-000008"]
     expected, got = read_jsonl(uninterrupted / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in got] == list(range(1, 9))  # no step twice, none missing
     for key in ("reward", "loss", "kl", "grad_norm", "learning_rate"):
@@ -270,6 +274,35 @@ def test_killed_run_resumes_to_the_same_result(uninterrupted, tmp_path, how):
     straight, result = _final_weights(uninterrupted), _final_weights(out)
     for name in straight:
         assert torch.equal(straight[name], result[name]), name
+
+
+class _Saved:
+    """Stands in for a model or tokenizer: save_pretrained writes one small file."""
+
+    def save_pretrained(self, folder, **_):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "weights.txt").write_text("w")
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2, 3])
+def test_save_total_limit_deletes_the_oldest_checkpoints(tmp_path, keep):
+    """save_total_limit = keep: after every save the newest `keep` complete checkpoints remain (0: all of them),
+    also past step 9 -> 10 (where a name sort and a number sort agree only by the zero padding) and when the
+    newest step is saved again (a final save right after a periodic one)."""
+    steps, done = [3, 6, 9, 10, 12, 100], []
+    for step in steps + [100]:
+        save_checkpoint(tmp_path, step, _Saved(), _Saved(), {"step": step}, {}, keep)
+        done = sorted(set(done + [step]))
+        expected = done if keep == 0 else done[-keep:]
+        folders = sorted((tmp_path / "checkpoints").iterdir())
+        assert [int(p.name.split("-")[1]) for p in folders] == expected, (keep, step)
+        assert [load_trainer_state(p)["step"] for p in folders] == expected
+        assert latest_checkpoint(tmp_path).name == f"step-{done[-1]:06d}"
+
+
+def test_trainer_passes_save_total_limit(tmp_path):
+    Trainer(make_config(tmp_path, max_steps=4, save_steps=1, save_total_limit=2)).train()
+    assert [p.name for p in sorted((tmp_path / "run" / "checkpoints").iterdir())] == ["step-000003", "step-000004"]
 
 
 _SAVE_SCRIPT = """
