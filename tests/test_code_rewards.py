@@ -198,3 +198,48 @@ def test_a_redefined_helper_does_not_pass_humaneval_32():
     cheat = fenced("def poly(xs, x):\n    return 0\n\ndef find_zero(xs):\n    return 0.0\n")
     columns = {key: [row[key]] for key in ("tests", "setup", "prompt_code", "entry_point")}
     assert execution(None, [cheat], **columns) == [0.0]
+
+
+# Programs that block without using CPU time, so RLIMIT_CPU never stops them: only the wall-clock limit does.
+BLOCKING = {
+    "sleep": "import time\ndef add(a, b):\n    time.sleep(4)\n    return a + b\n",
+    "sleep at import": "import time\ntime.sleep(4)\ndef add(a, b):\n    return a + b\n",
+    "wait on an event": "import threading\ndef add(a, b):\n    threading.Event().wait(4)\n    return a + b\n",
+    "read a pipe written late": "import os, threading\ndef add(a, b):\n    read, write = os.pipe()\n"
+                                "    threading.Timer(4, os.write, (write, b'x')).start()\n    os.read(read, 1)\n"
+                                "    return a + b\n",
+    "select with nothing ready": "import os, select\ndef add(a, b):\n    read, write = os.pipe()\n"
+                                 "    select.select([read], [], [], 4)\n    return a + b\n",
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCKING))
+def test_a_program_that_blocks_past_the_wall_limit_scores_zero(name):
+    """Each program blocks for 4 s, then answers correctly, under a 1 s wall limit: the judge gives up at the
+    deadline (it says so in its log), the case scores 0, and the call returns soon after the deadline, not
+    after the 4 s."""
+    import time
+
+    start = time.monotonic()
+    result = run_program(BLOCKING[name], ["assert add(1, 2) == 3"], limits=Limits(wall_seconds=1.0, cpu_seconds=2),
+                         entry_point="add")
+    elapsed = time.monotonic() - start
+    assert result.scores == [0.0], result.log
+    assert "deadline" in result.log, result.log
+    assert elapsed < 3.5, f"the call took {elapsed:.1f} s under a 1 s wall limit"
+
+
+def test_the_trainer_stops_a_judge_that_never_answers(monkeypatch):
+    """The judge is trusted code, but it too is stopped at the wall deadline: a judge that hangs (here one that
+    sleeps for 60 s) is killed, the call returns timed out, and nothing scores."""
+    import time
+
+    import rewards.sandbox
+
+    monkeypatch.setattr(rewards.sandbox, "JUDGE_SOURCE", "import time\ndef judge_main():\n    time.sleep(60)\n")
+    start = time.monotonic()
+    result = run_program("def add(a, b):\n    return a + b\n", ["assert add(1, 2) == 3"],
+                         limits=Limits(wall_seconds=1.0, cpu_seconds=2), entry_point="add")
+    elapsed = time.monotonic() - start
+    assert result.timed_out and result.scores == [0.0]
+    assert elapsed < 10, f"the call took {elapsed:.1f} s under a 1 s wall limit"
