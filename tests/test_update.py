@@ -1,0 +1,120 @@
+"""One optimizer update (grpo/loop/update.py) against a naive float64 reference written from the equations.
+
+The kernel-vs-plain, accumulation and resume tests compare the update with itself; this one does not share its
+code: every row is run alone and unpadded through a float64 copy of the model, the advantages, the clipped
+surrogate with its KL term, the aggregation, the truncation mask and the gradient clipping are each a line here.
+It runs under --kernels auto and plain (the both_kernels fixture), so both paths meet the same reference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grpo.loop.rollout import Rollout
+from grpo.loop.trainer import Trainer
+from tests.test_trainer import make_config
+
+pytestmark = [pytest.mark.usefixtures("both_kernels"),  # the step below wraps optimizer.step to read the gradient
+              pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")]
+
+MAX_GRAD_NORM = 0.05  # below the tiny model's gradient norm here, so the clip is active (asserted)
+
+
+def rollout_with_ended_and_truncated_rows(trainer: Trainer, seed: int = 0) -> Rollout:
+    """Random completions of 2 to max_completion_length tokens, every other one ending with EOS (so half are
+    truncated), and random rewards."""
+    g = torch.Generator().manual_seed(seed)
+    cfg, eos = trainer.config, trainer.eos_token_ids
+    vocab = len(trainer.tokenizer)
+    prompts, completions = [], []
+    for index in range(cfg.prompts_per_step):
+        for member in range(cfg.num_generations):
+            length = int(torch.randint(2, cfg.max_completion_length + 1, (1,), generator=g))
+            tokens = [t for t in torch.randint(3, vocab, (3 * length,), generator=g).tolist() if t not in eos][:length]
+            if member % 2 == 0:
+                tokens[-1] = eos[0]
+            prompts.append(trainer.train_prompt_ids[index])
+            completions.append(tokens)
+    rewards = torch.rand(len(completions), generator=g)
+    rollout = Rollout.from_token_lists(prompts, completions, rewards, eos, trainer.tokenizer.pad_token_id)
+    assert rollout.truncated.any() and not rollout.truncated.all()
+    return rollout
+
+
+def reference_update(policy, reference, rollout: Rollout, config) -> tuple[dict, float]:
+    """The clipped gradient of one GRPO update and the gradient norm before clipping, in float64.
+
+    A_i = (r_i - mean_group r) / (std_group r + 1e-4), the std unbiased (DeepSeekMath eq. 3, as trl);
+    per token: -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + beta (exp(ref - logp) - (ref - logp) - 1), rho = 1 at
+    the first update (old = logp, detached); aggregated as loss_type says over every row of the update; rows
+    without EOS count no token when mask_truncated_completions; g <- g * min(1, max_norm / (|g| + 1e-6))."""
+    model, ref = copy.deepcopy(policy).double().eval(), copy.deepcopy(reference).double().eval()
+    model.zero_grad(set_to_none=True)
+    rewards = rollout.rewards_per_func[:, 0].double().view(-1, config.num_generations)  # (B, G)
+    mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)  # std: unbiased
+    advantages = ((rewards - mean) / (std + 1e-4)).flatten()  # (N,)
+    row_sums, row_tokens = [], []
+    for row in range(rollout.num_rows):
+        prompt = rollout.prompt_ids[row][rollout.prompt_mask[row].bool()]
+        length = int(rollout.completion_mask[row].sum())
+        completion = rollout.completion_ids[row, :length]
+        ids = torch.cat([prompt, completion])[None]  # (1, L): alone, no padding
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / config.temperature  # (t, V)
+        logp = torch.log_softmax(logits, -1).gather(-1, completion[:, None]).squeeze(-1)  # (t,)
+        with torch.no_grad():
+            ref_logits = ref(input_ids=ids).logits[0, len(prompt) - 1 : -1] / config.temperature
+            ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, completion[:, None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        a = advantages[row]
+        surrogate = torch.minimum(ratio * a, ratio.clamp(1 - config.epsilon, 1 + config.epsilon) * a)
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        per_token = -surrogate + config.beta * kl  # (t,)
+        kept = not (config.mask_truncated_completions and bool(rollout.truncated[row]))
+        row_sums.append(per_token.sum() * kept)
+        row_tokens.append(length * kept)
+    num_rows, tokens = rollout.num_rows, sum(row_tokens)
+    if config.loss_type == "grpo":  # each completion's token mean, averaged over completions
+        loss = sum(s / max(t, 1) for s, t in zip(row_sums, row_tokens)) / num_rows
+    elif config.loss_type == "dr_grpo":  # every token over N x max_completion_length
+        loss = sum(row_sums) / (num_rows * config.max_completion_length)
+    elif config.loss_type == "dapo":  # every token over the update's tokens
+        loss = sum(row_sums) / tokens
+    else:
+        raise NotImplementedError(config.loss_type)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values())).item()
+    scale = min(1.0, config.max_grad_norm / (norm + 1e-6))
+    return {name: g * scale for name, g in grads.items()}, norm
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True], ids=["all-rows", "mask-truncated"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_one_update_matches_the_float64_reference(tmp_path, loss_type, mask_truncated):
+    trainer = Trainer(make_config(tmp_path, loss_type=loss_type, mask_truncated_completions=mask_truncated,
+                                  max_grad_norm=MAX_GRAD_NORM, beta=0.04, temperature=0.7, micro_batch_size=2))
+    with torch.no_grad():  # a reference that differs from the policy, so the KL term has a gradient
+        generator = torch.Generator().manual_seed(1)
+        for param in trainer.models.reference.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+    rollout = rollout_with_ended_and_truncated_rows(trainer)
+    expected, expected_norm = reference_update(trainer.policy, trainer.models.reference, rollout, trainer.config)
+    assert expected_norm > MAX_GRAD_NORM, "the clip must be active for this test to check it"
+
+    captured, step = [], trainer.optimizer.step
+
+    def capture():
+        captured.append({n: p.grad.detach().clone() for n, p in trainer.policy.named_parameters()})
+        return step()
+
+    trainer.optimizer.step = capture
+    result = trainer.update(rollout)
+    assert len(captured) == 1
+    assert result.grad_norms[0] == pytest.approx(expected_norm, rel=1e-5)
+    for name, want in expected.items():
+        # fp32 against float64: 1e-5 of the tensor's largest gradient
+        torch.testing.assert_close(captured[0][name].double(), want, rtol=0, atol=1e-5 * want.abs().max().item(),
+                                   msg=name)
