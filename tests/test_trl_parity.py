@@ -471,6 +471,9 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
         # Masks: the same completion tokens count (truncation masking included).
         width = rollout.completion_ids.shape[1]
         trl_mask = batch["completion_mask"][:, :width]
+        kept = ~rollout.truncated[:, None] if settings["mask_truncated"] else torch.ones_like(rollout.truncated)[:, None]
+        assert torch.equal((rollout.completion_mask * kept).to(trl_mask.dtype), trl_mask)
+        assert not batch["completion_mask"][:, width:].any()  # trl's wider padding counts no token
         # Reference (after any TR-DPO sync) and old-policy per-token log-probs.
         if settings["beta"]:
             torch.testing.assert_close(last.ref_logps * trl_mask, batch["ref_per_token_logps"][:, :width] * trl_mask,
