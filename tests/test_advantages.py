@@ -138,3 +138,69 @@ def test_tied_groups():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, float("nan"), 2.0, 3.0, 3.0])
     # group 0 ties; group 1 differs; group 2 has one scorable row (no spread); group 3 ties.
     assert tied_groups(rewards, 2).tolist() == [True, False, True, True]
+
+
+# The edges of the group and batch statistics: one row per group, one row in all, two rows; and the logged
+# reward_std, checked by value (a mutation run showed none of them pinned).
+SCALINGS = [("group", "sum_then_normalize"), ("batch", "sum_then_normalize"), ("group", "normalize_then_sum")]
+
+
+def _advantages(per_func, weights, group_size, scale, aggregation):
+    from grpo.algorithm.advantages import decoupled_advantages
+
+    if aggregation == "normalize_then_sum":
+        return decoupled_advantages(per_func, weights, group_size)
+    return group_advantages(weighted_rewards(per_func, weights), group_size, scale)
+
+
+@pytest.mark.parametrize("scale,aggregation", SCALINGS)
+def test_groups_of_one_have_no_spread(scale, aggregation):
+    # G = 1: every row is its own group, so no row has a learning signal and every group counts as zero-std.
+    per_func = torch.tensor([[1.0], [3.0], [8.0]])
+    advantages, stats = _advantages(per_func, torch.tensor([1.0]), 1, scale, aggregation)
+    assert advantages.tolist() == [0.0, 0.0, 0.0]
+    assert stats["reward"] == pytest.approx(4.0)
+    assert stats["reward_std"] == pytest.approx(math.sqrt(((1 - 4) ** 2 + (3 - 4) ** 2 + (8 - 4) ** 2) / 2))
+    # the std the advantages were scaled by: each group's (none), the batch's (not zero), GDPO's batch std of zeros
+    assert stats["frac_reward_zero_std"] == (0.0 if scale == "batch" else 1.0)
+
+
+@pytest.mark.parametrize("scale,aggregation", SCALINGS)
+def test_a_single_row_has_zero_advantage_and_zero_std(scale, aggregation):
+    advantages, stats = _advantages(torch.tensor([[5.0]]), torch.tensor([1.0]), 1, scale, aggregation)
+    assert advantages.tolist() == [0.0]
+    assert stats == {"reward": 5.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0}
+
+
+@pytest.mark.parametrize("scale,aggregation", SCALINGS)
+def test_two_rows_use_their_unbiased_std(scale, aggregation):
+    # One group of two: [0, 2] -> mean 1, unbiased std sqrt(2); every scaling gives -+1 / (sqrt(2) + 1e-4)
+    # (GDPO: the per-reward values -+0.7071, then the batch std of those, sqrt(2) * 0.7071 = 1.0).
+    advantages, stats = _advantages(torch.tensor([[0.0], [2.0]]), torch.tensor([1.0]), 2, scale, aggregation)
+    if aggregation == "normalize_then_sum":
+        unit = 1 / (math.sqrt(2) + 1e-4)
+        expected = torch.tensor([-unit, unit]) / (math.sqrt(2) * unit + 1e-4)
+    else:
+        expected = torch.tensor([-1.0, 1.0]) / (math.sqrt(2) + 1e-4)
+    torch.testing.assert_close(advantages, expected, rtol=1e-6, atol=0)
+    assert stats["reward_std"] == pytest.approx(math.sqrt(2))
+    assert stats["frac_reward_zero_std"] == 0.0
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("num_rows,group_size", [(4, 0), (4, -2), (4, 3), (6, 4)])
+def test_rows_that_do_not_split_into_groups_are_refused(aggregation, num_rows, group_size):
+    per_func = torch.zeros(num_rows, 1)
+    with pytest.raises(ValueError, match=f"{num_rows} rewards do not split into groups of {group_size}"):
+        _advantages(per_func, torch.tensor([1.0]), group_size, "group", aggregation)
+
+
+def test_reward_weights_must_match_the_reward_columns():
+    with pytest.raises(AssertionError):
+        weighted_rewards(torch.ones(4, 2), torch.ones(1))  # would broadcast one weight over both columns
+    with pytest.raises(AssertionError):
+        weighted_rewards(torch.ones(4), torch.ones(4))
+
+
+def test_one_row_reward_function_stats_have_zero_std():
+    assert reward_function_stats(torch.tensor([[2.0]]), ["a"]) == {"rewards/a/mean": 2.0, "rewards/a/std": 0.0}
