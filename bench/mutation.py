@@ -85,8 +85,8 @@ KEPT_OPERATORS = [
 def _third_party_modules(tree: Path, tests: list[str]) -> list[str]:
     """The modules other than the project's that importing `tests` loads: what the server imports once."""
     files = [t for t in tests if t.endswith(".py")]
-    probe = ("import sys, runpy\nsys.path.insert(0, '.')\nimport tests.conftest\n"
-             + "".join(f"runpy.run_path({f!r})\n" for f in files)
+    probe = ("import sys, runpy\nsys.path[:0] = ['.', 'tests']\nimport tests.conftest\n"  # pytest puts tests/ on the path
+             + "".join(f"try:\n    runpy.run_path({f!r})\nexcept Exception:\n    pass\n" for f in files)
              + f"print('\\n'.join(m for m in list(sys.modules) if m.split('.')[0] not in {PROJECT!r}))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True,
                          env=_environment(tree), check=True)
