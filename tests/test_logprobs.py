@@ -334,3 +334,122 @@ def test_non_finite_logits_give_non_finite_log_probs():
     _, _, expected, _ = _float64_reference(states[kept], weight, targets[kept], 1.0)
     assert logps[3].isnan() and entropy[3].isnan()
     _close_to(logps[kept], expected, "logps")
+
+
+# From the mutation run's survivors (docs/mutation.md): the plain path's helpers and options pinned by value.
+
+def test_positions_start_at_each_rows_first_real_token():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    expected = [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]  # padding takes position 0, as generate does
+    assert grpo.algorithm.logprobs.position_ids_from_mask(mask).tolist() == expected
+
+
+@pytest.mark.parametrize("vocab,rows", [
+    (151936, 192),  # Qwen: 2^25 / 151936 = 220.8 -> 220, down to a multiple of 64
+    (49152, 640),  # SmolLM2: 682.7 -> 682 -> 640
+    (8192, 4096),  # 4096, already a multiple of 64
+    (532610, 63),  # 63.0: under 64, kept as it is
+    (1 << 21, 16),  # 16
+    ((1 << 21) + 1, 16),  # 15.99 -> 15, raised to the floor of 16
+    (1 << 25, 16),  # 1 -> 16
+])
+def test_default_chunk_size_by_hand(vocab, rows):
+    assert grpo.algorithm.logprobs.default_chunk_size(vocab) == rows
+
+
+def test_logit_transforms_are_found_in_the_text_config_and_one_is_plain():
+    from types import SimpleNamespace
+
+    from grpo.algorithm.logprobs import check_plain_output_head
+
+    class Composite:  # a multimodal config: the language model's settings are in its text config
+        def get_text_config(self):
+            return SimpleNamespace(final_logit_softcapping=30.0)
+
+    with pytest.raises(NotImplementedError, match="final_logit_softcapping=30.0"):
+        check_plain_output_head(Composite())
+    with pytest.raises(NotImplementedError, match="logit_scale=2.0"):  # a config without get_text_config
+        check_plain_output_head(SimpleNamespace(logit_scale=2.0))
+    check_plain_output_head(SimpleNamespace(logit_scale=1.0, logits_scaling=None))  # a scale of 1 is W h
+
+
+def test_bad_shapes_are_refused(tiny_model_and_tokenizer):
+    model, _ = tiny_model_and_tokenizer
+    ids = torch.ones(2, 6, dtype=torch.long)
+    with pytest.raises(AssertionError):  # the completion is the whole sequence: no position predicts its first token
+        grpo.algorithm.logprobs.completion_logprobs(model, ids, torch.ones_like(ids), torch.ones(2, 6))
+    with pytest.raises(AssertionError):  # an attention mask of another shape
+        grpo.algorithm.logprobs.completion_logprobs(model, ids, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 2))
+
+
+def test_defaults_are_temperature_one_no_entropy_and_the_models_head_dtype(tiny_model_and_tokenizer):
+    model, _ = tiny_model_and_tokenizer
+    input_ids, attention_mask, completion_mask = _batch(model.config.vocab_size, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logps, entropy = grpo.algorithm.logprobs.completion_logprobs(model, input_ids, attention_mask, completion_mask)
+        naive = naive_completion_logprobs(model, input_ids, attention_mask, completion_mask, 1.0)
+        assert entropy is None
+        torch.testing.assert_close(logps, naive, rtol=1e-5, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32_head off by default: the head runs in bf16
+            default, _ = grpo.algorithm.logprobs.completion_logprobs(model, input_ids, attention_mask, completion_mask)
+            bf16_head, _ = grpo.algorithm.logprobs.completion_logprobs(model, input_ids, attention_mask,
+                                                                       completion_mask, fp32_head=False)
+    assert torch.equal(default, bf16_head)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fp32_head_under_bf16_autocast_matches_a_float32_head_on_the_same_hidden_states(tiny_model_and_tokenizer,
+                                                                                      temperature):
+    """fp32_head (trl's cast_lm_head_to_fp32): under autocast the trunk runs in bf16 and the output projection in
+    fp32. Reference: the trunk's bf16 hidden states, then W h / temperature, log-softmax and gather in float32."""
+    from grpo.algorithm.logprobs import position_ids_from_mask
+
+    model, _ = tiny_model_and_tokenizer
+    input_ids, attention_mask, completion_mask = _batch(model.config.vocab_size, torch.Generator().manual_seed(6))
+    T = completion_mask.shape[1]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32_head, _ = grpo.algorithm.logprobs.completion_logprobs(model, input_ids, attention_mask, completion_mask,
+                                                                   temperature, fp32_head=True)
+        bf16_head, _ = grpo.algorithm.logprobs.completion_logprobs(model, input_ids, attention_mask, completion_mask,
+                                                                   temperature)
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_from_mask(attention_mask)).last_hidden_state[:, -T - 1 : -1]
+    logits = hidden.float() @ model.lm_head.weight.float().T / temperature  # (N, T, V) in float32
+    expected = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -T:, None]).squeeze(-1) * completion_mask
+    torch.testing.assert_close(fp32_head, expected, rtol=0, atol=1e-5)
+    assert (bf16_head - expected).abs().max() > 1e-4  # the bf16 head is 10x further off (observed 9e-4): it can fail
+
+
+def test_many_tokens_in_small_chunks_match_naive(tiny_model_and_tokenizer):
+    """More real tokens than the hidden size, one row per chunk: every chunk is computed."""
+    model, _ = tiny_model_and_tokenizer
+    N, P, T = 6, 3, 40
+    assert N * T > model.config.hidden_size
+    input_ids = torch.randint(3, model.config.vocab_size, (N, P + T), generator=torch.Generator().manual_seed(7))
+    attention_mask, completion_mask = torch.ones(N, P + T, dtype=torch.long), torch.ones(N, T, dtype=torch.long)
+    with torch.no_grad():
+        logps, _ = grpo.algorithm.logprobs.completion_logprobs(model, input_ids, attention_mask, completion_mask,
+                                                               chunk_size=1)
+        naive = naive_completion_logprobs(model, input_ids, attention_mask, completion_mask)
+    torch.testing.assert_close(logps, naive, rtol=1e-5, atol=1e-5)
+
+
+def test_a_trainable_head_over_a_frozen_trunk_gets_its_gradient(tokenizer):
+    """Only the (untied) output matrix trains, so the hidden states carry no gradient: the chunks' recomputation in
+    backward must still give W its gradient (a reentrant checkpoint would drop it)."""
+    from grpo.tiny_model import build_tiny_model
+
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.05)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name == "lm_head.weight")
+    input_ids, attention_mask, completion_mask = _batch(model.config.vocab_size, torch.Generator().manual_seed(8))
+    logps, _ = grpo.algorithm.logprobs.completion_logprobs(model, input_ids, attention_mask, completion_mask,
+                                                           chunk_size=5)
+    logps.sum().backward()
+    grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    naive_completion_logprobs(model, input_ids, attention_mask, completion_mask).sum().backward()
+    assert grad.abs().max() > 0
+    torch.testing.assert_close(grad, model.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
