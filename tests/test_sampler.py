@@ -466,3 +466,36 @@ def test_pad_equal_to_eos_ends_each_row_at_its_first_eos(ends_often, prompts, to
     assert sample.truncated.tolist() == [not e for e in ended]
     assert sample.num_generated_tokens == sum(expected_lengths)
     assert sum(length < width - 1 for length in expected_lengths) >= 3, "too few rows ended early to test padding"
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_a_prompts_completions_do_not_depend_on_the_other_prompts_in_the_batch(tiny_model_and_tokenizer, prompts,
+                                                                                 sampler):
+    """With RowUniforms drawn per prompt (what the trainer passes), a prompt's G completions are the same alone or
+    beside other prompts: so they do not depend on how many processes split the step."""
+    from grpo.algorithm.sampler import RowUniforms
+
+    model, tokenizer = tiny_model_and_tokenizer
+    params = SamplingParams(max_completion_length=6, eos_token_ids=(tokenizer.eos_token_id,))
+    seeds = [11, 12, 13]
+    noise = lambda chosen: RowUniforms.per_prompt([torch.Generator().manual_seed(seeds[i]) for i in chosen], 3, 6)
+    together = SAMPLERS[sampler](model, prompts, 3, params, tokenizer.pad_token_id, generator=noise([0, 1, 2]))
+    alone = SAMPLERS[sampler](model, [prompts[1]], 3, params, tokenizer.pad_token_id, generator=noise([1]))
+    width = alone.completion_ids.shape[1]
+    assert torch.equal(together.completion_ids[3:6, :width], alone.completion_ids)
+    assert not torch.equal(together.completion_ids[0:3, :width], alone.completion_ids)
+
+
+def test_row_uniforms_check_their_shape_and_give_one_seed_from_their_noise():
+    from grpo.algorithm.sampler import RowUniforms, draw_uniform
+
+    make = lambda seed: RowUniforms.per_prompt([torch.Generator().manual_seed(seed)], 4, 5)  # (4, 5)
+    uniforms = make(0)
+    assert torch.equal(draw_uniform(uniforms, 4, 2, "cpu"), uniforms.values[:, 2, None])
+    with pytest.raises(ValueError, match=r"RowUniforms of shape \(4, 5\) for 3 rows at step 0"):
+        draw_uniform(uniforms, 3, 0, "cpu")
+    with pytest.raises(ValueError, match=r"for 4 rows at step 5"):
+        draw_uniform(uniforms, 4, 5, "cpu")
+    # The seed a one-seed backend (model.generate) takes: fixed by the noise, different for other noise.
+    assert make(0).seed == uniforms.seed and make(1).seed != uniforms.seed and 0 < uniforms.seed < 2**31
+    assert RowUniforms.per_prompt([torch.Generator().manual_seed(0)], 4, 0).seed == 0  # no noise drawn: seed 0
