@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,7 +6,8 @@ import torch
 
 from grpo.algorithm.loss import EntropyControl, entropy_bonus, high_entropy_mask
 from grpo.algorithm.loss import LOSS_TYPES, LossOptions, aggregate_loss, k3_kl, off_policy_mask, per_token_loss, token_loss
-from grpo.algorithm.loss import loss_statistics
+from grpo.algorithm.loss import loss_statistics, loss_terms, policy_loss_value
+from grpo.config import GRPOConfig
 
 T_MAX = 6
 
@@ -307,6 +309,11 @@ def test_entropy_bonus_and_its_adaptive_coefficient():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     bonus = entropy_bonus(entropy, mask, num_micro_batches=2)
     assert bonus.item() == pytest.approx((1 + 3 + 2) / 3 / 2)
+    assert entropy_bonus(entropy, mask).item() == pytest.approx((1 + 3 + 2) / 3)  # one micro-batch by default
+    # One real token: its entropy, over 1 token. None (every completion masked): 0 with a zero gradient, not 0 / 0.
+    assert entropy_bonus(entropy, torch.tensor([[0.0, 0.0], [0.0, 1.0]])).item() == 9.0
+    empty = entropy_bonus(entropy, torch.zeros(2, 2))
+    assert empty.item() == 0.0 and torch.equal(torch.autograd.grad(empty, entropy)[0], torch.zeros(2, 2))
     (grad,) = torch.autograd.grad(bonus, entropy)
     torch.testing.assert_close(grad, torch.tensor([[1 / 6, 1 / 6], [1 / 6, 0.0]]))
     control = EntropyControl(coef=0.1, adaptive=True, coef_min=0.0, coef_max=0.2, delta=0.05, target=0.5)
@@ -327,3 +334,254 @@ def test_entropy_bonus_and_its_adaptive_coefficient():
     static = EntropyControl(coef=0.3)
     static.update(0.0, 1.0)
     assert static.applied() == 0.3 and not EntropyControl().enabled
+
+
+def test_entropy_control_defaults_and_a_step_without_tokens():
+    # EntropyControl() carries GRPOConfig's defaults (delta 0.005, target 0.2, coef range [0, 1]): one source of truth.
+    assert EntropyControl(adaptive=True) == EntropyControl.from_config(GRPOConfig(use_adaptive_entropy=True))
+    # A step that kept no token (every completion masked): entropy 0 / max(0 tokens, 1) = 0 <= target 0.2,
+    # so the coefficient rises by the default delta, 0.1 -> 0.105, and no ZeroDivisionError stops the run.
+    control = EntropyControl(coef=0.1, adaptive=True)
+    control.update(0.0, 0.0)
+    assert (control.coef, control.last_entropy) == (pytest.approx(0.105), 0.0)
+    # Entropy exactly at the target (0.4 / 2 tokens = 0.2) counts as low: more bonus (0.105 -> 0.11), and it applies.
+    control.update(0.4, 2.0)
+    assert (control.coef, control.applied()) == (pytest.approx(0.11), pytest.approx(0.11))
+
+
+def test_high_entropy_mask_with_one_real_token_or_none():
+    # One real token: the quantile of a single value is that value, so the token is kept at every quantile.
+    entropy = torch.tensor([[0.3, 5.0]])
+    for quantile in (0.0, 0.2, 1.0):
+        assert high_entropy_mask(entropy, torch.tensor([[1.0, 0.0]]), quantile).tolist() == [[True, False]]
+    # No real token (a micro-batch of masked completions): nothing is kept, and the empty quantile is not taken.
+    assert high_entropy_mask(entropy, torch.zeros(1, 2), 0.2).tolist() == [[False, False]]
+
+
+# Rows [1, 2, 3] and [4] (the 99s are padding): row means 2 and 4, row sums 6 and 4, 10 over 4 real tokens.
+AGGREGATION_HAND_VALUES = {
+    "grpo": (2 + 4) / 2, "sapo": (2 + 4) / 2,  # mean over rows of each row's token mean
+    "bnpo": 10 / 4,  # token mean of the micro-batch
+    "dr_grpo": 10 / (2 * 5),  # rows * max_completion_length 5
+    "luspo": (6 + 4) / 2,  # mean over rows of each row's token sum
+    "dapo": 10 / 8, "cispo": 10 / 8, "vespo": 10 / 8,  # num_items_in_batch = 8 tokens in the step
+}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_aggregation_hand_values_and_the_logged_policy_loss(loss_type):
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    expected = AGGREGATION_HAND_VALUES[loss_type]
+    # One micro-batch is the default.
+    assert aggregate_loss(loss, mask, loss_type, max_completion_length=5, num_items_in_batch=8).item() == expected
+    # Four micro-batches: each is divided by 4 (dapo, cispo, vespo: num_items_in_batch already counts the step),
+    # and the logged policy_loss undoes that division, as trl logs it.
+    quarter = aggregate_loss(loss, mask, loss_type, num_micro_batches=4, max_completion_length=5, num_items_in_batch=8)
+    assert quarter.item() == (expected if loss_type in ("dapo", "cispo", "vespo") else expected / 4)
+    assert policy_loss_value(quarter.item(), loss_type, 4) == expected
+    # One real token (5; the 99 is padding): its value over a divisor of 1 token or row, dr_grpo's 1 row * 2.
+    one = aggregate_loss(torch.tensor([[5.0, 99.0]]), torch.tensor([[1.0, 0.0]]), loss_type, max_completion_length=2,
+                         num_items_in_batch=1)
+    assert one.item() == (5 / 2 if loss_type == "dr_grpo" else 5.0)
+
+
+@pytest.mark.parametrize("options", [LossOptions(loss_type="vespo"), LossOptions(off_policy_mask_threshold=0.5),
+                                     LossOptions(top_entropy_quantile=0.2)], ids=["vespo", "off-policy-mask", "entropy"])
+def test_token_loss_refuses_what_needs_the_completion_mask(options):
+    # Each one alone is refused: vespo's phi sums over a row, the masks need the row or the micro-batch.
+    with pytest.raises(ValueError, match="vespo and the token masks need per_token_loss"):
+        token_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), options=options)
+
+
+# One row, two tokens with log-ratios (r1, r2), advantage A (A >= 0: k = 2, lambda = 3; A < 0: k = 3, lambda = 2):
+# phi = exp(lambda + k log w - lambda w). Each case: (token log-ratios, behaviour weights, A, options, phi).
+_LAMBDA = 2.0**-13  # exact in float32 (vespo takes k and lambda as float32 tensors)
+VESPO_EDGES = {
+    # trl clamps each token log-ratio to [-20, 20] before the sum: 30 counts as 20, log w = 20 - 19.5 = 0.5
+    "token-log-ratio-above-20": ((30.0, -19.5), None, 1.0, {}, math.exp(3 + 2 * 0.5 - 3 * math.exp(0.5))),
+    # ... and -30 as -20: log w = -20 + 19.5 = -0.5
+    "token-log-ratio-below-20": ((-30.0, 19.5), None, 1.0, {}, math.exp(3 - 2 * 0.5 - 3 * math.exp(-0.5))),
+    # each behaviour weight's log is clamped to 20 too: log w = -19.5 + min(log e^30, 20) + log 1 = 0.5
+    "behaviour-weight-log-above-20": ((-19.5, 0.0), (math.exp(30), 1.0), 1.0, {}, math.exp(3 + 1 - 3 * math.exp(0.5))),
+    # A = 0 takes the A >= 0 parameters (k = 2, lambda = 3): log w = 0.3
+    "zero-advantage-is-positive": ((0.1, 0.2), None, 0.0, {}, math.exp(3 + 2 * 0.3 - 3 * math.exp(0.3))),
+    # lambda = 0 is floored at 1e-4: log w = 0.5 -> exp(1e-4 + 2 * 0.5 - 1e-4 e^0.5)
+    "lambda-floor": ((0.25, 0.25), None, 1.0, dict(vespo_lambda_pos=0.0), math.exp(1e-4 + 1 - 1e-4 * math.exp(0.5))),
+    # log w is capped at 20 after the sum (20 + 0.5 counts as 20); it shows only where phi(e^20) is finite,
+    # lambda e^20 ~ 20 k: k = 2961.5, lambda = 2^-13 -> exp(lambda + 20 k - lambda e^20) = exp(5.73) = 308
+    "log-w-cap": ((20.0, 0.5), None, 1.0, dict(vespo_k_pos=2961.5, vespo_lambda_pos=_LAMBDA),
+                  math.exp(_LAMBDA + 20 * 2961.5 - _LAMBDA * math.exp(20))),
+    # phi that overflows (k = 100, lambda = 1e-4, log w = 13: exp(1300 - 44) = inf) becomes 0, as trl
+    "overflow": ((13.0, 0.0), None, 1.0, dict(vespo_k_pos=100.0, vespo_lambda_pos=0.0), 0.0),
+    # a NaN log-ratio (phi NaN) also becomes 0: the row has no policy term
+    "nan": ((math.nan, 0.0), None, 1.0, {}, 0.0),
+}
+
+
+@pytest.mark.parametrize("case", VESPO_EDGES.values(), ids=VESPO_EDGES.keys())
+def test_vespo_weight_edges(case):
+    log_ratios, is_weights, adv, settings, phi = case
+    logps = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    old = logps - torch.tensor([log_ratios], dtype=torch.float64)
+    terms = loss_terms(logps, old, torch.tensor([[adv]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64),
+                       None, LossOptions(loss_type="vespo", **settings),
+                       is_weights=None if is_weights is None else torch.tensor([is_weights], dtype=torch.float64))
+    torch.testing.assert_close(terms.phi, torch.tensor([[phi]], dtype=torch.float64), rtol=1e-9, atol=0)
+    # l_t = -phi A logp_t
+    torch.testing.assert_close(terms.loss, -phi * adv * logps, rtol=1e-9, atol=0)
+
+
+def test_vespo_behaviour_weights_join_each_rows_own_ratio():
+    # On-policy (rho = 1), so w_i = prod_t is_t of its own row:
+    # row 0: is = [2, 1], w = 2, A = 1 (k = 2, lambda = 3): phi = e^3 2^2 e^-6 = 4 e^-3 = 0.19915;
+    # row 1: is = [0.5, 0.5], w = 0.25, A = -1 (k = 3, lambda = 2): phi = e^2 0.25^3 e^-0.5 = e^1.5 / 64 = 0.07003.
+    logps = torch.tensor([[-1.0, -2.0], [-3.0, -1.0]])
+    is_weights = torch.tensor([[2.0, 1.0], [0.5, 0.5]])
+    terms = loss_terms(logps, logps, torch.tensor([[1.0], [-1.0]]), torch.ones(2, 2), None,
+                       LossOptions(loss_type="vespo"), is_weights=is_weights)
+    phi = torch.tensor([[4 * math.exp(-3)], [math.exp(1.5) / 64]])
+    torch.testing.assert_close(terms.phi, phi, rtol=1e-5, atol=0)
+    # l_t = -phi A logp_t; is_weights enter through phi only (not multiplied in a second time).
+    torch.testing.assert_close(terms.loss, -phi * torch.tensor([[1.0], [-1.0]]) * logps, rtol=1e-5, atol=0)
+
+
+def test_off_policy_mask_edge_rows():
+    # Threshold 0.5; rows 0-2 and 4 have A < 0 (only those can be dropped).
+    # Row 0: one real token, old - logp = -0.2 - (-1) = 0.8: mean 0.8 / 1 token > 0.5 -> dropped (padding not counted).
+    # Row 1: a token whose log-probs are both -inf (NaN difference) counts as 0: (0 + 0.8) / 2 = 0.4 -> kept.
+    # Row 2: the same with 1.2: (0 + 1.2) / 2 = 0.6 -> dropped.
+    # Row 3: A = 0 is not negative: kept however far off-policy (mean 0.8).
+    # Row 4: no real token (a masked completion): mean 0 / max(0, 1) = 0 -> kept, not 0 / 0 = NaN.
+    logps = torch.tensor([[-1.0, 0.0], [-math.inf, -1.0], [-math.inf, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    old = torch.tensor([[-0.2, 5.0], [-math.inf, -0.2], [-math.inf, 0.2], [-0.2, -0.2], [5.0, 5.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    kept = off_policy_mask(torch.tensor([[-1.0], [-1.0], [-1.0], [0.0], [-1.0]]), logps, old, mask, 0.5)
+    assert kept.flatten().tolist() == [0.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def test_sequence_level_ratio_of_a_row_without_real_tokens_is_one():
+    # Row 1 is all padding (a masked completion): its mean log-ratio is 0 / max(0 tokens, 1) = 0, so rho = 1 and
+    # l = -min(1 * A, 1 * A) = -1, not 0 / 0 = NaN, which would make the aggregated loss NaN (NaN * mask 0 = NaN).
+    # Row 0: one real token with log-ratio 0.1: rho = e^0.1 = 1.105, inside [0.8, 1.2], A = 1 -> l = -e^0.1.
+    logps = torch.zeros(2, 2, requires_grad=True)
+    old = torch.tensor([[-0.1, 3.0], [3.0, 3.0]])
+    mask = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    loss = per_token_loss(logps, old, torch.ones(2), mask, options=LossOptions(importance_sampling_level="sequence"))
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-math.exp(0.1)], [-1.0]]), rtol=1e-6, atol=0)
+    # dapo over the step's 1 real token: -e^0.1, and d(-exp(mean_t log rho))/dlogp = -e^0.1 on row 0's real token only.
+    value = aggregate_loss(loss, mask, "dapo", num_items_in_batch=1)
+    (grad,) = torch.autograd.grad(value, logps)
+    assert value.item() == pytest.approx(-math.exp(0.1), rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-math.exp(0.1), 0.0], [0.0, 0.0]]), rtol=1e-6, atol=0)
+
+
+def test_behaviour_weights_scale_the_policy_term_but_not_the_kl():
+    # On-policy (rho = 1), A = 1: the grpo policy term is -1; w = pi_old / pi_b multiplies it, the KL is added after:
+    # beta = 1, ref - logp = 1 -> k3 = e - 2. w = 0.5 -> -0.5 + e - 2; w = 2 -> -2 + e - 2.
+    logps, adv, ref = torch.zeros(2, 1), torch.ones(2, 1), torch.ones(2, 1)
+    is_weights = torch.tensor([[0.5], [2.0]])
+    expected = torch.tensor([[-0.5 + math.e - 2], [-2.0 + math.e - 2]])
+    options = LossOptions(beta=1.0)
+    terms = loss_terms(logps, logps, adv, torch.ones(2, 1), ref, options, is_weights=is_weights)
+    torch.testing.assert_close(terms.loss, expected, rtol=1e-6, atol=0)
+    # token_loss (the fused kernel's elementwise loss) the same
+    torch.testing.assert_close(token_loss(logps, logps, adv, ref, options, is_weights=is_weights), expected,
+                               rtol=1e-6, atol=0)
+
+
+def test_loss_options_cannot_be_changed():
+    # per_token_loss, token_loss and loss_statistics share one default LossOptions(): no caller can change it for
+    # every later call.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LossOptions().beta = 0.1
+
+
+def test_clip_statistics_count_strictly_beyond_the_bound_and_only_for_the_clipping_sign():
+    # eps = eps_high = 0.25: the bounds 0.75 and 1.25 are exact in float32, and so is exp(log 1.25), exp(log 0.75).
+    # Row: rho, A -> counted?
+    #   1.25 (on the bound), 1   -> not high: min(rho A, clip(rho) A) are equal, the gradient still flows
+    #   e^0.5 = 1.65,        0   -> not high: trl counts A > 0 only
+    #   e^0.5,            -0.5   -> not high: the min takes the unclipped rho A
+    #   0.75 (on the bound), -1  -> not low
+    #   e^-0.5 = 0.61,       0   -> not low: A < 0 only
+    #   e^-0.5,            0.5   -> not low
+    #   e^0.5,               1   -> high
+    #   e^-0.5,             -1   -> low
+    # clip_high = 1/8, clip_low = 1/8, clip_region = 2/8.
+    log_rho = torch.tensor([math.log(1.25), 0.5, 0.5, math.log(0.75), -0.5, -0.5, 0.5, -0.5])
+    adv = torch.tensor([1.0, 0.0, -0.5, -1.0, 0.0, 0.5, 1.0, -1.0])
+    stats = loss_statistics(torch.zeros(8, 1), -log_rho[:, None], adv, torch.ones(8, 1),
+                            options=LossOptions(epsilon=0.25))
+    assert (stats.clip_high, stats.clip_low, stats.clip_region) == (1 / 8, 1 / 8, 2 / 8)
+    # cispo with eps_high = 1.25 counts rho > 1.25 with A > 0: of rho = 1.25 (A = 1), e^0.5 (A = 0),
+    # e^0.5 (A = -1) and e^0.5 (A = 1) only the last.
+    log_rho = torch.tensor([math.log(1.25), 0.5, 0.5, 0.5])
+    stats = loss_statistics(torch.zeros(4, 1), -log_rho[:, None], torch.tensor([1.0, 0.0, -1.0, 1.0]), torch.ones(4, 1),
+                            options=LossOptions(loss_type="cispo", epsilon_high=1.25))
+    assert stats.cispo_clip == 1 / 4
+
+
+def test_statistics_of_a_single_padded_row_and_of_a_micro_batch_without_tokens():
+    # One row, its third token padding: the entropy mean is (1 + 2) / 2 = 1.5 (not (1 + 2 + 9) / 3).
+    # KL with logp = 0 and ref = [1, 0, 5]: k3 = [e - 2, 0, ...] -> (e - 2) / 2 over the real tokens.
+    logps, mask = torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]])
+    stats = loss_statistics(logps, logps, torch.ones(1), mask, torch.tensor([[1.0, 0.0, 5.0]]), LossOptions(beta=0.1),
+                            entropy=torch.tensor([[1.0, 2.0, 9.0]]))
+    assert (stats.entropy, stats.kl) == (1.5, pytest.approx((math.e - 2) / 2, rel=1e-6))
+    # No real token: every logged mean is 0, not 0 / 0 = NaN, which would make the step's token-weighted
+    # mean NaN (metrics add value * 0 tokens).
+    stats = loss_statistics(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3),
+                            torch.ones(2, 3), LossOptions(beta=0.1), entropy=torch.ones(2, 3))
+    assert (stats.kl, stats.entropy, stats.clip_low, stats.clip_high, stats.clip_region) == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert stats.tokens == 0.0
+    # One real token: the means are that token's values (entropy 4, KL e - 2), over 1 token.
+    stats = loss_statistics(torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2), torch.tensor([[0.0, 0.0], [1.0, 0.0]]),
+                            torch.ones(2, 2), LossOptions(beta=0.1), entropy=torch.tensor([[9.0, 9.0], [4.0, 9.0]]))
+    assert (stats.entropy, stats.kl) == (4.0, pytest.approx(math.e - 2, rel=1e-6))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_micro_batch_without_real_tokens_adds_nothing(loss_type):
+    # Every completion masked (e.g. all truncated): the loss and its gradient are 0, not 0 / 0 = NaN.
+    logps = torch.zeros(2, 3, requires_grad=True)
+    loss = aggregate_loss(logps * 2.0, torch.zeros(2, 3), loss_type, max_completion_length=3, num_items_in_batch=0)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == 0.0 and torch.equal(grad, torch.zeros(2, 3))
+
+
+def _step_mean(stats, name):
+    """What the step logs over micro-batches: sum(value * weight) / sum(weight), LossStats.weights' contract."""
+    return sum(getattr(s, name) * s.weights()[name] for s in stats) / sum(s.weights()[name] for s in stats)
+
+
+def test_statistics_of_unequal_micro_batches_average_to_the_step():
+    # Micro-batch A: 1 row of 4 tokens, micro-batch B: 2 rows of 2 tokens (trimmed to their own longest row).
+    # Token-level ratios, eps 0.2, A = 1: A's tokens have rho = e^0.5, e^0.5, 1, 1 (two clipped high), B's are all 1.
+    # The step's clip_high is over its 8 tokens: 2 / 8 = 0.25.
+    adv_a, adv_b = torch.ones(1), torch.ones(2)
+    old_a = torch.tensor([[-0.5, -0.5, 0.0, 0.0]])
+    parts = [loss_statistics(torch.zeros(1, 4), old_a, adv_a, torch.ones(1, 4)),
+             loss_statistics(torch.zeros(2, 2), torch.zeros(2, 2), adv_b, torch.ones(2, 2))]
+    assert _step_mean(parts, "clip_high") == 0.25
+    # Sequence-level ratios are one per completion: A's row has rho = e^mean(0.5, 0.5, 0, 0) = e^0.25 = 1.28 > 1.2,
+    # B's two rows rho = 1. The step's clip_high is over its 3 completions: 1 / 3.
+    options = LossOptions(importance_sampling_level="sequence")
+    parts = [loss_statistics(torch.zeros(1, 4), old_a, adv_a, torch.ones(1, 4), options=options),
+             loss_statistics(torch.zeros(2, 2), torch.zeros(2, 2), adv_b, torch.ones(2, 2), options=options)]
+    assert _step_mean(parts, "clip_high") == pytest.approx(1 / 3, rel=1e-6)
+    # vespo's phi is one per completion at every level: A's row has log w = 1 -> phi = e^(3 + 2 - 3e) = 0.0426,
+    # B's rows phi(1) = 1: the step's mean phi over 3 completions is (0.0426 + 2) / 3.
+    options = LossOptions(loss_type="vespo")
+    parts = [loss_statistics(torch.zeros(1, 4), old_a, adv_a, torch.ones(1, 4), options=options),
+             loss_statistics(torch.zeros(2, 2), torch.zeros(2, 2), adv_b, torch.ones(2, 2), options=options)]
+    assert _step_mean(parts, "vespo_phi") == pytest.approx((math.exp(5 - 3 * math.e) + 2) / 3, rel=1e-6)
+    # Within a micro-batch too, phi is averaged over completions, not tokens: rows of 1 and 3 real tokens with
+    # log w = 1 and 0 -> (0.0426 + 1) / 2 (weighted by tokens it would be (0.0426 + 3) / 4).
+    stats = loss_statistics(torch.zeros(2, 3), torch.tensor([[-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]), torch.ones(2),
+                            torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]), options=options)
+    assert stats.vespo_phi == pytest.approx((math.exp(5 - 3 * math.e) + 1) / 2, rel=1e-6)
+    # The logged policy_loss is each micro-batch's undivided loss (policy_loss_value), so the step logs their
+    # plain mean: micro-batches of 1 and 2 rows with losses 1 and 4 log 2.5.
+    parts[0].policy_loss, parts[1].policy_loss = 1.0, 4.0
+    assert _step_mean(parts, "policy_loss") == 2.5
