@@ -169,3 +169,26 @@ def test_real_tasks_benchmark_runs_both_sides(tmp_path, capsys):
     assert task["before"]["num_samples"] == 4 and "pass@2" in task["before"]["sampling"]
     assert all(0 <= r["after"]["accuracy"] <= 1 for r in task["runs"]) and (out / "real_tasks.png").is_file()
     assert "ours-seed0" in capsys.readouterr().out
+
+
+def test_mutation_runner_picks_the_tests_that_ran_the_mutated_statement():
+    """bench/mutation.py (not in CI) runs each mutant against the tests that ran its statement: the statement is
+    found in the original numbering, a multi-line one whole, and an import-time line asks for the whole selection."""
+    from bench.mutation import _mutated_lines, mutated_statements, tests_for
+
+    original = ("import functools\n\n"            # 1, 2
+                "@functools.lru_cache(maxsize=8)\n"  # 3: a decorator, in no statement's own lines
+                "def f(x, y=1):\n"                  # 4
+                "    total = (x +\n"                # 5
+                "             y)\n"                 # 6
+                "    return total\n")               # 7
+    assert mutated_statements(original, original.replace("(x +", "(x -")) == [(5, 6)]
+    assert mutated_statements(original, original.replace("             y)", "             -y)")) == [(5, 6)]
+    assert mutated_statements(original, original.replace("maxsize=8", "maxsize=9")) == [(0, 0)]
+    lines = {"4": [""], "5": ["t::a", "t::b"], "6": ["t::c"], "7": ["t::a"]}
+    assert tests_for(lines, [(5, 6)]) == ["t::a", "t::b", "t::c"]
+    assert tests_for(lines, [(7, 7)]) == ["t::a"]
+    assert tests_for(lines, [(4, 4)]) is None and tests_for(lines, [(0, 0)]) is None  # the whole selection
+    assert tests_for(lines, [(9, 9)]) == []  # no test runs it: survives without a run
+    diff = "--- a\n+++ b\n@@ -5 +5 @@\n-    total = (x +\n+    total = (x -\n"
+    assert _mutated_lines(diff) == ("total = (x +", "total = (x -")
