@@ -338,6 +338,19 @@ def _mutated_lines(diff: str) -> tuple[str, str]:
     return " / ".join(minus), " / ".join(plus)
 
 
+def _describe(tests: list[str]) -> str:
+    """A selection for the table: each file once, with how many of its tests when the selection names some."""
+    files, options = {}, []
+    for arg in tests:
+        path, _, node = arg.partition("::")
+        if arg.startswith("-") or options and options[-1] in ("-m", "-k"):
+            options.append(arg)
+        else:
+            files.setdefault(path, []).extend([node] if node else [])
+    named = [f"{path} ({len(nodes)} test{'s' * (len(nodes) > 1)})" if nodes else path for path, nodes in files.items()]
+    return ", ".join(named) + (f" {' '.join(options)}" if options else "")
+
+
 def report(workdir: Path, names: list[str]) -> bool:
     """Print the table and every untriaged survivor; True when each module meets its target."""
     equivalents = tomllib.loads(EQUIVALENTS.read_text()).get("equivalent", []) if EQUIVALENTS.exists() else []
@@ -369,7 +382,7 @@ def report(workdir: Path, names: list[str]) -> bool:
         score = counts["killed"] / live if live else 1.0
         target = TARGETS.get(name, DEFAULT_TARGET)
         ok &= score >= target and not counts["pending"]
-        rows.append(f"| {name} | `{path}` | `{' '.join(tests)}` | {sum(counts.values())} | {counts['killed']} | "
+        rows.append(f"| {name} | `{path}` | {_describe(tests)} | {sum(counts.values())} | {counts['killed']} | "
                     f"{counts['survived']} | {counts['equivalent']} | {counts['incompetent']} | {100 * score:.1f}% "
                     f"| {100 * target:.0f}% |" + (f" {counts['pending']} pending" if counts["pending"] else ""))
     print("| module | file | test selection | mutants | killed | survived | equivalent | incompetent | killed of "
