@@ -48,7 +48,9 @@ EQUIVALENTS = ROOT / "bench" / "mutation_equivalents.toml"
 PROJECT = ("grpo", "rewards", "data", "tests", "bench", "train", "eval", "conftest")
 
 # module name -> (file, the tests that select it). Each selection is what exercises that module fast: its own unit
-# tests and the trainer tests that run it end to end; the trl parity suite is left out (minutes per mutant).
+# tests and the trainer tests that run it end to end; the trl parity suite is left out (minutes per mutant). "+"
+# marks a test that runs for every mutant, as coverage cannot see what it runs (the two-rank test's ranks are other
+# processes).
 MODULES = {
     "advantages": ("grpo/algorithm/advantages.py", ["tests/test_advantages.py", "tests/test_update.py"]),
     "loss": ("grpo/algorithm/loss.py", ["tests/test_loss.py", "tests/test_update.py"]),
@@ -62,7 +64,9 @@ MODULES = {
         "pure_bf16_weights_take_the_fp32_step", "bf16_autocast_tracks_fp32", "beta_zero_loads_no_reference_model",
         "external_rollout_metrics")), "tests/test_reliability.py::test_non_finite_steps_are_skipped_then_stop",
         "tests/test_async.py::test_a_rollout_without_behaviour_log_probs_is_refused_when_corrected",
-        "tests/test_async.py::test_staleness_0_is_the_synchronous_loop"]),
+        "tests/test_async.py::test_staleness_0_is_the_synchronous_loop",
+        "tests/test_trainer.py::test_schedules_are_the_ones_transformers_computes",
+        "+tests/test_distributed.py::test_two_ranks_compute_what_one_process_computes[ddp]"]),
     "checkpoint": ("grpo/loop/checkpoint.py", ["tests/test_reliability.py", "tests/test_trainer.py::test_resume_is_exact"]),
     "scoring": ("rewards/scoring.py", ["tests/test_rewards.py"]),
     "gsm8k reward": ("rewards/gsm8k.py", ["tests/test_rewards.py"]),
@@ -229,13 +233,17 @@ def mutant_client(path: str, timeout: float, log: str, map_file: str, original: 
                   args: list[str]) -> int:
     """cosmic-ray's test command for one mutant: run only the tests that ran the mutated statements unmutated
     (mutmut's and cosmic-ray's coverage idea, per test); a mutant no test of the selection reaches survives."""
+    always = [arg[1:] for arg in args if arg.startswith("+")]  # run for every mutant: what coverage cannot see
+    args = [arg for arg in args if not arg.startswith("+")]
     lines = json.loads(Path(map_file).read_text())
     spans = mutated_statements(Path(original).read_text(), Path(module).read_text())
     chosen = tests_for(lines, spans)
-    if chosen == []:
+    if chosen == [] and not always:
         print(f"no test of the selection runs lines {spans}: survived without a run")
         return 0
-    if chosen is not None:  # the selection's options (-m, -k) stay; its files and node ids give way to the chosen
+    if chosen is None:
+        args = args + always
+    else:  # the selection's options (-m, -k) stay; its files and node ids give way to the chosen and `always`
         options, skip = [], False
         for index, arg in enumerate(args):
             if skip:
@@ -245,7 +253,7 @@ def mutant_client(path: str, timeout: float, log: str, map_file: str, original: 
                 skip = True
             elif arg.startswith("-"):
                 options.append(arg)
-        args = options + chosen
+        args = options + chosen + always
     return client(path, timeout, log, args)
 
 
@@ -287,7 +295,7 @@ def run_module(name: str, tree: Path, workdir: Path, fresh: bool, recheck: bool 
                                    workdir / f"{slug}.original.py")
         shutil.copyfile(tree / path, original)
         started = time.perf_counter()
-        code = client(sock, 3600, str(log), PYTEST_ARGS + tests, cwd=tree,
+        code = client(sock, 3600, str(log), PYTEST_ARGS + [t.lstrip("+") for t in tests], cwd=tree,
                       mapping={"module": str(tree / path), "out": str(line_map)})
         baseline = time.perf_counter() - started
         if code:
@@ -342,7 +350,7 @@ def _describe(tests: list[str]) -> str:
     """A selection for the table: each file once, with how many of its tests when the selection names some."""
     files, options = {}, []
     for arg in tests:
-        path, _, node = arg.partition("::")
+        path, _, node = arg.lstrip("+").partition("::")
         if arg.startswith("-") or options and options[-1] in ("-m", "-k"):
             options.append(arg)
         else:
