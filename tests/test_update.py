@@ -118,3 +118,26 @@ def test_one_update_matches_the_float64_reference(tmp_path, loss_type, mask_trun
         # fp32 against float64: 1e-5 of the tensor's largest gradient
         torch.testing.assert_close(captured[0][name].double(), want, rtol=0, atol=1e-5 * want.abs().max().item(),
                                    msg=name)
+
+
+def test_a_non_finite_gradient_under_a_finite_loss_skips_the_update(tmp_path):
+    """The loss is finite, but one parameter's gradient is made infinite: the update is skipped (no weight moves,
+    the skip is counted), as when the loss itself is not finite."""
+    trainer = Trainer(make_config(tmp_path, beta=0.04))
+    before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
+    next(trainer.policy.parameters()).register_hook(lambda grad: grad * float("inf"))
+    result = trainer.update(rollout_with_ended_and_truncated_rows(trainer))
+    assert all(torch.isfinite(torch.tensor(result.micro_batch_losses)))
+    assert trainer.state.skipped_updates == 1 and not torch.isfinite(torch.tensor(result.grad_norms[0]))
+    for name, param in trainer.policy.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_old_log_probs_are_computed_only_when_an_update_follows_a_moved_policy(tmp_path, num_iterations):
+    """One update per rollout, uncorrected: the policy that sampled is the one updated, so no separate pass for
+    old log-probs runs (the ratio is exp(logp - logp.detach()) = 1); a second iteration needs them."""
+    trainer = Trainer(make_config(tmp_path, num_iterations=num_iterations))
+    result = trainer.update(rollout_with_ended_and_truncated_rows(trainer))
+    assert (result.old_logps is None) == (num_iterations == 1)
+    assert result.num_items_in_batch == rollout_with_ended_and_truncated_rows(trainer).completion_mask.sum().item()
