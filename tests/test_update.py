@@ -44,26 +44,29 @@ def rollout_with_ended_and_truncated_rows(trainer: Trainer, seed: int = 0) -> Ro
     return rollout
 
 
-def reference_update(policy, reference, rollout: Rollout, config) -> tuple[dict, float]:
+def reference_update(policy, reference, rollout: Rollout, config, entropy_coef: float = 0.0) -> tuple[dict, float]:
     """The clipped gradient of one GRPO update and the gradient norm before clipping, in float64.
 
     A_i = (r_i - mean_group r) / (std_group r + 1e-4), the std unbiased (DeepSeekMath eq. 3, as trl);
     per token: -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + beta (exp(ref - logp) - (ref - logp) - 1), rho = 1 at
     the first update (old = logp, detached); aggregated as loss_type says over every row of the update; rows
-    without EOS count no token when mask_truncated_completions; g <- g * min(1, max_norm / (|g| + 1e-6))."""
+    without EOS count no token when mask_truncated_completions; minus entropy_coef times the mean entropy
+    -sum_v p log p over the counted tokens (one micro-batch); g <- g * min(1, max_norm / (|g| + 1e-6)), max_norm 0
+    leaving g as it is."""
     model, ref = copy.deepcopy(policy).double().eval(), copy.deepcopy(reference).double().eval()
     model.zero_grad(set_to_none=True)
     rewards = rollout.rewards_per_func[:, 0].double().view(-1, config.num_generations)  # (B, G)
     mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)  # std: unbiased
     advantages = ((rewards - mean) / (std + 1e-4)).flatten()  # (N,)
-    row_sums, row_tokens = [], []
+    row_sums, row_tokens, entropy_sum = [], [], 0.0
     for row in range(rollout.num_rows):
         prompt = rollout.prompt_ids[row][rollout.prompt_mask[row].bool()]
         length = int(rollout.completion_mask[row].sum())
         completion = rollout.completion_ids[row, :length]
         ids = torch.cat([prompt, completion])[None]  # (1, L): alone, no padding
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / config.temperature  # (t, V)
-        logp = torch.log_softmax(logits, -1).gather(-1, completion[:, None]).squeeze(-1)  # (t,)
+        log_softmax = torch.log_softmax(logits, -1)  # (t, V)
+        logp = log_softmax.gather(-1, completion[:, None]).squeeze(-1)  # (t,)
         with torch.no_grad():
             ref_logits = ref(input_ids=ids).logits[0, len(prompt) - 1 : -1] / config.temperature
             ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, completion[:, None]).squeeze(-1)
@@ -74,6 +77,7 @@ def reference_update(policy, reference, rollout: Rollout, config) -> tuple[dict,
         per_token = -surrogate + config.beta * kl  # (t,)
         kept = not (config.mask_truncated_completions and bool(rollout.truncated[row]))
         row_sums.append(per_token.sum() * kept)
+        entropy_sum = entropy_sum - (log_softmax.exp() * log_softmax).sum() * kept
         row_tokens.append(length * kept)
     num_rows, tokens = rollout.num_rows, sum(row_tokens)
     if config.loss_type == "grpo":  # each completion's token mean, averaged over completions
@@ -84,10 +88,11 @@ def reference_update(policy, reference, rollout: Rollout, config) -> tuple[dict,
         loss = sum(row_sums) / tokens
     else:
         raise NotImplementedError(config.loss_type)
+    loss = loss - entropy_coef * entropy_sum / tokens
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values())).item()
-    scale = min(1.0, config.max_grad_norm / (norm + 1e-6))
+    scale = 1.0 if config.max_grad_norm == 0 else min(1.0, config.max_grad_norm / (norm + 1e-6))
     return {name: g * scale for name, g in grads.items()}, norm
 
 
@@ -103,7 +108,26 @@ def test_one_update_matches_the_float64_reference(tmp_path, loss_type, mask_trun
     rollout = rollout_with_ended_and_truncated_rows(trainer)
     expected, expected_norm = reference_update(trainer.policy, trainer.models.reference, rollout, trainer.config)
     assert expected_norm > MAX_GRAD_NORM, "the clip must be active for this test to check it"
+    assert_update_gives(trainer, rollout, expected, expected_norm)
 
+
+@pytest.mark.parametrize("case", ["clip-off", "entropy-bonus"])
+def test_one_update_without_clipping_or_with_an_entropy_bonus_matches_the_reference(tmp_path, case):
+    """max_grad_norm 0 turns the clip off; a static entropy bonus (one micro-batch, so its token mean is the
+    update's) subtracts coef x mean entropy from the loss."""
+    options = dict(max_grad_norm=0.0) if case == "clip-off" else dict(entropy_coef=0.05, micro_batch_size=8)
+    trainer = Trainer(make_config(tmp_path, **{"beta": 0.04, "temperature": 0.7, "micro_batch_size": 2,
+                                               "max_grad_norm": MAX_GRAD_NORM, **options}))
+    rollout = rollout_with_ended_and_truncated_rows(trainer)
+    expected, norm = reference_update(trainer.policy, trainer.models.reference, rollout, trainer.config,
+                                      entropy_coef=options.get("entropy_coef", 0.0))
+    assert norm > MAX_GRAD_NORM  # so clipping, were it on, would change the gradient
+    assert_update_gives(trainer, rollout, expected, norm)
+
+
+def assert_update_gives(trainer: Trainer, rollout: Rollout, expected: dict, expected_norm: float) -> None:
+    """The trainer's one update on `rollout` applies the gradient `expected` (read at optimizer.step, after the
+    clip) and reports the norm before clipping."""
     captured, step = [], trainer.optimizer.step
 
     def capture():
@@ -120,7 +144,7 @@ def test_one_update_matches_the_float64_reference(tmp_path, loss_type, mask_trun
                                    msg=name)
 
 
-def test_a_non_finite_gradient_under_a_finite_loss_skips_the_update(tmp_path):
+def test_a_non_finite_gradient_under_a_finite_loss_skips_the_update(tmp_path, caplog):
     """The loss is finite, but one parameter's gradient is made infinite: the update is skipped (no weight moves,
     the skip is counted), as when the loss itself is not finite."""
     trainer = Trainer(make_config(tmp_path, beta=0.04))
@@ -129,6 +153,7 @@ def test_a_non_finite_gradient_under_a_finite_loss_skips_the_update(tmp_path):
     result = trainer.update(rollout_with_ended_and_truncated_rows(trainer))
     assert all(torch.isfinite(torch.tensor(result.micro_batch_losses)))
     assert trainer.state.skipped_updates == 1 and not torch.isfinite(torch.tensor(result.grad_norms[0]))
+    assert "grad_norm=inf): update skipped" in caplog.text  # the norm that was not finite, not a NaN for the loss
     for name, param in trainer.policy.named_parameters():
         assert torch.equal(param, before[name]), name
 
