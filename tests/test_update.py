@@ -15,7 +15,7 @@ import torch
 
 from grpo.loop.rollout import Rollout
 from grpo.loop.trainer import Trainer
-from tests.test_trainer import make_config
+from tests.test_trainer import fixed_rollout, make_config
 
 pytestmark = [pytest.mark.usefixtures("both_kernels"),  # the step below wraps optimizer.step to read the gradient
               pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")]
@@ -153,7 +153,7 @@ def test_a_non_finite_gradient_under_a_finite_loss_skips_the_update(tmp_path, ca
     result = trainer.update(rollout_with_ended_and_truncated_rows(trainer))
     assert all(torch.isfinite(torch.tensor(result.micro_batch_losses)))
     assert trainer.state.skipped_updates == 1 and not torch.isfinite(torch.tensor(result.grad_norms[0]))
-    assert "grad_norm=inf): update skipped" in caplog.text  # the norm that was not finite, not a NaN for the loss
+    assert "step 1: non-finite loss or gradient (grad_norm=inf): update skipped" in caplog.text  # the step, 1-based
     for name, param in trainer.policy.named_parameters():
         assert torch.equal(param, before[name]), name
 
@@ -166,3 +166,23 @@ def test_old_log_probs_are_computed_only_when_an_update_follows_a_moved_policy(t
     result = trainer.update(rollout_with_ended_and_truncated_rows(trainer))
     assert (result.old_logps is None) == (num_iterations == 1)
     assert result.num_items_in_batch == rollout_with_ended_and_truncated_rows(trainer).completion_mask.sum().item()
+
+
+def test_two_updates_per_generation_each_count_half_the_tokens(tmp_path):
+    """steps_per_generation 2: the rollout feeds two updates on disjoint halves, and the token count the dapo-style
+    losses divide by is one update's share (trl's num_items_in_batch), not the rollout's."""
+    trainer = Trainer(make_config(tmp_path, steps_per_generation=2, loss_type="dapo"))
+    rollout = fixed_rollout(trainer, num_prompts=2 * trainer.config.prompts_per_step)
+    result = trainer.update(rollout)
+    assert len(result.grad_norms) == 2
+    assert result.num_items_in_batch == rollout.completion_mask.sum().item() / 2
+
+
+def test_adaptive_entropy_control_reads_the_updates_entropy(tmp_path):
+    """The tiny model's entropy (about ln 512 = 6.2 nats) is far above a target of 0.5, so after one update the
+    coefficient falls by one delta: the controller saw the update's entropy, not an empty list of micro-batches."""
+    trainer = Trainer(make_config(tmp_path, use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_delta=0.01,
+                                  entropy_target=0.5))
+    result = trainer.update(fixed_rollout(trainer))
+    assert result.entropy_coefs == [pytest.approx(0.04)]
+    assert trainer.state.entropy.last_entropy > 3.0
