@@ -186,3 +186,13 @@ def test_adaptive_entropy_control_reads_the_updates_entropy(tmp_path):
     result = trainer.update(fixed_rollout(trainer))
     assert result.entropy_coefs == [pytest.approx(0.04)]
     assert trainer.state.entropy.last_entropy > 3.0
+
+
+def test_train_on_rollout_called_as_a_function_makes_one_update(tmp_path):
+    """grpo.train_on_rollout is public: called without num_updates, one rollout makes one optimizer update."""
+    from grpo import train_on_rollout
+
+    trainer = Trainer(make_config(tmp_path))
+    result = train_on_rollout(fixed_rollout(trainer), trainer.config, trainer.models, trainer.optimizer,
+                              trainer.scheduler, trainer.state, trainer.world, trainer.functions, trainer.rewards)
+    assert len(result.grad_norms) == 1 and trainer.state.updates == 1
