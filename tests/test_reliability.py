@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,6 +304,21 @@ def test_save_total_limit_deletes_the_oldest_checkpoints(tmp_path, keep):
 def test_trainer_passes_save_total_limit(tmp_path):
     Trainer(make_config(tmp_path, max_steps=4, save_steps=1, save_total_limit=2)).train()
     assert [p.name for p in sorted((tmp_path / "run" / "checkpoints").iterdir())] == ["step-000003", "step-000004"]
+
+
+def test_a_checkpoint_holds_the_merged_and_reference_models_and_counts_only_when_complete(tmp_path):
+    from grpo.loop.checkpoint import list_checkpoints
+
+    folder = save_checkpoint(tmp_path, 4, _Saved(), _Saved(), {"step": 4}, {"model": "tiny"},
+                             reference=_Saved(), merged=_Saved())
+    assert (folder / "reference" / "weights.txt").is_file() and (folder / "merged" / "weights.txt").is_file()
+    assert json.loads((folder / "run_config.json").read_text()) == {"model": "tiny"}
+    # A folder missing the completion marker or the trainer state is not a checkpoint (a torn copy, say).
+    for missing in ("trainer_state.pt", "COMPLETE"):
+        torn = tmp_path / "checkpoints" / f"step-00000{9 if missing == 'COMPLETE' else 8}"
+        shutil.copytree(folder, torn)
+        (torn / missing).unlink()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000004"]
 
 
 _SAVE_SCRIPT = """
