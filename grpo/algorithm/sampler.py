@@ -51,10 +51,6 @@ class SamplingParams:
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
 
-    @property
-    def filtered(self) -> bool:
-        return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
-
 
 @dataclass
 class GroupSample:
