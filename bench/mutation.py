@@ -321,9 +321,9 @@ def run_module(name: str, tree: Path, workdir: Path, fresh: bool, recheck: bool 
     finally:
         server.kill()
         server.wait()
-    # cosmic-ray restores each file after its mutant; a tree that differs from HEAD here would mean it did not.
-    original = subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, capture_output=True, check=True).stdout
-    if (tree / path).read_bytes() != original:
+    # cosmic-ray restores each file after its mutant; a file that differs from the run's copy would mean it did not
+    # (compared with the copy, not HEAD, so commits made during a run do not matter).
+    if (tree / path).read_bytes() != (workdir / f"{slug}.original.py").read_bytes():
         sys.exit(f"{path} was left mutated in {tree}")
 
 
