@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -183,7 +184,7 @@ def signal_alarm(seconds: float) -> None:
 
 def client(path: str, timeout: float, log: str, args: list[str], cwd: Path | None = None, mapping: dict | None = None
            ) -> int:
-    """Ask the server at `path` to run pytest with `args` in `cwd` (default: here); 0 when the tests pass.
+    """Ask the server at `path` to run pytest with `args` in `cwd` (default: here); pytest's exit code.
     `mapping` ({"module", "out"}): run under coverage and write the line -> tests map (the baseline run)."""
     conn = socket.socket(socket.AF_UNIX)
     conn.connect(path)
@@ -191,7 +192,7 @@ def client(path: str, timeout: float, log: str, args: list[str], cwd: Path | Non
     conn.sendall((json.dumps(request) + "\n").encode())
     code = int(conn.makefile().readline())
     print(f"pytest exit code {code}; its output: {log}")
-    return 0 if code == 0 else 1
+    return code
 
 
 def mutated_statements(original: str, mutated: str) -> list[tuple[int, int]]:
@@ -254,7 +255,11 @@ def mutant_client(path: str, timeout: float, log: str, map_file: str, original: 
             elif arg.startswith("-"):
                 options.append(arg)
         args = options + chosen + always
-    return client(path, timeout, log, args)
+    code = client(path, timeout, log, args)
+    if code in (4, 5):  # pytest's usage error or no test collected: the selection is wrong, not the mutant caught
+        print("NOT A KILL: the selection did not run (see the log); counted as survived, so it shows up for triage")
+        return 0
+    return 0 if code == 0 else 1  # a failure, a collection error or a signal (the timeout): killed
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,8 +306,9 @@ def run_module(name: str, tree: Path, workdir: Path, fresh: bool, recheck: bool 
         if code:
             sys.exit(f"{name}: the unmutated tree fails its selection ({' '.join(tests)}); see {log}")
         timeout = 10 * baseline + 30
-        command = " ".join([sys.executable, str(Path(__file__).resolve()), "mutant", sock, str(timeout), str(log),
-                            str(line_map), str(original), path, "--", *PYTEST_ARGS, *tests])
+        # quoted: cosmic-ray splits the command like a shell, and "-k not compiled" must stay one argument
+        command = shlex.join([sys.executable, str(Path(__file__).resolve()), "mutant", sock, str(timeout), str(log),
+                              str(line_map), str(original), path, "--", *PYTEST_ARGS, *tests])
         exclude = "^(?!(?:" + "|".join(re.escape(op) for op in KEPT_OPERATORS) + ")$)"
         config.write_text(
             f'[cosmic-ray]\nmodule-path = "{path}"\ntimeout = {timeout + 30:.0f}\nexcluded-modules = []\n'
