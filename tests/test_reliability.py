@@ -292,7 +292,7 @@ def test_save_total_limit_deletes_the_oldest_checkpoints(tmp_path, keep):
     newest step is saved again (a final save right after a periodic one)."""
     steps, done = [3, 6, 9, 10, 12, 100], []
     for step in steps + [100]:
-        save_checkpoint(tmp_path, step, _Saved(), _Saved(), {"step": step}, {}, keep)
+        save_checkpoint(tmp_path, step, _Saved(), _Saved(), {"step": step}, {}, *([keep] if keep else []))  # 0: the default
         done = sorted(set(done + [step]))
         expected = done if keep == 0 else done[-keep:]
         folders = sorted((tmp_path / "checkpoints").iterdir())
@@ -404,3 +404,98 @@ def test_cpu_threads_follow_the_other_processes_load(monkeypatch):
     assert step(own_cores=1.0, other_cores=0.0) == 2 and set_to == [1, 2]  # the neighbour left
     assert step(own_cores=0.5, other_cores=3.0) == 1  # never below one
     assert not threads_module.CpuThreads(enabled=False).enabled
+
+
+@pytest.mark.own_kernels
+def test_every_file_and_folder_of_a_checkpoint_is_fsynced_before_it_counts(tmp_path, monkeypatch):
+    """Atomic means durable too: each file (also inside reference/ and merged/), the checkpoint folder and
+    checkpoints/ itself are fsynced, so a power cut after the rename cannot leave a complete-looking folder of
+    empty files."""
+    import grpo.loop.checkpoint as checkpoint
+
+    synced, real = [], os.fsync
+
+    def fsync(descriptor):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{descriptor}")))
+        real(descriptor)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    folder = save_checkpoint(tmp_path, 4, _Saved(), _Saved(), {"step": 4}, {}, reference=_Saved(), merged=_Saved())
+    root = tmp_path / "checkpoints"
+    tmp_names = {Path(*p.relative_to(root).parts[1:]) for p in synced  # what was fsynced inside .tmp-step-...
+                 if p.is_relative_to(root) and p != root and p.relative_to(root).parts[0].startswith(".tmp-step-000004")}
+    files = {p.relative_to(folder) for p in folder.rglob("*") if p.is_file()}
+    assert files == {Path("weights.txt"), Path("reference/weights.txt"), Path("merged/weights.txt"),
+                     Path("trainer_state.pt"), Path("run_config.json"), Path("COMPLETE")}
+    assert files <= tmp_names, files - tmp_names  # every file, fsynced (under its temporary folder's name)
+    for sub in ("reference", "merged"):
+        assert Path(sub) in tmp_names
+    assert Path() in tmp_names and root in synced  # the folder itself, and checkpoints/ after the rename
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group in this process: the torchrun code paths (FSDP2, torch.distributed.checkpoint)
+    run where coverage and the mutation run can see them; tests/test_distributed.py runs several ranks."""
+    import torch.distributed as dist
+
+    from grpo.loop.distributed import World
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield World()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.own_kernels
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_distributed_checkpoint_saves_every_part_and_reloads_the_optimizer(one_rank_group, tmp_path, mode):
+    from grpo.loop.checkpoint import list_checkpoints, load_sharded_optimizer, save_distributed_checkpoint
+    from grpo.loop.distributed import full_tensor, wrap_model
+    from grpo.tiny_model import build_tiny_model
+
+    world, cpu = one_rank_group, torch.device("cpu")
+    model, tokenizer = build_tiny_model("tiny", seed=0)
+    reference, _ = build_tiny_model("tiny", seed=1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_ref = {k: v.clone() for k, v in reference.state_dict().items()}
+    call = wrap_model(model, mode, world, cpu, "fp32")
+    reference_call = wrap_model(reference, "fsdp" if mode == "fsdp" else "none", world, cpu, "fp32", trainable=False)
+    optimizer = torch.optim.AdamW(call.parameters(), lr=0.0)  # lr 0: the weights stay `expected`
+    ids = torch.tensor([[1, 2, 3, 4]])
+    call(lambda m: m(ids).logits.sum()).backward()
+    optimizer.step()
+
+    def state_of(opt):
+        return [(full_tensor(s["exp_avg"]).clone(), full_tensor(s["exp_avg_sq"]).clone()) for s in opt.state.values()]
+
+    saved_moments = state_of(optimizer)
+    assert saved_moments and any(m.abs().sum() > 0 for m, _ in saved_moments)
+    torn = tmp_path / "checkpoints" / ".tmp-step-000004-world"  # a save killed half-way
+    (torn / "sharded").mkdir(parents=True)
+    for step in (5, 6, 7):
+        folder = save_distributed_checkpoint(tmp_path, step, world, call, optimizer, model, tokenizer,
+                                             {"step": step}, {"rng": step}, {"model": "tiny"},
+                                             **({"keep": 2} if step == 7 else {}),
+                                             reference_call=reference_call, merged=_Saved())
+        assert folder.name == f"step-{step:06d}" and not torn.exists()
+        # keep left at its default (0): every checkpoint stays until the save that asks for 2
+        kept = {5: [5], 6: [5, 6], 7: [6, 7]}[step]
+        assert [p.name for p in list_checkpoints(tmp_path)] == [f"step-{s:06d}" for s in kept]
+    assert load_trainer_state(folder) == {"step": 7}
+    assert torch.load(folder / "rank-00000.pt", weights_only=True) == {"rng": 7}
+    assert json.loads((folder / "run_config.json").read_text()) == {"model": "tiny"}
+    assert (folder / "merged" / "weights.txt").is_file() and (folder / "merged" / "tokenizer_config.json").is_file()
+    assert (folder / "tokenizer_config.json").is_file() and (folder / "sharded").is_dir()
+    for path, want in ((folder, expected), (folder / "reference", expected_ref)):
+        loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        assert loaded.keys() == want.keys(), path
+        for key, value in want.items():
+            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=f"{path.name}: {key}")
+    optimizer.zero_grad(set_to_none=True)  # as a resumed run's fresh optimizer: no moments, no gradients
+    optimizer.state.clear()
+    load_sharded_optimizer(folder, call, optimizer, world.group)
+    for (m, v), (m0, v0) in zip(state_of(optimizer), saved_moments, strict=True):
+        torch.testing.assert_close(m, m0, rtol=0, atol=0)
+        torch.testing.assert_close(v, v0, rtol=0, atol=0)
