@@ -453,3 +453,35 @@ def test_a_trainable_head_over_a_frozen_trunk_gets_its_gradient(tokenizer):
     naive_completion_logprobs(model, input_ids, attention_mask, completion_mask).sum().backward()
     assert grad.abs().max() > 0
     torch.testing.assert_close(grad, model.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernels", IMPLEMENTATIONS)
+@pytest.mark.parametrize("trains", ["everything", "trunk only (a frozen head, as with LoRA)", "head only"])
+def test_backward_keeps_no_chunks_logits(tokenizer, trains, kernels):
+    """The point of chunking: what autograd saves for backward holds no (c, V) logits block, whichever side of the
+    head trains. A chunk computed outside the checkpoint keeps its logits and log-softmax (N*T*V floats in all),
+    which computes the same numbers and shows only as memory (bench/logprob_memory.py measures it)."""
+    from grpo.tiny_model import build_tiny_model
+
+    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.05)
+    head = model.lm_head.weight
+    for name, param in model.named_parameters():
+        param.requires_grad_({"everything": True, "head only": name == "lm_head.weight"}.get(trains, name != "lm_head.weight"))
+    vocab = head.shape[0]
+    input_ids, attention_mask, completion_mask = _batch(vocab, torch.Generator().manual_seed(8))
+    logits_blocks = []
+
+    def pack(tensor):
+        if tensor.dim() >= 2 and tensor.shape[-1] == vocab and tensor.untyped_storage().data_ptr() != head.untyped_storage().data_ptr():
+            logits_blocks.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logps, entropy = IMPLEMENTATIONS[kernels](model, input_ids, attention_mask, completion_mask, chunk_size=2,
+                                                  with_entropy=True)
+    assert logps.requires_grad and entropy.requires_grad == (kernels == "plain")  # the kernel's entropy is a metric
+    assert logits_blocks == []
+    (logps.sum() + (entropy.sum() if entropy.requires_grad else 0)).backward()  # the recomputation in backward still gives the gradients
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
