@@ -50,8 +50,8 @@ PROJECT = ("grpo", "rewards", "data", "tests", "bench", "train", "eval", "confte
 
 # module name -> (file, the tests that select it). Each selection is what exercises that module fast: its own unit
 # tests and the trainer tests that run it end to end; the trl parity suite is left out (minutes per mutant). "+"
-# marks a test that runs for every mutant, as coverage cannot see what it runs (the two-rank test's ranks are other
-# processes).
+# marks a test that runs for every mutant, as coverage cannot see what it runs (the two-rank tests' ranks are other
+# processes: DDP with the default loss, FSDP2 with dapo, whose token count spans the ranks).
 MODULES = {
     "advantages": ("grpo/algorithm/advantages.py", ["tests/test_advantages.py", "tests/test_update.py"]),
     "loss": ("grpo/algorithm/loss.py", ["tests/test_loss.py", "tests/test_update.py"]),
@@ -67,7 +67,8 @@ MODULES = {
         "tests/test_async.py::test_a_rollout_without_behaviour_log_probs_is_refused_when_corrected",
         "tests/test_async.py::test_staleness_0_is_the_synchronous_loop",
         "tests/test_trainer.py::test_schedules_are_the_ones_transformers_computes",
-        "+tests/test_distributed.py::test_two_ranks_compute_what_one_process_computes[ddp]"]),
+        "+tests/test_distributed.py::test_two_ranks_compute_what_one_process_computes[ddp]",
+        "+tests/test_distributed.py::test_auto_means_fsdp_under_torchrun_and_dapo_counts_global_tokens"]),
     "checkpoint": ("grpo/loop/checkpoint.py", ["tests/test_reliability.py", "tests/test_trainer.py::test_resume_is_exact"]),
     "scoring": ("rewards/scoring.py", ["tests/test_rewards.py"]),
     "gsm8k reward": ("rewards/gsm8k.py", ["tests/test_rewards.py"]),

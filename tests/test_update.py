@@ -50,15 +50,16 @@ def reference_update(policy, reference, rollout: Rollout, config, entropy_coef: 
     A_i = (r_i - mean_group r) / (std_group r + 1e-4), the std unbiased (DeepSeekMath eq. 3, as trl);
     per token: -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + beta (exp(ref - logp) - (ref - logp) - 1), rho = 1 at
     the first update (old = logp, detached); aggregated as loss_type says over every row of the update; rows
-    without EOS count no token when mask_truncated_completions; minus entropy_coef times the mean entropy
-    -sum_v p log p over the counted tokens (one micro-batch); g <- g * min(1, max_norm / (|g| + 1e-6)), max_norm 0
+    without EOS count no token when mask_truncated_completions; the policy term kept only on the top
+    top_entropy_quantile of tokens by entropy; minus entropy_coef times the mean entropy -sum_v p log p over the
+    counted tokens the policy term keeps (one micro-batch); g <- g * min(1, max_norm / (|g| + 1e-6)), max_norm 0
     leaving g as it is."""
     model, ref = copy.deepcopy(policy).double().eval(), copy.deepcopy(reference).double().eval()
     model.zero_grad(set_to_none=True)
     rewards = rollout.rewards_per_func[:, 0].double().view(-1, config.num_generations)  # (B, G)
     mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)  # std: unbiased
     advantages = ((rewards - mean) / (std + 1e-4)).flatten()  # (N,)
-    row_sums, row_tokens, entropy_sum = [], [], 0.0
+    rows = []  # per row: (log-probs (t,) with grad, entropies (t,) with grad, the reference's (t,), counted)
     for row in range(rollout.num_rows):
         prompt = rollout.prompt_ids[row][rollout.prompt_mask[row].bool()]
         length = int(rollout.completion_mask[row].sum())
@@ -70,15 +71,26 @@ def reference_update(policy, reference, rollout: Rollout, config, entropy_coef: 
         with torch.no_grad():
             ref_logits = ref(input_ids=ids).logits[0, len(prompt) - 1 : -1] / config.temperature
             ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, completion[:, None]).squeeze(-1)
+        kept = not (config.mask_truncated_completions and bool(rollout.truncated[row]))
+        rows.append((logp, -(log_softmax.exp() * log_softmax).sum(-1), ref_logp, kept))
+    # top_entropy_quantile q < 1: the policy term only on tokens whose entropy is >= the (1 - q) quantile of the
+    # counted tokens' entropies (Wang et al. 2025, "Beyond the 80/20 rule"); the KL term on every token
+    counted = torch.cat([h.detach() for _, h, _, kept in rows if kept])  # (M,)
+    threshold = torch.quantile(counted, 1.0 - config.top_entropy_quantile)
+    if config.top_entropy_quantile < 1.0:  # float32 and float64 entropies must fall on the same side of it
+        assert (counted - threshold).abs().min() < 1e-12 or ((counted - threshold).abs() > 1e-5).all()
+    row_sums, row_tokens, entropy_sum, entropy_tokens = [], [], 0.0, 0
+    for row, (logp, entropy, ref_logp, kept) in enumerate(rows):
+        high = (entropy.detach() >= threshold - 1e-12).double()  # (t,) all ones at q = 1
         ratio = torch.exp(logp - logp.detach())
         a = advantages[row]
         surrogate = torch.minimum(ratio * a, ratio.clamp(1 - config.epsilon, 1 + config.epsilon) * a)
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-        per_token = -surrogate + config.beta * kl  # (t,)
-        kept = not (config.mask_truncated_completions and bool(rollout.truncated[row]))
+        per_token = -surrogate * high + config.beta * kl  # (t,)
         row_sums.append(per_token.sum() * kept)
-        entropy_sum = entropy_sum - (log_softmax.exp() * log_softmax).sum() * kept
-        row_tokens.append(length * kept)
+        entropy_sum = entropy_sum + (entropy * high).sum() * kept
+        entropy_tokens += int(high.sum()) * kept
+        row_tokens.append(len(logp) * kept)
     num_rows, tokens = rollout.num_rows, sum(row_tokens)
     if config.loss_type == "grpo":  # each completion's token mean, averaged over completions
         loss = sum(s / max(t, 1) for s, t in zip(row_sums, row_tokens)) / num_rows
@@ -88,7 +100,7 @@ def reference_update(policy, reference, rollout: Rollout, config, entropy_coef: 
         loss = sum(row_sums) / tokens
     else:
         raise NotImplementedError(config.loss_type)
-    loss = loss - entropy_coef * entropy_sum / tokens
+    loss = loss - entropy_coef * entropy_sum / entropy_tokens  # the bonus over the tokens the policy term keeps
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values())).item()
@@ -111,11 +123,13 @@ def test_one_update_matches_the_float64_reference(tmp_path, loss_type, mask_trun
     assert_update_gives(trainer, rollout, expected, expected_norm)
 
 
-@pytest.mark.parametrize("case", ["clip-off", "entropy-bonus"])
+@pytest.mark.parametrize("case", ["clip-off", "entropy-bonus", "entropy-bonus-top-quantile"])
 def test_one_update_without_clipping_or_with_an_entropy_bonus_matches_the_reference(tmp_path, case):
     """max_grad_norm 0 turns the clip off; a static entropy bonus (one micro-batch, so its token mean is the
-    update's) subtracts coef x mean entropy from the loss."""
-    options = dict(max_grad_norm=0.0) if case == "clip-off" else dict(entropy_coef=0.05, micro_batch_size=8)
+    update's) subtracts coef x mean entropy from the loss, over the high-entropy tokens with a quantile < 1."""
+    options = {"clip-off": dict(max_grad_norm=0.0),
+               "entropy-bonus": dict(entropy_coef=0.05, micro_batch_size=8),
+               "entropy-bonus-top-quantile": dict(entropy_coef=0.05, micro_batch_size=8, top_entropy_quantile=0.4)}[case]
     trainer = Trainer(make_config(tmp_path, **{"beta": 0.04, "temperature": 0.7, "micro_batch_size": 2,
                                                "max_grad_norm": MAX_GRAD_NORM, **options}))
     rollout = rollout_with_ended_and_truncated_rows(trainer)
@@ -158,6 +172,35 @@ def test_a_non_finite_gradient_under_a_finite_loss_skips_the_update(tmp_path, ca
         assert torch.equal(param, before[name]), name
 
 
+def test_a_non_finite_loss_under_finite_gradients_skips_the_update(tmp_path, caplog, monkeypatch):
+    """The mirror case: the reference gives one token log-prob -inf (a token it cannot emit), so that token's
+    KL exp(ref - logp) - (ref - logp) - 1 is +inf while its gradient, 1 - exp(ref - logp), is finite. The loss
+    says the step is broken although every gradient is finite: skipped all the same, its norm logged as nan."""
+    import grpo.loop.update
+
+    trainer = Trainer(make_config(tmp_path, beta=0.04))
+    real = grpo.loop.update.no_grad_logprobs
+
+    def reference_cannot_emit_one_token(call, *args, **kwargs):
+        logps = real(call, *args, **kwargs)  # (N, T)
+        if call is trainer.models.reference_call:
+            logps[0, 0] = float("-inf")
+        return logps
+
+    monkeypatch.setattr(grpo.loop.update, "no_grad_logprobs", reference_cannot_emit_one_token)
+    before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
+    captured = []
+    for param in trainer.policy.parameters():
+        param.register_hook(lambda grad: captured.append(bool(torch.isfinite(grad).all())) or grad)
+    result = trainer.update(rollout_with_ended_and_truncated_rows(trainer))
+    assert captured and all(captured)  # every gradient finite
+    assert not all(torch.isfinite(torch.tensor(result.micro_batch_losses)))
+    assert trainer.state.skipped_updates == 1
+    assert "step 1: non-finite loss or gradient (grad_norm=nan): update skipped" in caplog.text
+    for name, param in trainer.policy.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_old_log_probs_are_computed_only_when_an_update_follows_a_moved_policy(tmp_path, num_iterations):
     """One update per rollout, uncorrected: the policy that sampled is the one updated, so no separate pass for
@@ -196,3 +239,17 @@ def test_train_on_rollout_called_as_a_function_makes_one_update(tmp_path):
     result = train_on_rollout(fixed_rollout(trainer), trainer.config, trainer.models, trainer.optimizer,
                               trainer.scheduler, trainer.state, trainer.world, trainer.functions, trainer.rewards)
     assert len(result.grad_norms) == 1 and trainer.state.updates == 1
+
+
+def test_reference_sync_mixes_each_parameter_and_refuses_models_that_do_not_pair_up():
+    """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter; a reference with other
+    parameters than the policy (a LoRA-wrapped policy beside a plain copy, say) is an error, not a partial mix."""
+    from grpo.loop.update import sync_reference
+
+    policy, reference = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    expected = [0.25 * p.detach() + 0.75 * r.detach() for p, r in zip(policy.parameters(), reference.parameters())]
+    sync_reference(reference, policy, 0.25)
+    for got, want in zip(reference.parameters(), expected, strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError):
+        sync_reference(torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)), 0.5)
