@@ -422,8 +422,8 @@ def test_every_file_and_folder_of_a_checkpoint_is_fsynced_before_it_counts(tmp_p
     monkeypatch.setattr(checkpoint.os, "fsync", fsync)
     folder = save_checkpoint(tmp_path, 4, _Saved(), _Saved(), {"step": 4}, {}, reference=_Saved(), merged=_Saved())
     root = tmp_path / "checkpoints"
-    tmp_names = {Path(*p.relative_to(root).parts[1:]) for p in synced  # what was fsynced inside .tmp-step-...
-                 if p.is_relative_to(root) and p != root and p.relative_to(root).parts[0].startswith(".tmp-step-000004")}
+    inside = [p.relative_to(root).parts for p in synced if p.is_relative_to(root) and p != root]
+    tmp_names = {Path(*parts[1:]) for parts in inside if parts[0].startswith(".tmp-step-000004")}  # in the tmp folder
     files = {p.relative_to(folder) for p in folder.rglob("*") if p.is_file()}
     assert files == {Path("weights.txt"), Path("reference/weights.txt"), Path("merged/weights.txt"),
                      Path("trainer_state.pt"), Path("run_config.json"), Path("COMPLETE")}

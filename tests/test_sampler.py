@@ -499,3 +499,134 @@ def test_row_uniforms_check_their_shape_and_give_one_seed_from_their_noise():
     # The seed a one-seed backend (model.generate) takes: fixed by the noise, different for other noise.
     assert make(0).seed == uniforms.seed and make(1).seed != uniforms.seed and 0 < uniforms.seed < 2**31
     assert RowUniforms.per_prompt([torch.Generator().manual_seed(0)], 4, 0).seed == 0  # no noise drawn: seed 0
+    assert RowUniforms(uniforms.values).seed == 0  # built from values alone
+    seeds = [make(seed).seed for seed in range(20)]  # spread over [0, 2^31): a 32-bit signed seed, no collisions
+    assert len(set(seeds)) == 20 and all(0 <= seed < 2**31 for seed in seeds)
+
+
+def test_sampling_params_defaults_are_trls_and_each_bound_is_where_the_docs_put_it():
+    params = SamplingParams()
+    assert (params.max_completion_length, params.temperature, params.top_p, params.top_k, params.min_p) == (
+        256, 1.0, 1.0, 0, 0.0)
+    for good in (dict(max_completion_length=1), dict(temperature=0.0), dict(top_p=1.0), dict(top_p=1e-6),
+                 dict(top_k=0), dict(min_p=0.0), dict(min_p=0.99)):
+        SamplingParams(**good)
+    for bad in (dict(top_p=1.0001), dict(top_p=1.5), dict(min_p=-0.01), dict(min_p=-0.5),
+                dict(temperature=float("nan")), dict(max_completion_length=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_cache_argument_name_follows_the_models_forward():
+    class NewStyle(torch.nn.Module):
+        def forward(self, input_ids, cache=None):
+            return input_ids
+
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert cache_kwarg(NewStyle()) == "cache" and cache_kwarg(OldStyle()) == "past_key_values"
+
+
+def test_left_pad_by_hand():
+    ids, mask = left_pad([[5, 6, 7], [8], [9, 10]], pad_token_id=0, device="cpu")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    for bad in ([], [[1, 2], []]):
+        with pytest.raises(ValueError, match="at least one token"):
+            left_pad(bad, 0, "cpu")
+
+
+def test_filters_off_change_no_logit_and_act_on_each_row_alone():
+    """top_p = 1 and min_p = 0 are off, also where float32 rounding puts the running probability at 1.0 before
+    the last token (here p_0 = 1 - 4e-9 is 1.0 in float32); min_p keeps a token tied with the most likely one at
+    any min_p <= 1; every filter works row by row (rows with different maxima)."""
+    logits = torch.tensor([[20.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    for options in (dict(), dict(top_p=1.0), dict(min_p=0.0), dict(top_k=0), dict(top_k=3)):
+        assert torch.equal(filter_logits(logits, **options), logits), options
+    finite = lambda filtered: torch.isfinite(filtered).tolist()
+    assert finite(filter_logits(logits, min_p=1.0)) == [[True, False, False], [False, True, True]]
+    assert finite(filter_logits(logits, min_p=0.5)) == [[True, False, False], [False, True, True]]
+    assert finite(filter_logits(logits, top_k=1)) == [[True, False, False], [False, True, True]]  # ties kept
+    assert finite(filter_logits(logits + torch.tensor([0.0, 0.0, 1.0]), top_p=0.5)) == [[True, False, False],
+                                                                                     [False, False, True]]
+
+
+@pytest.mark.parametrize("sampler", NEXT_TOKEN)
+def test_a_draw_at_either_end_of_the_unit_interval_never_takes_an_impossible_token(sampler):
+    """u = 0 takes the first token of positive probability, u -> 1 the last: a filtered (-inf) token at either
+    end of the vocabulary occupies an empty interval."""
+    logits = torch.tensor([[float("-inf"), 1.0, 2.0, float("-inf")]] * 2)
+    uniform = torch.tensor([[0.0], [1.0 - 2**-24]])
+    assert NEXT_TOKEN[sampler](logits, 1.0, uniform=uniform).tolist() == [1, 2]
+
+
+def test_default_temperature_is_one():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2]).expand(4000, -1)
+    uniform = torch.rand(4000, 1, generator=torch.Generator().manual_seed(3))
+    from grpo.algorithm.sampler import sample_next_token
+
+    assert torch.equal(sample_next_token(logits, uniform=uniform), sample_next_token(logits, 1.0, uniform=uniform))
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_the_samplers_log_probs_are_the_models_log_probs_of_the_drawn_tokens(peaked, tokenizer, prompts, sampler,
+                                                                              temperature):
+    """What the importance-sampling correction reads as pi_b: log softmax(logits / T) of each drawn token (T = 1
+    when greedy), recomputed here by a full forward pass over prompt + completion; 0 after a row's EOS."""
+    from references import naive_completion_logprobs
+
+    model = peaked  # varied tokens also when greedy
+    run = lambda eos: SAMPLERS[sampler](
+        model, prompts, 3, SamplingParams(max_completion_length=12, temperature=temperature, eos_token_ids=eos),
+        tokenizer.pad_token_id, generator=torch.Generator().manual_seed(5), return_logprobs=True)
+    sample = run((int(run((tokenizer.eos_token_id,)).completion_ids[0, 3]),))  # row 0's 4th token ends rows
+    assert not sample.truncated.all() and sample.truncated.any()  # some rows end early, some run to the budget
+    prompt_ids = sample.prompt_ids.repeat_interleave(3, 0)
+    prompt_mask = sample.prompt_mask.repeat_interleave(3, 0)
+    ids = torch.cat([prompt_ids, sample.completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, sample.completion_mask], 1)
+    with torch.no_grad():
+        expected = naive_completion_logprobs(model, ids, attention_mask, sample.completion_mask,
+                                             temperature=temperature or 1.0)
+    torch.testing.assert_close(sample.logprobs, expected, rtol=1e-4, atol=1e-4)
+    assert (sample.logprobs[sample.completion_mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_a_decode_stops_when_every_row_has_ended(peaked, tokenizer, prompts, sampler):
+    """One prefill, then one forward per further token until the last row ends: no step after every row's EOS
+    (nor after the budget), and the completions are as wide as the longest row. Greedy draws no random numbers."""
+    model = peaked  # varied greedy tokens
+    first = sample_groups(model, prompts, 2, SamplingParams(max_completion_length=6, temperature=0.0,
+                                                            eos_token_ids=(tokenizer.eos_token_id,)),
+                          tokenizer.pad_token_id).completion_ids
+    eos = sorted(set(first[:, 2].tolist()))  # every row holds one of them by its third token
+    ends = [next(t for t, token in enumerate(row.tolist()) if token in eos) + 1 for row in first]
+    assert max(ends) >= 2
+    for budget in (10, max(ends) - 1):
+        width = min(max(ends), budget)
+        calls = []
+        hook = model.register_forward_hook(lambda module, args, output: calls.append(1))
+        generator = torch.Generator().manual_seed(0)
+        state = generator.get_state()
+        try:
+            sample = SAMPLERS[sampler](model, prompts, 2, SamplingParams(max_completion_length=budget, temperature=0.0,
+                                                                         eos_token_ids=tuple(eos)),
+                                       tokenizer.pad_token_id, generator=generator)
+        finally:
+            hook.remove()
+        assert sample.completion_ids.shape == (6, width) and torch.equal(sample.completion_ids, first[:, :width])
+        if sampler == "plain":  # the kernel's lean decode step runs the trunk without the model's forward
+            assert len(calls) == width, (budget, len(calls))  # the prefill + width - 1 decode steps
+        assert torch.equal(generator.get_state(), state)
+
+
+def test_group_size_must_be_positive(tiny_model_and_tokenizer, prompts):
+    model, tokenizer = tiny_model_and_tokenizer
+    params = SamplingParams(max_completion_length=2, eos_token_ids=(tokenizer.eos_token_id,))
+    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+        sample_groups(model, prompts, 0, params, tokenizer.pad_token_id)
+    assert sample_groups(model, prompts, 1, params, tokenizer.pad_token_id).logprobs is None  # only when asked
