@@ -472,17 +472,19 @@ def test_distributed_checkpoint_saves_every_part_and_reloads_the_optimizer(one_r
 
     saved_moments = state_of(optimizer)
     assert saved_moments and any(m.abs().sum() > 0 for m, _ in saved_moments)
-    torn = tmp_path / "checkpoints" / ".tmp-step-000004-world"  # a save killed half-way
-    (torn / "sharded").mkdir(parents=True)
+    run = tmp_path / "outputs" / "run"  # not there yet: the first save makes it
+    torn = run / "checkpoints" / ".tmp-step-000005-world"  # a save killed half-way, cleared by the next one
     for step in (5, 6, 7):
-        folder = save_distributed_checkpoint(tmp_path, step, world, call, optimizer, model, tokenizer,
+        if step == 6:
+            (torn / "sharded").mkdir(parents=True)
+        folder = save_distributed_checkpoint(run, step, world, call, optimizer, model, tokenizer,
                                              {"step": step}, {"rng": step}, {"model": "tiny"},
                                              **({"keep": 2} if step == 7 else {}),
                                              reference_call=reference_call, merged=_Saved())
         assert folder.name == f"step-{step:06d}" and not torn.exists()
         # keep left at its default (0): every checkpoint stays until the save that asks for 2
         kept = {5: [5], 6: [5, 6], 7: [6, 7]}[step]
-        assert [p.name for p in list_checkpoints(tmp_path)] == [f"step-{s:06d}" for s in kept]
+        assert [p.name for p in list_checkpoints(run)] == [f"step-{s:06d}" for s in kept]
     assert load_trainer_state(folder) == {"step": 7}
     assert torch.load(folder / "rank-00000.pt", weights_only=True) == {"rng": 7}
     assert json.loads((folder / "run_config.json").read_text()) == {"model": "tiny"}
