@@ -204,3 +204,128 @@ def test_overlong_penalty_hand_derived():
     assert reward(None, None, completion_ids=ids) == [0.0, 0.0, -0.5, -1.0, -2.0]
     with pytest.raises(ValueError, match="buffer_len must be in"):
         overlong_penalty(10, 10)
+
+
+# ----------------------------------------------------------------------------- rewards/scoring.py, part by part
+def test_completion_text_reads_both_of_trls_shapes_and_refuses_others():
+    from rewards.scoring import completion_text
+
+    turns = [{"role": "assistant", "content": "first"}, {"role": "tool", "content": "42"},
+             {"role": "assistant", "content": "last"}]
+    assert completion_text("plain") == "plain"
+    assert completion_text(turns) == "last"  # the last turn, not the first
+    assert completion_text([{"role": "assistant", "content": None}]) == ""
+    assert completion_text({"role": "assistant", "content": "one"}) == "one"
+    assert completion_text({"role": "assistant", "content": None}) == ""
+    assert completion_text({"role": "assistant"}) == ""
+    for bad in ([], ["not a message"], [{"role": "assistant", "content": "a"}, "b"], 3, None, ("a",)):
+        with pytest.raises(TypeError, match="a completion must be a string or a list of chat messages"):
+            completion_text(bad)
+
+
+def test_a_reward_spec_is_immutable():
+    import dataclasses
+
+    spec = parse_reward_specs(["int"])[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.weight = 5.0
+
+
+def test_values_at_the_edges_of_what_is_accepted():
+    from rewards.scoring import FLOAT32_MAX
+
+    def fn(prompts, completions, **kw):
+        return [None, FLOAT32_MAX, None, -FLOAT32_MAX]
+
+    rewards = score_completions(parse_reward_specs([fn]), [None] * 4, ["a", "b", "c", "d"], {})
+    assert torch_nan_pattern(rewards[:, 0]) == [True, False, True, False]  # None anywhere, not only last
+    assert rewards[1, 0].item() == FLOAT32_MAX and rewards[3, 0].item() == -FLOAT32_MAX
+
+    class LengthOnly:  # has a length, but cannot be iterated
+        def __len__(self):
+            return 4
+
+    for returned, kind in ((LengthOnly(), "LengthOnly"), ((x for x in [1.0] * 4), "generator"), ({"a": 1.0}, "dict")):
+        def bad(prompts, completions, returned=returned, **kw):
+            return returned
+
+        with pytest.raises(RewardError, match=f"reward 'bad' returned {kind}, expected a list of 4 floats"):
+            score_completions(parse_reward_specs([bad]), [None] * 4, ["a", "b", "c", "d"], {})
+
+
+def torch_nan_pattern(values) -> list[bool]:
+    return [math.isnan(v) for v in values.tolist()]
+
+
+def test_a_batch_that_raises_is_scored_row_by_row_with_each_rows_own_inputs():
+    """A function that fails on the batch is called once per row, with that row's prompt, completion and
+    columns (lists of one); a row whose reader is gone (Unscorable) scores None and the others their value."""
+    from rewards.scoring import Unscorable
+
+    calls = []
+
+    def per_row(prompts, completions, answer, **kw):
+        calls.append((list(prompts), list(completions), list(answer)))
+        if len(completions) > 1:
+            raise Unscorable("the environment of row 1 stopped")
+        assert len(prompts) == len(answer) == 1
+        if completions[0] == "gone":
+            raise Unscorable("stopped")
+        return [len(prompts[0]) * 10.0 + float(answer[0])]
+
+    rewards = score_completions(parse_reward_specs([per_row]), ["p", "pp", "ppp"], ["a", "gone", "c"],
+                                {"answer": ["1", "2", "3"]})
+    assert torch_nan_pattern(rewards[:, 0]) == [False, True, False]
+    assert rewards[0, 0].item() == 11.0 and rewards[2, 0].item() == 33.0
+    assert calls[1:] == [(["p"], ["a"], ["1"]), (["pp"], ["gone"], ["2"]), (["ppp"], ["c"], ["3"])]
+
+    def always_fails(prompts, completions, **kw):
+        raise ValueError("broken")  # fails on every row alike: the batch's error is the one reported
+
+    with pytest.raises(RewardError, match=r"reward 'always_fails' raised ValueError on row 0: broken"):
+        score_completions(parse_reward_specs([always_fails]), [None] * 2, ["a", "b"], {})
+
+    def fails_only_together(prompts, completions, **kw):
+        if len(completions) > 1:
+            raise RuntimeError("batch only")
+        return [1.0]
+
+    with pytest.raises(RewardError, match=r"reward 'fails_only_together' raised RuntimeError on the batch: batch only"):
+        score_completions(parse_reward_specs([fails_only_together]), [None] * 2, ["a", "b"], {})
+
+
+def test_a_column_of_the_wrong_length_is_named():
+    with pytest.raises(ValueError, match=r"column 'answer' has 1 values for 2 completions"):
+        score_completions(parse_reward_specs(["int"]), [None] * 2, ["a", "b"], {"answer": ["1"]})
+
+
+@pytest.mark.parametrize("shape", ["plain", "chat", "chat with turns"])
+def test_score_rows_passes_trls_arguments(shape):
+    """score_rows as the trainer calls it: the prompt column becomes `prompts`, every other column and
+    completion_ids arrive as keyword lists, one value per completion, plain prompts get plain completions and
+    chat prompts chat messages; group_size defaults to one completion per row."""
+    from rewards.scoring import score_rows
+
+    seen = {}
+
+    def spy(prompts, completions, **kw):
+        seen.update(prompts=prompts, completions=completions, **kw)
+        return [float(i) for i in range(len(completions))]
+
+    prompt = "Q?" if shape == "plain" else [{"role": "user", "content": "Q?"}]
+    rows = [{"prompt": prompt, "answer": "4", "level": 1}]
+    turns = [[{"role": "assistant", "content": "call"}, {"role": "tool", "content": "4"},
+              {"role": "assistant", "content": "<answer>4</answer>"}]]
+    rewards = score_rows(parse_reward_specs([spy]), rows, ["<answer>4</answer>"], [[7, 8]],
+                         messages=turns if shape == "chat with turns" else None, extra_columns={"environments": ["env"]})
+    assert rewards.tolist() == [[0.0]]
+    assert seen["prompts"] == [prompt] and "prompt" not in seen
+    assert seen["answer"] == ["4"] and seen["level"] == [1] and seen["completion_ids"] == [[7, 8]]
+    assert seen["environments"] == ["env"]
+    expected = {"plain": ["<answer>4</answer>"], "chat": [[{"role": "assistant", "content": "<answer>4</answer>"}]],
+                "chat with turns": turns}[shape]
+    assert seen["completions"] == expected
+    grouped = score_rows(parse_reward_specs([spy]), rows * 2, ["a", "b", "c", "d"], [[1]] * 4, group_size=2)
+    assert grouped.shape == (4, 1) and seen["answer"] == ["4"] * 4 and seen["prompts"] == [prompt] * 4
+    own = score_rows(parse_reward_specs([spy]), rows, ["a"], [[1]], prompts=["own prompt"])
+    assert own.shape == (1, 1) and seen["prompts"] == ["own prompt"]
