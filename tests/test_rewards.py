@@ -329,3 +329,11 @@ def test_score_rows_passes_trls_arguments(shape):
     assert grouped.shape == (4, 1) and seen["answer"] == ["4"] * 4 and seen["prompts"] == [prompt] * 4
     own = score_rows(parse_reward_specs([spy]), rows, ["a"], [[1]], prompts=["own prompt"])
     assert own.shape == (1, 1) and seen["prompts"] == ["own prompt"]
+
+
+def test_correctness_refuses_an_answer_column_of_another_length():
+    """A dataset column that does not line up with the completions is a bug upstream, not rows to drop."""
+    with pytest.raises(ValueError):
+        correctness(prompts=[None] * 2, completions=[chat("<answer>1</answer>")] * 2, answer=["1"])
+    assert correctness(prompts=[None] * 2, completions=[chat("<answer>1</answer>"), chat("x")],
+                       answer=["1", "1"]) == [2.0, 0.0]
