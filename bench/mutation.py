@@ -50,7 +50,7 @@ PROJECT = ("grpo", "rewards", "data", "tests", "bench", "train", "eval", "confte
 
 # module name -> (file, the tests that select it). Each selection is what exercises that module fast: its own unit
 # tests and the trainer tests that run it end to end; the trl parity suite is left out (minutes per mutant). "+"
-# marks a test that runs for every mutant, as coverage cannot see what it runs (the two-rank tests' ranks are other
+# marks a test that runs for every mutant the other tests did not kill, as coverage cannot see what it runs (the two-rank tests' ranks are other
 # processes: DDP with the default loss, FSDP2 with dapo, whose token count spans the ranks).
 MODULES = {
     "advantages": ("grpo/algorithm/advantages.py", ["tests/test_advantages.py", "tests/test_update.py"]),
@@ -235,7 +235,7 @@ def mutant_client(path: str, timeout: float, log: str, map_file: str, original: 
                   args: list[str]) -> int:
     """cosmic-ray's test command for one mutant: run only the tests that ran the mutated statements unmutated
     (mutmut's and cosmic-ray's coverage idea, per test); a mutant no test of the selection reaches survives."""
-    always = [arg[1:] for arg in args if arg.startswith("+")]  # run for every mutant: what coverage cannot see
+    always = [arg[1:] for arg in args if arg.startswith("+")]  # what coverage cannot see: run after the others
     args = [arg for arg in args if not arg.startswith("+")]
     lines = json.loads(Path(map_file).read_text())
     spans = mutated_statements(Path(original).read_text(), Path(module).read_text())
@@ -243,24 +243,27 @@ def mutant_client(path: str, timeout: float, log: str, map_file: str, original: 
     if chosen == [] and not always:
         print(f"no test of the selection runs lines {spans}: survived without a run")
         return 0
-    if chosen is None:
-        args = args + always
-    else:  # the selection's options (-m, -k) stay; its files and node ids give way to the chosen and `always`
-        options, skip = [], False
-        for index, arg in enumerate(args):
-            if skip:
-                skip = False
-            elif arg in ("-m", "-k", "-p", "-o", "-W"):
-                options += [arg, args[index + 1]]
-                skip = True
-            elif arg.startswith("-"):
-                options.append(arg)
-        args = options + chosen + always
-    code = client(path, timeout, log, args)
-    if code in (4, 5):  # pytest's usage error or no test collected: the selection is wrong, not the mutant caught
-        print("NOT A KILL: the selection did not run (see the log); counted as survived, so it shows up for triage")
-        return 0
-    return 0 if code == 0 else 1  # a failure, a collection error or a signal (the timeout): killed
+    options, skip = [], False  # the selection's options (-m, -k) stay; its files and node ids may give way
+    for index, arg in enumerate(args):
+        if skip:
+            skip = False
+        elif arg in ("-m", "-k", "-p", "-o", "-W"):
+            options += [arg, args[index + 1]]
+            skip = True
+        elif arg.startswith("-"):
+            options.append(arg)
+    # The in-process tests first (the whole selection, or the chosen ones), then `always` only for a mutant they
+    # did not kill: the same verdict, and the slow multi-process tests run for the few mutants that need them.
+    runs = [args if chosen is None else options + chosen] if chosen != [] else []
+    runs += [options + always] if always else []
+    for run in runs:
+        code = client(path, timeout, log, run)
+        if code in (4, 5):  # pytest's usage error or no test collected: the selection is wrong, not the mutant caught
+            print("NOT A KILL: the selection did not run (see the log); counted as survived, so it shows up for triage")
+            return 0
+        if code != 0:
+            return 1  # a failure, a collection error or a signal (the timeout): killed
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

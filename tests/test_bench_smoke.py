@@ -192,3 +192,33 @@ def test_mutation_runner_picks_the_tests_that_ran_the_mutated_statement():
     assert tests_for(lines, [(9, 9)]) == []  # no test runs it: survives without a run
     diff = "--- a\n+++ b\n@@ -5 +5 @@\n-    total = (x +\n+    total = (x -\n"
     assert _mutated_lines(diff) == ("total = (x +", "total = (x -")
+
+
+def test_mutation_runner_runs_the_multi_process_tests_only_for_mutants_the_others_spared(tmp_path, monkeypatch):
+    """`+` tests (coverage cannot see into their processes) run after the chosen in-process tests, only when those
+    pass; a pytest usage error or an empty collection is never a kill."""
+    import bench.mutation as mutation
+
+    original = "def f(x):\n    return x + 1\n"
+    (tmp_path / "original.py").write_text(original)
+    (tmp_path / "module.py").write_text(original.replace("x + 1", "x - 1"))
+    (tmp_path / "map.json").write_text('{"2": ["t.py::a"], "1": ["t.py::a"]}')
+    calls, codes = [], []
+    monkeypatch.setattr(mutation, "client", lambda path, timeout, log, args: calls.append(args) or codes.pop(0))
+
+    def run(*results, selection=("t.py", "-k", "x", "+m.py::slow")):
+        calls.clear()
+        codes[:] = list(results)
+        verdict = mutation.mutant_client("sock", 1.0, "log", str(tmp_path / "map.json"), str(tmp_path / "original.py"),
+                                         str(tmp_path / "module.py"), list(selection))
+        return verdict, [list(c) for c in calls]
+
+    assert run(1) == (1, [["-k", "x", "t.py::a"]])  # killed in-process: the slow test never runs
+    assert run(0, 1) == (1, [["-k", "x", "t.py::a"], ["-k", "x", "m.py::slow"]])
+    assert run(0, 0) == (0, [["-k", "x", "t.py::a"], ["-k", "x", "m.py::slow"]])
+    assert run(4) == (0, [["-k", "x", "t.py::a"]])  # usage error: survived, for triage
+    assert run(0, 5)[0] == 0
+    assert run(0, selection=("t.py",)) == (0, [["t.py::a"]])  # no `+` tests: one run
+    (tmp_path / "map.json").write_text('{"1": ["t.py::a"]}')  # no in-process test runs line 2
+    assert run(1) == (1, [["-k", "x", "m.py::slow"]])
+    assert run(selection=("t.py",)) == (0, [])  # nothing runs it: survived without a run
