@@ -434,14 +434,20 @@ def test_many_tokens_in_small_chunks_match_naive(tiny_model_and_tokenizer):
     torch.testing.assert_close(logps, naive, rtol=1e-5, atol=1e-5)
 
 
-def test_a_trainable_head_over_a_frozen_trunk_gets_its_gradient(tokenizer):
-    """Only the (untied) output matrix trains, so the hidden states carry no gradient: the chunks' recomputation in
-    backward must still give W its gradient (a reentrant checkpoint would drop it)."""
+def _untied_tiny_model(tokenizer):
+    """The tiny model with its own output matrix (not the embeddings'), so the head and the trunk train apart."""
     from grpo.tiny_model import build_tiny_model
 
     model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.05)
+    return model
+
+
+def test_a_trainable_head_over_a_frozen_trunk_gets_its_gradient(tokenizer):
+    """Only the (untied) output matrix trains, so the hidden states carry no gradient: the chunks' recomputation in
+    backward must still give W its gradient (a reentrant checkpoint would drop it)."""
+    model = _untied_tiny_model(tokenizer)
     for name, param in model.named_parameters():
         param.requires_grad_(name == "lm_head.weight")
     input_ids, attention_mask, completion_mask = _batch(model.config.vocab_size, torch.Generator().manual_seed(8))
@@ -461,11 +467,7 @@ def test_backward_keeps_no_chunks_logits(tokenizer, trains, kernels):
     """The point of chunking: what autograd saves for backward holds no (c, V) logits block, whichever side of the
     head trains. A chunk computed outside the checkpoint keeps its logits and log-softmax (N*T*V floats in all),
     which computes the same numbers and shows only as memory (bench/logprob_memory.py measures it)."""
-    from grpo.tiny_model import build_tiny_model
-
-    model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.05)
+    model = _untied_tiny_model(tokenizer)
     head = model.lm_head.weight
     for name, param in model.named_parameters():
         is_head = name == "lm_head.weight"
