@@ -50,8 +50,9 @@ PROJECT = ("grpo", "rewards", "data", "tests", "bench", "train", "eval", "confte
 
 # module name -> (file, the tests that select it). Each selection is what exercises that module fast: its own unit
 # tests and the trainer tests that run it end to end; the trl parity suite is left out (minutes per mutant). "+"
-# marks a test that runs for every mutant the other tests did not kill, as coverage cannot see what it runs (the two-rank tests' ranks are other
-# processes: DDP with the default loss, FSDP2 with dapo, whose token count spans the ranks).
+# marks a test that runs for every mutant the other tests did not kill, as coverage cannot see what it runs (the
+# two-rank tests' ranks are other processes: DDP with the default loss, FSDP2 with dapo, whose token count spans
+# the ranks).
 MODULES = {
     "advantages": ("grpo/algorithm/advantages.py", ["tests/test_advantages.py", "tests/test_update.py"]),
     "loss": ("grpo/algorithm/loss.py", ["tests/test_loss.py", "tests/test_update.py"]),

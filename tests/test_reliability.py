@@ -467,8 +467,9 @@ def test_distributed_checkpoint_saves_every_part_and_reloads_the_optimizer(one_r
     call(lambda m: m(ids).logits.sum()).backward()
     optimizer.step()
 
-    def state_of(opt):
-        return [(full_tensor(s["exp_avg"]).clone(), full_tensor(s["exp_avg_sq"]).clone()) for s in opt.state.values()]
+    def state_of(opt):  # each parameter's moments, in parameter order (not the state dict's insertion order)
+        states = [opt.state[p] for group in opt.param_groups for p in group["params"] if p in opt.state]
+        return [(full_tensor(s["exp_avg"]).clone(), full_tensor(s["exp_avg_sq"]).clone()) for s in states]
 
     saved_moments = state_of(optimizer)
     assert saved_moments and any(m.abs().sum() > 0 for m, _ in saved_moments)
