@@ -1,20 +1,27 @@
 """The two processes of a sandboxed test run, and the plain data that passes between them.
 
-    confined process   runs the model's program, and nothing else: it answers calls `name(*args, **kwargs)`
-                       with the result as plain data. It runs inside the OS sandbox (rewards/sandbox.py).
+    confined side      runs the model's program, and nothing else. Its first process (the zygote) runs only this
+                       file's trusted code: for each test case it forks a case process in new pid, mount and ipc
+                       namespaces (a fresh /tmp and /proc), which drops to the program's uid, installs the seccomp
+                       filter, imports the program and answers that case's calls `name(*args, **kwargs)` with the
+                       result as plain data; the case process is killed when its case ends. So a program's state
+                       (globals, files, processes, shared memory) lives for one case only: its answers can depend on
+                       the inputs of that case's calls and nothing else. It runs inside the OS sandbox
+                       (rewards/sandbox.py).
     judge process      runs the task's trusted code: the prompt's helpers, the setup and the test cases. The
                        functions the tests call (`candidate`, the entry point, the program's own functions) are
-                       proxies that send the call to the confined process and decode its answer.
+                       proxies that send the call to the case's process and decode its answer.
 
 So the verdict is decided outside the interpreter that runs the model's code (the way competitive-programming
 judges work): the program can answer a call with any bytes it likes, but the judge decodes only plain data --
 None, bool, int, float, str, bytes, complex, list, tuple, dict, set, frozenset, by exact type -- so an object that
 equals everything, a rewritten report, replaced builtins or an early exit cannot reach a comparison. A result that
-is not plain data, or a frame that does not parse, fails that call.
+is not plain data, or a frame that does not parse, fails that case.
 
-Frames on the two pipes are `<length>\\n<json>`. This file uses the standard library only: rewards/sandbox.py sends
-its source to each process as `python -c` (the confined process cannot read the project's files), followed by a
-call of `confined_main()` or `judge_main()`.
+The judge and the zygote share a control socket (AF_UNIX, SOCK_SEQPACKET), over which the judge hands each case's
+two fresh pipes; the case process never holds the socket. Frames on the pipes are `<length>\\n<json>`. This file
+uses the standard library only: rewards/sandbox.py sends its source to each process as `python -c` (the confined
+side cannot read the project's files), followed by a call of `confined_main()` or `judge_main()`.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import json
 import math
 import os
 import select
+import signal
+import socket
 import sys
 import time
 
@@ -94,11 +103,20 @@ class Broken(BaseException):
     `except Exception` cannot swallow it."""
 
 
-def write_frame(fd: int, message) -> None:
+def write_frame(fd: int, message, deadline: float | None = None) -> None:
+    """Write one frame; with a `deadline` (time.monotonic), on a non-blocking `fd`, Broken once it passes: a reader
+    that stops reading (or only peeks, with tee) cannot hold the writer past it."""
     data = json.dumps(message).encode()
-    data = str(len(data)).encode() + b"\n" + data
+    data = memoryview(str(len(data)).encode() + b"\n" + data)
     while data:
-        data = data[os.write(fd, data):]
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([], [fd], [], remaining)[1]:
+                raise Broken("the other side did not read before the deadline")
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:
+            continue
 
 
 def read_frame(fd: int, limit: int, deadline: float | None = None):
@@ -130,45 +148,152 @@ def read_frame(fd: int, limit: int, deadline: float | None = None):
         raise Broken(f"a frame that is not JSON: {error}") from None
 
 
-# ---------------------------------------------------------------- the confined process
-def confined_main() -> None:
-    """Confine this process (limits, then the distinct uid), run the program, then answer calls until the judge
-    closes the request pipe. argv[1]: JSON settings from rewards.sandbox."""
-    import resource
+# ---------------------------------------------------------------- the confined side
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
+REQUESTS_FD, ANSWERS_FD = 3, 4  # a case process's two pipes, at these numbers (its only descriptors beside 0-2)
 
+
+def confined_main() -> None:
+    """The zygote: run one case process at a time, as the judge's control messages say, and nothing of the
+    program's. argv[1]: JSON settings from rewards.sandbox.
+
+        b"case" + two pipe fds   fork a case process that reads requests from the first, answers on the second
+        b"end"                   kill the case process and everything it started; reply b"ended" once all are gone
+        end of the socket        the judge is done (or dead): kill the case, exit
+
+    `cpu_seconds` is the program's CPU time over all its cases: each case process gets what earlier cases left (its
+    RLIMIT_CPU), and once nothing is left, a case is not started (its pipes are closed at once)."""
     settings = json.loads(sys.argv[1])
-    for name, value in (("RLIMIT_CPU", settings["cpu_seconds"]), ("RLIMIT_AS", settings["memory_bytes"]),
-                        ("RLIMIT_FSIZE", settings["file_bytes"]), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0),
-                        ("RLIMIT_NPROC", settings["processes"])):
-        resource.setrlimit(getattr(resource, name), (value, value))
+    control = socket.socket(fileno=settings["control_fd"])
+    case, spent = None, 0.0  # (the case supervisor's pid, the write end of its stop pipe); CPU seconds used
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 16, 2)
+        except OSError:
+            message, fds = b"", []
+        if case is not None and message != b"case":
+            spent += _end_case(*case)
+            case = None
+        left = settings["cpu_seconds"] - spent
+        if message == b"case" and len(fds) == 2 and case is None and left >= 0.01:
+            case = _start_case({**settings, "cpu_seconds": math.ceil(left)}, control, fds)
+        elif message == b"case":
+            os.write(2, f"sandbox: a case not run: the program's {settings['cpu_seconds']} s of CPU time are used "
+                        "up\n".encode())
+        elif message == b"end":
+            control.send(b"ended")
+        for fd in fds:
+            os.close(fd)
+        if not message:
+            os._exit(0)
+
+
+def _start_case(settings: dict, control: socket.socket, pipes: list[int]) -> tuple[int, int]:
+    """Fork the case's supervisor (`_supervise_case`); returns its pid and the write end of its stop pipe."""
+    stop_read, stop_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(stop_write)
+        control.close()
+        _supervise_case(settings, pipes, stop_read)
+    os.close(stop_read)
+    return pid, stop_write
+
+
+def _end_case(pid: int, stop_write: int) -> float:
+    """Stop the case (its supervisor kills the case process, then exits); the CPU seconds the case used, its
+    processes all together (each reaped its own: a pid namespace's pid 1 reaps every process of it)."""
+    os.close(stop_write)
+    _, _, usage = os.wait4(pid, 0)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _supervise_case(settings: dict, pipes: list[int], stop_read: int) -> None:
+    """Trusted, as root where the trainer is: new pid, mount and ipc namespaces for the case (and a network namespace
+    where no bubblewrap made one), then the case process as their pid 1; kill it when the stop pipe ends. A pid
+    namespace ends with its pid 1: every process the case started dies with it, before waitpid returns."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if settings["unshare_net"]:  # without bubblewrap: a network namespace of its own, where the kernel allows it
-        libc.unshare(0x40000000)  # CLONE_NEWNET
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (bubblewrap sets it too): no setuid program raises it again
-    if settings["uid"] is not None:  # started as root: drop to this program's own unprivileged uid for good
+    flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | (CLONE_NEWNET if settings["unshare_net"] else 0)
+    namespaces = libc.unshare(flags) == 0  # needs CAP_SYS_ADMIN (root, or bubblewrap's user namespace)
+    pid = os.fork()
+    if pid == 0:
+        os.close(stop_read)
+        _case_main(settings, pipes, namespaces)
+    for fd in pipes:
+        os.close(fd)
+    try:
+        select.select([stop_read, os.pidfd_open(pid)], [], [])
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        if not namespaces and settings["uid"] is not None:
+            _kill_uid_processes(settings["uid"])  # no pid namespace took them: whatever the case left, as its uid
+        os._exit(0)
+
+
+def _kill_uid_processes(uid: int) -> None:
+    """SIGKILL every process of `uid`, from a child that has become `uid` (kill(-1) reaches only its own uid's)."""
+    pid = os.fork()
+    if pid == 0:
         os.setgroups([])
-        os.setgid(settings["uid"])
-        os.setuid(settings["uid"])
-    _fresh_keyrings(settings["keyctl"])
+        os.setgid(uid)
+        os.setuid(uid)
+        os.kill(-1, signal.SIGKILL)
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _case_main(settings: dict, pipes: list[int], namespaces: bool) -> None:
+    """One case: confine this process (its own /tmp and /proc, two descriptors, limits, the program's uid, the
+    seccomp filter), import the program, then answer calls until the judge closes the request pipe. Never returns."""
+    import ctypes
+    import resource
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        if namespaces:
+            _fresh_mounts(libc, settings)
+        requests, answers = (os.dup(fd) for fd in pipes)  # above 4, so that dup2 below overwrites neither
+        os.dup2(requests, REQUESTS_FD)
+        os.dup2(answers, ANSWERS_FD)
+        os.closerange(ANSWERS_FD + 1, 1 << 16)  # the zygote's control socket, the stop pipe, anything else
+        for name, value in (("RLIMIT_CPU", settings["cpu_seconds"]), ("RLIMIT_AS", settings["memory_bytes"]),
+                            ("RLIMIT_FSIZE", settings["file_bytes"]), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0),
+                            ("RLIMIT_NPROC", settings["processes"])):
+            resource.setrlimit(getattr(resource, name), (value, value))
+        _check(libc, libc.prctl(38, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")  # no setuid program raises it again
+        if settings["uid"] is not None:  # started as root: drop to this program's own unprivileged uid for good
+            os.setgroups([])
+            os.setgid(settings["uid"])
+            os.setuid(settings["uid"])
+        _check(libc, libc.prctl(1, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")  # dies with its supervisor
+        _fresh_keyrings(settings["keyctl"])
+        if settings["seccomp"]:
+            _install_seccomp(libc, bytes.fromhex(settings["seccomp"]))
+    except BaseException as error:  # noqa: BLE001 -- never run the program less confined than asked
+        os.write(2, f"sandbox: the case process could not be confined: {error}\n".encode())
+        os._exit(1)
     del libc, ctypes
-    for name in [name for name in sys.modules if name.split(".")[0] in ("ctypes", "_ctypes")]:
-        del sys.modules[name]  # so that a program's `import ctypes` is an import the audit hook sees
-    requests, answers = settings["requests_fd"], settings["answers_fd"]
-    program = read_frame(requests, 1 << 30)
+    program = read_frame(REQUESTS_FD, 1 << 30)
     if settings["audit_hook"]:
+        for name in [name for name in sys.modules if name.split(".")[0] in ("ctypes", "_ctypes", "socket", "_socket")]:
+            del sys.modules[name]  # so that a program's `import ctypes` or `import socket` is an import the hook sees
         sys.addaudithook(_guard)
     namespace = {"__name__": "program"}
     try:
         exec(compile(program, "program.py", "exec"), namespace)
     except BaseException as error:  # noqa: BLE001 -- whatever the program raises is its failure
-        write_frame(answers, {"error": _describe(error)})
+        write_frame(ANSWERS_FD, {"error": _describe(error)})
         os._exit(0)
-    write_frame(answers, {"ready": True})
+    write_frame(ANSWERS_FD, {"ready": True})
     while True:
         try:
-            name, args, kwargs = read_frame(requests, 1 << 30)
+            name, args, kwargs = read_frame(REQUESTS_FD, 1 << 30)
         except Broken:
             os._exit(0)
         try:
@@ -176,7 +301,39 @@ def confined_main() -> None:
             answer = {"value": to_plain(value)}
         except BaseException as error:  # noqa: BLE001
             answer = {"error": _describe(error)}
-        write_frame(answers, answer)
+        write_frame(ANSWERS_FD, answer)
+
+
+def _check(libc, result: int, what: str) -> None:
+    if result != 0:
+        import ctypes
+
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def _fresh_mounts(libc, settings: dict) -> None:
+    """In the case's own mount namespace: mounts private to it; a new tmpfs as /tmp (disk_bytes, and at most
+    tmp_files files and folders, so that the kernel's teardown of what it holds stays short); a new /proc of its own
+    pid namespace with the process folders only (`subset=pid`: no kernel command line, key users, or other system
+    files, and no process outside the case)."""
+    nosuid, nodev, noexec, recursive, private = 2, 4, 8, 0x4000, 1 << 18
+    tmp = f"size={settings['disk_bytes']},nr_inodes={settings['tmp_files']},mode=1777".encode()
+    _check(libc, libc.mount(b"none", b"/", None, recursive | private, None), "mount --make-rprivate /")
+    _check(libc, libc.mount(b"tmpfs", b"/tmp", b"tmpfs", nosuid | nodev, tmp), "mount tmpfs /tmp")
+    _check(libc, libc.mount(b"proc", b"/proc", b"proc", nosuid | nodev | noexec, b"subset=pid"), "mount proc /proc")
+    os.chdir("/tmp")
+
+
+def _install_seccomp(libc, program: bytes) -> None:
+    """Install a classic-BPF seccomp filter (rewards.sandbox.seccomp_filter) on this process and its children."""
+    import ctypes
+
+    class SockFprog(ctypes.Structure):  # struct sock_fprog of linux/filter.h
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    instructions = ctypes.create_string_buffer(program, len(program))
+    fprog = SockFprog(len(program) // 8, ctypes.addressof(instructions))
+    _check(libc, libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "PR_SET_SECCOMP")  # SECCOMP_MODE_FILTER
 
 
 def _fresh_keyrings(keyctl: int | None) -> None:
@@ -217,7 +374,7 @@ def _guard(event, args, blocked=("os.system", "os.fork", "os.forkpty", "os.exec"
 
 # ---------------------------------------------------------------- the judge process
 def judge_main() -> None:
-    """Read the job (JSON on stdin), run the trusted code with proxies into the confined process, and write one
+    """Read the job (JSON on stdin), run the trusted code with proxies into each case's process, and write one
     verdict line `<token> case <i> <0|1>` per case to stdout as each finishes."""
     import resource
 
@@ -226,25 +383,28 @@ def judge_main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (job["memory_bytes"], job["memory_bytes"]))
     verdicts = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the task's own code prints goes to the log, never among the verdicts
-    link = Link(job["requests_fd"], job["answers_fd"], job["result_bytes"], deadline)
+    link = Link(job["control_fd"], job["program"], job["result_bytes"], deadline)
     cases = job["cases"]
     try:
-        link.start(job["program"])
         namespace = {"__name__": "tests"}
         exec(compile(job["helpers"], "helpers.py", "exec"), namespace)  # the problem's own helpers, trusted
         namespace.update({name: link.proxy(name) for name in job["names"]})
         exec(compile(job["setup"], "setup.py", "exec"), namespace)
+        link.end_case()  # a setup that called the program had a process of its own
     except BaseException as error:  # noqa: BLE001
         print(f"before the cases: {type(error).__name__}: {error}", file=sys.stderr)
         cases = []
     for index, case in enumerate(cases):
         try:
-            if link.broken:
-                raise Broken(link.broken)
             exec(compile(case, f"case{index}.py", "exec"), namespace)
             passed = True
         except BaseException as error:  # noqa: BLE001
             print(f"case {index}: {type(error).__name__}: {error}", file=sys.stderr)
+            passed = False
+        try:
+            link.end_case()
+        except Broken as error:
+            print(f"case {index}: {error}", file=sys.stderr)
             passed = False
         verdicts.write(f"{job['token']} case {index} {int(passed)}\n")
         verdicts.flush()
@@ -254,23 +414,75 @@ def judge_main() -> None:
 
 
 class Link:
-    """The judge's end of the two pipes to the confined process."""
+    """The judge's end of the confined side: the control socket to the zygote, and the two pipes of the current
+    case's process, which the first call of a case opens (`start_case`) and `end_case` closes. Every write and read
+    has the run's deadline."""
 
-    def __init__(self, requests: int, answers: int, limit: int, deadline: float):
-        self.requests, self.answers, self.limit, self.deadline = requests, answers, limit, deadline
-        self.broken = ""
+    def __init__(self, control: int, program: str, limit: int, deadline: float):
+        self.control = socket.socket(fileno=control)
+        self.program, self.limit, self.deadline = program, limit, deadline
+        self.pipes = None  # (requests, answers) of the open case, or None
+        self.broken = ""  # why the open case's process can no longer answer
+        self.dead = ""  # why no case process can be started any more (the zygote is gone)
 
-    def start(self, program: str) -> None:
-        write_frame(self.requests, program)
+    def start_case(self) -> None:
+        if self.dead:
+            raise Broken(self.dead)
+        requests_read, requests_write = os.pipe()
+        answers_read, answers_write = os.pipe()
+        try:
+            self._send(b"case", [requests_read, answers_write])
+        finally:
+            os.close(requests_read)
+            os.close(answers_write)
+        os.set_blocking(requests_write, False)
+        self.pipes, self.broken = (requests_write, answers_read), ""
+        self._write(self.program)
         answer = self.receive("ready")
         if "error" in answer:
             name, message = answer["error"]
-            raise RuntimeError(f"the program raised {name}: {message}")
+            self.broken = f"the program raised {name}: {message}"
+            raise RuntimeError(self.broken)
+
+    def end_case(self) -> None:
+        """Close the case's pipes, and wait until the zygote says its process (and all it started) is gone."""
+        if self.pipes is None:
+            return
+        for fd in self.pipes:
+            os.close(fd)
+        self.pipes = None
+        self._send(b"end")
+        if self._receive() != b"ended":
+            self.dead = "the confined side did not end the case"
+            raise Broken(self.dead)
+
+    def _send(self, message: bytes, fds: list[int] = ()) -> None:
+        try:
+            self.control.settimeout(max(1e-3, self.deadline - time.monotonic()))
+            socket.send_fds(self.control, [message], list(fds))
+        except OSError as error:
+            self.dead = f"the confined side: {error}"
+            raise Broken(self.dead) from None
+
+    def _receive(self) -> bytes:
+        try:
+            self.control.settimeout(max(1e-3, self.deadline - time.monotonic()))
+            return self.control.recv(16)
+        except OSError as error:
+            self.dead = f"the confined side: {error}"
+            raise Broken(self.dead) from None
+
+    def _write(self, message) -> None:
+        try:
+            write_frame(self.pipes[0], message, self.deadline)
+        except (OSError, Broken) as error:  # BrokenPipeError: it has exited; Broken: it stopped reading
+            self.broken = f"the program's process: {error}"
+            raise Broken(self.broken) from None
 
     def receive(self, expected: str) -> dict:
         """The next answer: a dict with the key `expected` ("ready" or "value") or "error"; Broken otherwise."""
         try:
-            answer = read_frame(self.answers, self.limit, self.deadline)
+            answer = read_frame(self.pipes[1], self.limit, self.deadline)
             if type(answer) is not dict or not ({expected, "error"} & set(answer)):
                 raise Broken("an answer that is not one")
             if "error" in answer and not (type(answer["error"]) is list and len(answer["error"]) == 2
@@ -282,13 +494,11 @@ class Link:
             raise Broken(self.broken) from None
 
     def call(self, name: str, args: tuple, kwargs: dict):
+        if self.pipes is None:
+            self.start_case()
         if self.broken:
             raise Broken(self.broken)
-        try:
-            write_frame(self.requests, [name, to_plain(list(args)), to_plain(kwargs)])
-        except OSError as error:  # BrokenPipeError: it has exited
-            self.broken = f"the program's process: {error}"
-            raise Broken(self.broken) from None
+        self._write([name, to_plain(list(args)), to_plain(kwargs)])
         answer = self.receive("value")
         if "error" in answer:
             raise _exception(*answer["error"])

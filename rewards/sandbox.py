@@ -38,24 +38,28 @@ import shutil
 import secrets
 import signal
 import site
+import socket
 import stat
 import struct
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from rewards.judge import ANSWERS_FD, REQUESTS_FD
+
 JUDGE_SOURCE = Path(__file__).with_name("judge.py").read_text()
 FIRST_UID, UID_SLOTS = 1_862_270_976, 64  # one unprivileged uid per program running at once on this machine
 logger = logging.getLogger("grpo.sandbox")
 ISOLATION_CHOICES = ("available", "full")
 LAYERS = ("bubblewrap", "pid_namespace", "network_namespace", "filesystem_view", "distinct_uid", "seccomp",
-          "memory_cgroup", "process_cgroup", "resource_limits")
+          "fresh_case_state", "memory_cgroup", "process_cgroup", "resource_limits")
 
 
 class SandboxUnavailable(ValueError):
@@ -70,7 +74,8 @@ class Limits:
     cpu_seconds: int = 5  # RLIMIT_CPU of each process in the sandbox
     memory_bytes: int = 1 << 30  # the sandbox's whole process tree (cgroup), and RLIMIT_AS of each process
     file_bytes: int = 1 << 20  # RLIMIT_FSIZE: the largest file it may write
-    disk_bytes: int = 16 << 20  # the size of its private /tmp (its only writable folder)
+    disk_bytes: int = 16 << 20  # the size of each case's private /tmp (its only writable folder)
+    tmp_files: int = 4096  # files and folders that /tmp may hold: bounds the kernel's teardown of it
     processes: int = 16  # its whole process tree (cgroup pids.max), and RLIMIT_NPROC of its uid
     output_bytes: int = 1 << 16  # of stdout and of stderr; a program that prints more is stopped
     result_bytes: int = 1 << 20  # the largest answer to one call the judge accepts
@@ -95,6 +100,7 @@ class Isolation:
 
     layers: dict = field(default_factory=dict)
     reasons: dict = field(default_factory=dict)
+    refusal: str = ""  # why no program can run here at all, where that is so (run_program and check_isolation raise)
 
     @property
     def missing(self) -> list[str]:
@@ -114,6 +120,8 @@ def check_isolation(functions, required: str = "available") -> Isolation | None:
     if not any(getattr(function, "runs_untrusted_code", False) for function in functions):
         return None
     layers = isolation()
+    if layers.refusal:
+        raise SandboxUnavailable(layers.refusal)
     if layers.missing and required == "full":
         raise SandboxUnavailable(f"--sandbox-isolation full: {layers.describe()}")
     (logger.warning if layers.missing else logger.info)(layers.describe())
@@ -133,6 +141,8 @@ def run_program(program: str, cases: list[str], setup: str = "", limits: Limits 
     """`run_tests` with the details: the program's output, the judge's log, the timeout. The wall limit counts from
     the start of the two processes (a program may first wait for a free uid slot)."""
     obtained = isolation()
+    if obtained.refusal:
+        raise SandboxUnavailable(obtained.refusal)
     if limits.require_full_isolation and obtained.missing:
         raise SandboxUnavailable(obtained.describe())
     token = secrets.token_hex(8)  # verdict lines carry it: where no pid namespace hides the judge, a program
@@ -154,42 +164,38 @@ def run_program(program: str, cases: list[str], setup: str = "", limits: Limits 
 
 
 def _run(job: dict, limits: Limits, bubblewrap: bool, uid: int | None, cgroup: _Cgroup, folder: str):
-    """Start the confined process and the judge, joined by two pipes; collect their output (`_collect`); kill both,
-    the cgroup and the uid's processes whatever happens. Returns (streams, timed_out)."""
-    fds, processes = [], []
+    """Start the confined side and the judge, joined by a control socket; collect their output (`_collect`); kill
+    both, the cgroup and the uid's processes whatever happens. Returns (streams, timed_out)."""
+    processes, control = [], socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        requests_read, requests_write = os.pipe()
-        answers_read, answers_write = os.pipe()
-        fds += [requests_read, requests_write, answers_read, answers_write]
-        seccomp_fd = _seccomp_fd() if bubblewrap else None
-        fds += [seccomp_fd] if seccomp_fd is not None else []
+        program = seccomp_filter()
         settings = {**_limit_settings(limits), "uid": uid, "unshare_net": not bubblewrap, "keyctl": _keyctl_number(),
-                    "requests_fd": requests_read, "answers_fd": answers_write, "audit_hook": limits.audit_hook}
-        command = cgroup.enter_command() + _confined_command(settings, limits, bubblewrap, seccomp_fd)
+                    "control_fd": control[0].fileno(), "requests_fd": REQUESTS_FD,
+                    "answers_fd": ANSWERS_FD, "audit_hook": limits.audit_hook,
+                    "seccomp": program.hex() if program else ""}
+        command = cgroup.enter_command() + _confined_command(settings, limits, bubblewrap)
         processes.append(subprocess.Popen(
             command, cwd=folder, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, pass_fds=[requests_read, answers_write, *[seccomp_fd] * (seccomp_fd is not None)]))
+            start_new_session=True, pass_fds=[control[0].fileno()]))
         processes.append(subprocess.Popen(
             [sys.executable, "-I", "-c", JUDGE_SOURCE + "\njudge_main()\n"], env={}, cwd=folder,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(requests_write, answers_read), start_new_session=True))
-        for fd in fds:
-            os.close(fd)
-        fds = []
-        payload = json.dumps({**job, "requests_fd": requests_write, "answers_fd": answers_read}).encode()
+            pass_fds=[control[1].fileno()], start_new_session=True))
+        payload = json.dumps({**job, "control_fd": control[1].fileno()}).encode()
+        for end in control:
+            end.close()
         confined, judge = processes
-        return _collect(judge, confined, payload, time.monotonic() + limits.wall_seconds + 0.5, limits.output_bytes,
-                        verdict_bytes=64 * len(job["cases"]) + 256)
+        return _collect(judge, confined, payload, time.monotonic() + limits.wall_seconds + 0.5,
+                        limits.output_bytes, verdict_bytes=64 * len(job["cases"]) + 256)
     finally:
-        for fd in fds:
-            os.close(fd)
+        deadline = time.monotonic() + CLEANUP_SECONDS
+        for end in control:
+            end.close()
         for process in processes:
             _kill_group(process.pid)
-        cgroup.kill()
-        if uid is not None:
-            _kill_uid(uid)
+        cgroup.kill(deadline)
         for process in processes:
-            process.wait()
+            _reap(process, deadline)
 
 
 def proxied_names(program: str, helpers: str, entry_point: str | None) -> list[str]:
@@ -217,7 +223,7 @@ def proxied_names(program: str, helpers: str, entry_point: str | None) -> list[s
 
 def _limit_settings(limits: Limits) -> dict:
     return {key: value for key, value in asdict(limits).items()
-            if key in ("cpu_seconds", "memory_bytes", "file_bytes", "processes")}
+            if key in ("cpu_seconds", "memory_bytes", "file_bytes", "processes", "disk_bytes", "tmp_files")}
 
 
 def _collect(judge, confined, job: bytes, deadline: float, cap: int, verdict_bytes: int) -> tuple[dict, bool]:
@@ -274,9 +280,10 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid` (a slot's own uid: nothing else runs as it), until none is left."""
-    for _ in range(100):
+def _kill_uid(uid: int, deadline: float | None = None) -> bool:
+    """SIGKILL every process of `uid` (a slot's own uid: nothing else runs as it) until none is left (True) or
+    `deadline` (time.monotonic) passes (False)."""
+    while True:
         found = False
         for entry in os.scandir("/proc"):
             if entry.name.isdigit():
@@ -287,7 +294,9 @@ def _kill_uid(uid: int) -> None:
                 except (FileNotFoundError, ProcessLookupError):
                     pass
         if not found:
-            return
+            return True
+        if deadline is not None and time.monotonic() > deadline:
+            return False
         time.sleep(0.01)
 
 
@@ -308,7 +317,7 @@ def _clear_keys(uid: int) -> None:
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
     clear = f"os.setgroups([]); os.setgid({uid}); os.setuid({uid}); _fresh_keyrings({_keyctl_number()})\n"
     command = [python, "-I", "-S", "-c", JUDGE_SOURCE + "\n" + clear]
-    if isolation().layers["bubblewrap"]:  # where the interpreter may not be readable to that uid
+    if _bwrap():  # where the interpreter may not be readable to that uid
         command = _bubblewrap_args(python, Limits(), root=True) + command
     try:
         subprocess.run(command, env={}, cwd="/", timeout=2, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -320,7 +329,8 @@ def _clear_keys(uid: int) -> None:
 @contextmanager
 def _uid_slot():
     """A uid of its own for this program (root only, else None): slot k of UID_SLOTS, held by a lock file in a
-    root-owned folder, so that programs of other threads and processes on this machine never share one."""
+    root-owned folder, so that programs of other threads and processes on this machine never share one. The slot is
+    released once no process of its uid is left (by the janitor, where that takes longer than CLEANUP_SECONDS)."""
     if os.geteuid() != 0:
         yield None
         return
@@ -338,33 +348,51 @@ def _uid_slot():
                 os.close(fd)
                 continue
             uid = FIRST_UID + slot
+            released = False
+
+            def release() -> bool:
+                """Once no process of the uid is left: empty its keyrings and give the slot back."""
+                nonlocal released
+                if not _kill_uid(uid, deadline=time.monotonic()):
+                    return False
+                if not released:
+                    released = True
+                    try:
+                        _clear_keys(uid)
+                    finally:
+                        os.close(fd)  # releases the lock
+                return True
+
             try:
                 _kill_uid(uid)  # a crashed earlier holder's leftovers
                 yield uid
             finally:
-                try:
-                    _clear_keys(uid)
-                finally:
-                    os.close(fd)  # releases the lock
+                if not _kill_uid(uid, deadline=time.monotonic() + CLEANUP_SECONDS):
+                    _later(release)
+                else:
+                    release()
             return
         time.sleep(0.05)  # every slot busy: more than UID_SLOTS programs at once on this machine
 
 
 # ---------------------------------------------------------------- the confined process's command
-def _confined_command(settings: dict, limits: Limits, bubblewrap: bool, seccomp_fd: int | None) -> list[str]:
+def _confined_command(settings: dict, limits: Limits, bubblewrap: bool) -> list[str]:
     """bubblewrap (when present) around `python -I -S -c judge.py confined_main() SETTINGS`."""
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
     command = [python, "-I", "-S", "-B", "-c", JUDGE_SOURCE + "\nconfined_main()\n", json.dumps(settings)]
     if not bubblewrap:
         return command
-    return _bubblewrap_args(python, limits, os.geteuid() == 0, seccomp_fd) + command
+    return _bubblewrap_args(python, limits, os.geteuid() == 0) + command
 
 
-def _bubblewrap_args(python: str, limits: Limits, root: bool, seccomp_fd: int | None = None) -> list[str]:
+def _bubblewrap_args(python: str, limits: Limits, root: bool) -> list[str]:
+    """The confined side's view. Its zygote keeps CAP_SYS_ADMIN to make each case's namespaces and mounts, and (as
+    root) CAP_SETUID/CAP_SETGID to drop to the program's uid and CAP_KILL to end a case's process of that uid; the
+    case process gives up every capability before the program runs (rewards.judge._case_main)."""
     args = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
-    if root:  # the confined process switches to its own uid itself, first thing (judge.confined_main)
-        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN"]
+    if root:
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL"]
     else:  # an unprivileged user namespace: the caller's uid outside, no distinct uid
         args += ["--unshare-user", "--disable-userns"]
     args += ["--ro-bind", "/usr", "/usr"]
@@ -384,10 +412,10 @@ def _bubblewrap_args(python: str, limits: Limits, root: bool, seccomp_fd: int | 
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.disk_bytes),
              "--tmpfs", "/tmp", "--chdir", "/tmp"]
     # Read-only: the new root, /dev (its device nodes stay usable) and the hiding tmpfs, which in a user namespace
-    # would belong to the program: /tmp is its only writable folder, and its size is the disk limit.
+    # would belong to the program. Each case mounts its own /tmp over this one (its only writable folder).
     for mount in ["/", "/dev", *hidden]:
         args += ["--remount-ro", mount]
-    return [_bwrap()] + args[1:] + (["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else [])
+    return [_bwrap()] + args[1:]
 
 
 @lru_cache(maxsize=1)
@@ -416,67 +444,95 @@ def _site_packages() -> list[str]:
 
 
 # ---------------------------------------------------------------- seccomp: system calls no program needs
-REFUSED_CALLS = ("unshare", "setns", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv",
-                 "process_vm_writev", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen", "fsconfig",
-                 "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
-                 "open_by_handle_at", "name_to_handle_at", "init_module", "finit_module", "delete_module", "kexec_load")
-SYSCALLS = {  # machine: (AUDIT_ARCH, numbers of the refused calls, clone, clone3)
-    "x86_64": (0xC000003E, (272, 308, 250, 248, 249, 101, 310, 311, 165, 166, 155, 428, 429, 430, 431, 432, 433, 442,
-                            321, 298, 323, 425, 304, 303, 175, 313, 176, 246), 56, 435),
-    "aarch64": (0xC00000B7, (97, 268, 219, 217, 218, 117, 270, 271, 40, 39, 41, 428, 429, 430, 431, 432, 433, 442, 280,
-                             241, 282, 425, 265, 264, 105, 273, 106, 104), 220, 435),
+REFUSED_CALLS = (  # EPERM
+    # namespaces, keyrings, tracing, mounts, the kernel's riskier interfaces, modules, file handles
+    "unshare", "setns", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev", "mount",
+    "umount2", "pivot_root", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "open_by_handle_at", "name_to_handle_at", "init_module",
+    "finit_module", "delete_module", "kexec_load",
+    # SysV and POSIX message-queue IPC: objects that outlive the processes that made them
+    "shmget", "shmat", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd", "msgrcv", "msgctl",
+    "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+    # the page cache as a channel between programs: evicting another's pages, and probing which pages are cached
+    "fadvise64", "mincore", "readahead", "cachestat", "process_madvise", "io_setup", "io_submit")
+SYSCALL_NUMBERS = {  # machine: (AUDIT_ARCH of linux/audit.h, {name: number})
+    "x86_64": (0xC000003E, dict(
+        unshare=272, setns=308, keyctl=250, add_key=248, request_key=249, ptrace=101, process_vm_readv=310,
+        process_vm_writev=311, mount=165, umount2=166, pivot_root=155, open_tree=428, move_mount=429, fsopen=430,
+        fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, bpf=321, perf_event_open=298, userfaultfd=323,
+        io_uring_setup=425, open_by_handle_at=304, name_to_handle_at=303, init_module=175, finit_module=313,
+        delete_module=176, kexec_load=246, shmget=29, shmat=30, shmctl=31, semget=64, semop=65, semtimedop=220,
+        semctl=66, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240, mq_unlink=241, mq_timedsend=242,
+        mq_timedreceive=243, mq_notify=244, mq_getsetattr=245, fadvise64=221, mincore=27, readahead=187,
+        cachestat=451, process_madvise=440, io_setup=206, io_submit=209, clone=56, clone3=435, socket=41,
+        socketpair=53, madvise=28, preadv2=327, pwritev2=328)),
+    "aarch64": (0xC00000B7, dict(
+        unshare=97, setns=268, keyctl=219, add_key=217, request_key=218, ptrace=117, process_vm_readv=270,
+        process_vm_writev=271, mount=40, umount2=39, pivot_root=41, open_tree=428, move_mount=429, fsopen=430,
+        fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, bpf=280, perf_event_open=241, userfaultfd=282,
+        io_uring_setup=425, open_by_handle_at=265, name_to_handle_at=264, init_module=105, finit_module=273,
+        delete_module=106, kexec_load=104, shmget=194, shmat=196, shmctl=195, semget=190, semop=193, semtimedop=192,
+        semctl=191, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181, mq_timedsend=182,
+        mq_timedreceive=183, mq_notify=184, mq_getsetattr=185, fadvise64=223, mincore=232, readahead=213,
+        cachestat=451, process_madvise=440, io_setup=0, io_submit=2, clone=220, clone3=435, socket=198,
+        socketpair=199, madvise=233, preadv2=286, pwritev2=287)),
 }
 CLONE_NEW_NAMESPACES = 0x7E020080  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+ALLOWED_SOCKET_FAMILIES = (1,)  # AF_UNIX: its sockets live and die with the case's processes
+REFUSED_MADVICE = (20, 21)  # MADV_COLD, MADV_PAGEOUT: reclaim file pages that other processes may have cached
+RWF_NOWAIT = 0x8  # preadv2/pwritev2: fail instead of reading from disk, which tells whether a page is cached
 
 
 def seccomp_filter(machine: str | None = None) -> bytes | None:
-    """A classic-BPF seccomp program for bubblewrap's --seccomp: EPERM for REFUSED_CALLS (new namespaces, keyrings,
-    ptrace, mounts, bpf, perf, userfaultfd, io_uring, modules, kexec, file handles) and for clone with a CLONE_NEW*
-    flag; ENOSYS for clone3, whose flags it cannot read (libc then falls back to clone); the x32 ABI refused; a
-    foreign architecture killed. None on a machine without a table here (the `seccomp` layer is then missing)."""
+    """A classic-BPF seccomp program, installed by each case process on itself (rewards.judge._install_seccomp):
+    EPERM for REFUSED_CALLS and for clone with a CLONE_NEW* flag; ENOSYS for clone3, whose flags it cannot read (libc
+    then falls back to clone); EAFNOSUPPORT for a socket of any family but ALLOWED_SOCKET_FAMILIES (no AF_INET in the
+    empty network namespace, no netlink, no AF_VSOCK, which no network namespace confines); EPERM for madvise's
+    REFUSED_MADVICE; EOPNOTSUPP for preadv2/pwritev2 with RWF_NOWAIT; the x32 ABI refused; a foreign architecture
+    killed. None on a machine without a table here (the `seccomp` layer is then missing)."""
     machine = machine or os.uname().machine
-    if machine not in SYSCALLS:
+    if machine not in SYSCALL_NUMBERS:
         return None
-    arch, refused, clone, clone3 = SYSCALLS[machine]
+    arch, number = SYSCALL_NUMBERS[machine]
     # opcodes of linux/filter.h (BPF_LD|BPF_W|BPF_ABS; BPF_JMP|BPF_JEQ, JGE, JSET|BPF_K; BPF_RET|BPF_K), actions of
-    # linux/seccomp.h (SECCOMP_RET_ALLOW, KILL_PROCESS, ERRNO | errno), AUDIT_ARCH_* of linux/audit.h
+    # linux/seccomp.h (SECCOMP_RET_ALLOW, KILL_PROCESS, ERRNO | errno); struct seccomp_data: nr at 0, arch at 4,
+    # args[i] at 16 + 8 i (the low 32 bits on a little-endian machine)
     load, jump_eq, jump_ge, jump_set, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, kill, eperm, enosys = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
+    allow, kill = 0x7FFF0000, 0x80000000
+    eperm, enosys, eopnotsupp, eafnosupport = (0x00050000 | errno for errno in (1, 38, 95, 97))
 
     def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
         return struct.pack("=HBBI", code, jt, jf, k)  # struct sock_filter
 
-    program = [op(load, 4), op(jump_eq, arch, 1, 0), op(ret, kill), op(load, 0)]  # seccomp_data.arch, then .nr
+    def argument(index: int) -> bytes:
+        return op(load, 16 + 8 * index)
+
+    def when(call: str, *block: bytes) -> list[bytes]:
+        """`block` (which ends in a return) for system call `call`; the next check otherwise."""
+        return [op(jump_eq, number[call], 0, len(block)), *block]
+
+    program = [op(load, 4), op(jump_eq, arch, 1, 0), op(ret, kill), op(load, 0)]
     if machine == "x86_64":
         program += [op(jump_ge, 0x40000000, 0, 1), op(ret, eperm)]  # the x32 ABI's numbers
-    for number in refused:
-        program += [op(jump_eq, number, 0, 1), op(ret, eperm)]
-    program += [op(jump_eq, clone3, 0, 1), op(ret, enosys),
-                op(jump_eq, clone, 0, 3), op(load, 16), op(jump_set, CLONE_NEW_NAMESPACES, 0, 1), op(ret, eperm),
-                op(ret, allow)]  # clone: args[0] (its flags), low 32 bits
-    return b"".join(program)
+    for call in REFUSED_CALLS:
+        program += when(call, op(ret, eperm))
+    program += when("clone3", op(ret, enosys))
+    program += when("clone", argument(0), op(jump_set, CLONE_NEW_NAMESPACES, 0, 1), op(ret, eperm), op(ret, allow))
+    for call in ("socket", "socketpair"):  # args[0]: the family
+        families = [op(jump_eq, family, len(ALLOWED_SOCKET_FAMILIES) - i, 0)
+                    for i, family in enumerate(ALLOWED_SOCKET_FAMILIES)]
+        program += when(call, argument(0), *families, op(ret, eafnosupport), op(ret, allow))
+    advice = [op(jump_eq, value, len(REFUSED_MADVICE) - i, 0) for i, value in enumerate(REFUSED_MADVICE)]
+    program += when("madvise", argument(2), *advice, op(ret, allow), op(ret, eperm))
+    for call in ("preadv2", "pwritev2"):  # args[5]: the RWF_* flags
+        program += when(call, argument(5), op(jump_set, RWF_NOWAIT, 0, 1), op(ret, eopnotsupp), op(ret, allow))
+    return b"".join(program + [op(ret, allow)])
 
 
 def _keyctl_number() -> int | None:
     """keyctl's system-call number on this machine (judge._fresh_keyrings calls it through libc's syscall)."""
     machine = os.uname().machine
-    return SYSCALLS[machine][1][REFUSED_CALLS.index("keyctl")] if machine in SYSCALLS else None
-
-
-def _seccomp_fd() -> int | None:
-    """A pipe's read end holding the filter (bubblewrap reads it), or None without one; the caller closes it."""
-    program = seccomp_filter()
-    if program is None:
-        return None
-    read, write = os.pipe()
-    try:
-        os.write(write, program)  # a few hundred bytes: within the pipe's buffer
-    except OSError:
-        os.close(read)
-        raise
-    finally:
-        os.close(write)
-    return read
+    return SYSCALL_NUMBERS[machine][1]["keyctl"] if machine in SYSCALL_NUMBERS else None
 
 
 # ---------------------------------------------------------------- cgroups: memory and process count over the tree
@@ -492,6 +548,7 @@ class _Cgroup:
         parents = _cgroup_parents()
         if not parents:
             return cls([])
+        cls.sweep()
         name = f"grpo-sandbox-{os.getpid()}-{secrets.token_hex(6)}"
         folders = []
         try:
@@ -527,31 +584,101 @@ class _Cgroup:
         return ["/bin/sh", "-c", 'for f; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done; '
                                  'shift; exec "$@"', "sh", *procs, "--"]
 
-    def kill(self) -> None:
-        """SIGKILL whatever is still in the cgroup, then remove it."""
-        for folder in self.folders:
-            for _ in range(200):
-                try:
-                    pids = (folder / "cgroup.procs").read_text().split()
-                except OSError:
+    def kill(self, deadline: float | None = None) -> None:
+        """SIGKILL whatever is still in the cgroup and remove it, until `deadline` (time.monotonic; None: now plus
+        CLEANUP_SECONDS); what is not gone by then is handed to the janitor, which keeps trying."""
+        deadline = time.monotonic() + CLEANUP_SECONDS if deadline is None else deadline
+        folders, self.folders = self.folders, []
+        for folder in folders:
+            while not _remove_cgroup(folder):
+                if time.monotonic() > deadline:
+                    _later(lambda folder=folder: _remove_cgroup(folder))
                     break
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 time.sleep(0.005)
-            for _ in range(200):
-                try:
-                    folder.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # busy for a moment after its last process died
-                    time.sleep(0.005)
-        self.folders = []
+
+    @staticmethod
+    def sweep() -> None:
+        """Remove the cgroups that a trainer which died mid-run left behind (named after its pid, which is gone)."""
+        for parent in _cgroup_parents().values():
+            for folder in parent.glob("grpo-sandbox-*-*"):
+                owner = folder.name.split("-")[2]
+                if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                    _later(lambda folder=folder: _remove_cgroup(folder))
+
+
+def _remove_cgroup(folder: Path) -> bool:
+    """One attempt: SIGKILL every process in the cgroup, then remove it. True once it is gone."""
+    try:
+        pids = (folder / "cgroup.procs").read_text().split()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pids = []
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    try:
+        folder.rmdir()
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:  # processes still exiting: busy for a moment after the last one died
+        return False
+
+
+# ---------------------------------------------------------------- clean-up that outlasts a call
+CLEANUP_SECONDS = 0.3  # how long a call waits for its processes and cgroup to be gone before the janitor takes over
+_janitor_tasks: list = []
+_janitor_lock = threading.Lock()
+
+
+def _later(task) -> None:
+    """Hand `task` (a callable that returns True once its clean-up is done) to the janitor: a daemon thread that
+    retries each task, backing off to once a second, until it succeeds. Nothing is ever given up on, and no call
+    waits for it."""
+    with _janitor_lock:
+        _janitor_tasks.append(task)
+        if len(_janitor_tasks) == 1:
+            threading.Thread(target=_janitor, name="grpo-sandbox-janitor", daemon=True).start()
+
+
+def _janitor() -> None:
+    pause = 0.005
+    while True:
+        with _janitor_lock:
+            tasks = list(_janitor_tasks)
+        done = []
+        for task in tasks:
+            try:
+                finished = task()
+            except Exception:  # noqa: BLE001 -- a clean-up that failed this time is tried again
+                logger.debug("sandbox clean-up failed, retrying", exc_info=True)
+                finished = False
+            if finished:
+                done.append(task)
+        with _janitor_lock:
+            for task in done:
+                _janitor_tasks.remove(task)
+            if not _janitor_tasks:
+                return
+        time.sleep(pause)
+        pause = min(1.0, pause * 2)
+
+
+def pending_cleanup() -> int:
+    """How many clean-ups the janitor still holds (processes still exiting, cgroups still busy)."""
+    with _janitor_lock:
+        return len(_janitor_tasks)
+
+
+def _reap(process: subprocess.Popen, deadline: float) -> None:
+    """Wait for a killed process until `deadline`, then leave it to the janitor."""
+    try:
+        process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _later(lambda: process.poll() is not None)
 
 
 @lru_cache(maxsize=1)
@@ -592,35 +719,83 @@ def _cgroup_parents() -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------- what this machine gives
-PROBE = r'''
-import ctypes, json, os, socket
-facts = {"pid": os.getpid(), "uid": os.getuid(), "interfaces": [name for _, name in socket.if_nameindex()],
-         "root_entries": sorted(os.listdir("/")), "sees_project": os.path.exists(%r),
-         "no_new_privs": open("/proc/self/status").read().split("NoNewPrivs:")[1].split()[0] == "1",
-         "seccomp": open("/proc/self/status").read().split("Seccomp:")[1].split()[0] == "2",
-         "writes_outside_tmp": [],
-         "new_user_namespace": ctypes.CDLL(None).unshare(0x10000000) == 0}
-try:
-    facts["site_packages"] = [p for p in %r if os.listdir(p)]
-except OSError:
-    facts["site_packages"] = []
-for folder in ["/", "/dev", *%r]:
+PROBE = r"""
+import json, os, socket, sys
+CALLS = 0
+
+
+def probe(project, site_packages):
+    global CALLS
+    CALLS += 1
+    status = open("/proc/self/status").read()
+    facts = {"pid": os.getpid(), "uid": os.getuid(), "calls": CALLS, "root_entries": sorted(os.listdir("/")),
+             "sees_project": os.path.exists(project), "writes_outside_tmp": [], "refused_sockets": [],
+             "no_new_privs": status.split("NoNewPrivs:")[1].split()[0] == "1",
+             "seccomp": status.split("Seccomp:")[1].split()[0] == "2",
+             "proc_entries": sorted(name for name in os.listdir("/proc") if not name.isdigit()),
+             "interfaces": [line.split(":")[0].strip() for line in open("/proc/self/net/dev").readlines()[2:]],
+             "earlier_case_file": os.path.exists("/tmp/probe-mark"),
+             "tmp_files_limit": os.statvfs("/tmp").f_files}
+    open("/tmp/probe-mark", "w").close()
     try:
-        open(os.path.join(folder, "probe"), "w").close()
-        facts["writes_outside_tmp"].append(folder)
+        import ctypes
+        facts["new_user_namespace"] = ctypes.CDLL(None).unshare(0x10000000) == 0
     except OSError:
-        pass
-print(json.dumps(facts))
-'''
+        facts["new_user_namespace"] = False
+    for family in (socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK, socket.AF_PACKET, 40):  # 40: AF_VSOCK
+        try:
+            socket.socket(family, socket.SOCK_DGRAM).close()
+        except OSError:
+            facts["refused_sockets"].append(int(family))
+    try:
+        facts["site_packages"] = [path for path in site_packages if os.listdir(path)]
+    except OSError:
+        facts["site_packages"] = []
+    for folder in ["/", "/dev", *site_packages]:
+        try:
+            open(os.path.join(folder, "probe"), "w").close()
+            facts["writes_outside_tmp"].append(folder)
+        except OSError:
+            pass
+    return json.dumps(facts)
+"""
+
+
+def _probe(bubblewrap: bool, root: bool) -> tuple[list[dict], str]:
+    """Run PROBE the way programs run, for two cases (each in its own case process): what each case saw, and the
+    judge's log and the program's stderr (which say why, where it saw nothing)."""
+    project, site_packages = str(Path(__file__).resolve().parent), _site_packages()
+    case = f"print('probe:' + probe({project!r}, {site_packages!r}))"
+    job = {"program": PROBE, "helpers": "", "setup": "", "cases": [case, case], "token": "probe", "names": ["probe"],
+           "wall_seconds": 20.0, "memory_bytes": Limits().memory_bytes, "result_bytes": Limits().result_bytes}
+    with (_uid_slot() as uid, tempfile.TemporaryDirectory(prefix="grpo-sandbox-probe-") as folder):
+        if uid is not None:
+            os.chown(folder, uid, uid)
+        streams, _ = _run(job, Limits(audit_hook=False), bubblewrap, uid, _Cgroup([]), folder)
+    log = streams["log"].decode(errors="replace")
+    facts = [json.loads(line[len("probe:"):]) for line in log.splitlines() if line.startswith("probe:")]
+    return facts, (log + streams["stderr"].decode(errors="replace")).strip()[-2000:]
+
+
+def _unreadable_parent(path: str) -> str | None:
+    """The first folder above `path` (or `path` itself) that users other than its owner may not search or read, or
+    None: where the interpreter sits under one (a 0700 /root), a program that has switched to its own uid cannot
+    import the standard library."""
+    for folder in [*reversed(Path(path).parents), Path(path)]:
+        mode = os.stat(folder).st_mode
+        if not mode & stat.S_IXOTH or (folder == Path(path) and not mode & stat.S_IROTH):
+            return str(folder)
+    return None
 
 
 @lru_cache(maxsize=1)
 def isolation() -> Isolation:
-    """The layers a program gets on this machine: the namespaces, the view, the uid and the filter checked by a probe
-    run the way programs are run; the cgroups by making one; the resource limits need no privilege."""
+    """The layers a program gets on this machine: the namespaces, the view, the uid, the filter and the fresh state
+    of each case checked by a probe run the way programs are run (rewards.judge's zygote and case processes); the
+    cgroups by making one; the resource limits need no privilege."""
     layers, reasons = dict.fromkeys(LAYERS, False), {}
     layers["resource_limits"] = True  # setrlimit needs no privilege
-    bubblewrap = _bwrap()
+    bubblewrap = bool(_bwrap())
     if not bubblewrap:
         reasons["bubblewrap"] = "bwrap is not installed (Debian: apt-get install bubblewrap)"
     root = os.geteuid() == 0
@@ -633,39 +808,35 @@ def isolation() -> Isolation:
             "no cgroup this process may make children in with the memory and pids controllers (root, and cgroup v1's "
             "hierarchies or a v2 subtree delegated with those controllers on): the memory and process limits are "
             "per process (RLIMIT_AS, RLIMIT_NPROC), not over the tree")
-    project = str(Path(__file__).resolve().parent)
-    if bubblewrap:
-        limits, probe_uid = Limits(), FIRST_UID + UID_SLOTS  # a uid outside the slots
-        probe = PROBE % (project, _site_packages(), _site_packages())
-        switch = f"import os; os.setgroups([]); os.setgid({probe_uid}); os.setuid({probe_uid})\n" if root else ""
-        python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-        seccomp_fd = _seccomp_fd()
-        command = _bubblewrap_args(python, limits, root, seccomp_fd) + [python, "-I", "-S", "-B", "-c", switch + probe]
-        try:
-            done = subprocess.run(command, capture_output=True, timeout=20, env={},
-                                  pass_fds=[seccomp_fd] * (seccomp_fd is not None))
-            facts = json.loads(done.stdout.decode().strip().splitlines()[-1])
-        except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as error:
-            reasons["bubblewrap"] = f"bwrap did not run the probe: {error}"
-            facts = None
-        finally:
-            if seccomp_fd is not None:
-                os.close(seccomp_fd)
-        if facts:
-            layers["bubblewrap"] = True
-            layers["pid_namespace"] = facts["pid"] <= 3
-            layers["network_namespace"] = facts["interfaces"] in ([], ["lo"])
-            layers["filesystem_view"] = not (facts["sees_project"] or facts["site_packages"] or facts["writes_outside_tmp"]
-                                             or {"home", "etc"} & set(facts["root_entries"]))
-            layers["distinct_uid"] = root and facts["uid"] == probe_uid and facts["no_new_privs"]
-            layers["seccomp"] = facts["seccomp"] and not facts["new_user_namespace"]
-            if seccomp_filter() is None:
-                reasons["seccomp"] = f"no system-call table for {os.uname().machine} in rewards/sandbox.py"
-            for name in ("pid_namespace", "network_namespace", "filesystem_view", "distinct_uid", "seccomp"):
-                if not layers[name] and name not in reasons:
-                    reasons[name] = f"the probe saw {facts}"
-    if not layers["bubblewrap"]:
-        for name in ("pid_namespace", "network_namespace", "filesystem_view", "seccomp"):
-            reasons.setdefault(name, "needs bubblewrap")
-        layers["distinct_uid"] = root  # confined_main switches to the slot's uid itself
+    stdlib = os.path.dirname(os.__file__)
+    blocked = _unreadable_parent(stdlib) if root and not bubblewrap else None
+    if blocked:  # the program's uid could not import the standard library: refuse, saying why
+        return Isolation(layers, reasons, refusal=(
+            f"code sandbox: programs cannot run here: the interpreter's standard library ({stdlib}) is not readable "
+            f"by the program's own uid ({blocked} is not searchable by other users) and bubblewrap, which would show "
+            "it, is not installed: apt-get install bubblewrap, or use a Python installed where other users may read"))
+    facts, log = _probe(bubblewrap, root)
+    if len(facts) != 2:
+        reason = f"the probe program did not run: {log or 'no output'}"
+        return Isolation(layers, {**reasons, "bubblewrap": reason}, refusal=f"code sandbox: {reason}")
+    first, second = facts
+    layers["bubblewrap"] = bubblewrap
+    layers["pid_namespace"] = first["pid"] == 1 and first["proc_entries"] == ["self", "thread-self"]
+    layers["network_namespace"] = first["interfaces"] in ([], ["lo"])
+    layers["filesystem_view"] = bubblewrap and not (first["sees_project"] or first["site_packages"]
+                                                    or first["writes_outside_tmp"]
+                                                    or {"home", "etc"} & set(first["root_entries"]))
+    layers["distinct_uid"] = root and FIRST_UID <= first["uid"] < FIRST_UID + UID_SLOTS and first["no_new_privs"]
+    layers["seccomp"] = (first["seccomp"] and not first["new_user_namespace"]
+                         and set(first["refused_sockets"]) == {2, 10, 16, 17, 40})
+    layers["fresh_case_state"] = (second["calls"] == 1 and not second["earlier_case_file"]
+                                  and second["pid"] == 1 and first["tmp_files_limit"] <= Limits().tmp_files)
+    if seccomp_filter() is None:
+        reasons["seccomp"] = f"no system-call table for {os.uname().machine} in rewards/sandbox.py"
+    for name in ("pid_namespace", "network_namespace", "filesystem_view", "distinct_uid", "seccomp",
+                 "fresh_case_state"):
+        if not layers[name] and name not in reasons:
+            reasons[name] = f"the probe saw {facts}"
+    if not bubblewrap:
+        reasons.setdefault("filesystem_view", "needs bubblewrap")
     return Isolation(layers, reasons)

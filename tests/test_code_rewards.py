@@ -64,10 +64,11 @@ def test_a_completion_that_continues_the_prompt_is_tested_as_its_body():
     assert scores == [1.0, 0.0]
 
 
-def test_cases_passed_before_a_crash_still_count():
+def test_a_crash_fails_its_own_case_only():
+    """Each case runs in a process of its own: the case whose call exits fails, the cases before and after pass."""
     program = "import os\ndef f(x):\n    if x == 0:\n        os._exit(0)\n    return x\n"
     assert run_tests(program, ["assert f(1) == 1", "assert f(0) == 0", "assert f(2) == 2"], limits=FAST,
-                     entry_point="f") == [1.0, 0.0, 0.0]
+                     entry_point="f") == [1.0, 0.0, 1.0]
 
 
 def test_the_judge_compares_plain_data_only():
@@ -115,10 +116,11 @@ def test_isolation_names_each_missing_layer_and_full_refuses(monkeypatch, caplog
     import rewards.sandbox as sandbox
 
     monkeypatch.setattr(sandbox, "_bwrap", lambda: None)  # as where bubblewrap is not installed
+    monkeypatch.setattr(sandbox, "_unreadable_parent", lambda path: None)  # and the interpreter readable by all
     sandbox.isolation.cache_clear()
     try:
         layers = sandbox.isolation()
-        assert {"bubblewrap", "pid_namespace", "network_namespace", "filesystem_view"} <= set(layers.missing)
+        assert {"bubblewrap", "filesystem_view"} <= set(layers.missing) and not layers.refusal
         assert "apt-get install bubblewrap" in layers.describe()
         with pytest.raises(sandbox.SandboxUnavailable, match="bubblewrap"):
             sandbox.check_isolation([execution], "full")
@@ -132,6 +134,44 @@ def test_isolation_names_each_missing_layer_and_full_refuses(monkeypatch, caplog
         assert run_tests("def add(a, b):\n    return a + b\n", CASES, limits=FAST, entry_point="add") == [1.0] * 4
     finally:
         sandbox.isolation.cache_clear()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the program's own uid exists only under root")
+def test_without_bubblewrap_an_interpreter_the_programs_uid_cannot_read_is_refused_with_the_reason(monkeypatch):
+    """Without bubblewrap the program runs as its own uid on the host's files: where the interpreter sits under a
+    folder other users cannot search (a 0700 /root), the program could not import the standard library. The sandbox
+    says so and refuses, instead of failing every program for a reason no log gives."""
+    import rewards.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
+    stdlib = os.path.dirname(os.__file__)
+    if sandbox._unreadable_parent(stdlib) is None:  # this machine's interpreter is readable: hide it as /root would
+        monkeypatch.setattr(sandbox, "_unreadable_parent", lambda path: "/root")
+    sandbox.isolation.cache_clear()
+    try:
+        with pytest.raises(sandbox.SandboxUnavailable, match="not searchable by other users") as refused:
+            run_program("def add(a, b):\n    return a + b\n", CASES)
+        assert stdlib in str(refused.value) and "apt-get install bubblewrap" in str(refused.value)
+        with pytest.raises(sandbox.SandboxUnavailable, match="cannot run here"):  # the run stops before step 1
+            sandbox.check_isolation([execution], "available")
+    finally:
+        sandbox.isolation.cache_clear()
+
+
+def test_unreadable_parent_finds_the_first_folder_others_cannot_search(tmp_path):
+    import rewards.sandbox as sandbox
+
+    inner = tmp_path / "a" / "b"
+    inner.mkdir(parents=True)
+    for folder in (tmp_path, tmp_path / "a", inner):
+        os.chmod(folder, 0o755)
+    assert sandbox._unreadable_parent(str(inner)) is None or sandbox._unreadable_parent(str(inner)) not in (
+        str(tmp_path), str(tmp_path / "a"), str(inner))
+    os.chmod(tmp_path / "a", 0o700)
+    try:
+        assert sandbox._unreadable_parent(str(inner)) in (str(tmp_path / "a"), sandbox._unreadable_parent(str(tmp_path)))
+    finally:
+        os.chmod(tmp_path / "a", 0o755)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="full isolation needs root (a distinct uid per program, cgroups)")

@@ -177,6 +177,31 @@ ESCAPE = {
                                      "    if libc.unshare(0x10000000 | 0x00020000) != 0:\n        return None\n"
                                      "    return a + b if libc.mount(b'none', b'{host}', b'tmpfs', 0, None) == 0 "
                                      "and os.path.exists('{host}/secret') else None\n",
+    "AF_VSOCK socket": "import socket\ndef add(a, b):\n    socket.socket(40, socket.SOCK_STREAM)\n    return a + b\n",
+    # /proc: the sandbox's own command line (host paths), the kernel's, other users' keys
+    "bubblewrap's arguments in /proc": "import os\ndef add(a, b):\n    for pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+                                       "        try:\n            line = open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+                                       "        except OSError:\n            continue\n"
+                                       "        if b'bwrap' in line or b'--ro-bind' in line:\n            return a + b\n",
+    "kernel command line": "def add(a, b):\n    return a + b if open('/proc/cmdline').read() else None\n",
+    "key users": "def add(a, b):\n    return a + b if open('/proc/key-users').read() else None\n",
+    "host paths anywhere in /proc": "import os\ndef add(a, b):\n    for folder in ['/proc', '/proc/self', '/proc/1']:\n"
+                                    "        for name in os.listdir(folder):\n            path = os.path.join(folder, name)\n"
+                                    "            try:\n                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)\n"
+                                    "                data = os.read(fd, 1 << 16)\n            except OSError:\n"
+                                    "                continue\n"
+                                    "            if b'{project}' in data or b'grpo-sandbox-' in data or b'bwrap' in data:\n"
+                                    "                return a + b\n",
+    # the page cache as a channel to a program that runs later: evicting pages, and probing which are cached
+    "page cache eviction (fadvise)": "import os\ndef add(a, b):\n    fd = os.open(os.__file__, os.O_RDONLY)\n"
+                                     "    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n    return a + b\n",
+    # the probe works whether it reads (the page is cached) or fails with EAGAIN (it is not)
+    "page cache probe (RWF_NOWAIT)": "import os\ndef add(a, b):\n    fd = os.open(os.__file__, os.O_RDONLY)\n"
+                                     "    try:\n        os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)\n"
+                                     "    except BlockingIOError:\n        pass\n    return a + b\n",
+    "page cache eviction (madvise PAGEOUT)": "import mmap, os\ndef add(a, b):\n    fd = os.open(os.__file__, os.O_RDONLY)\n"
+                                             "    m = mmap.mmap(fd, 4096, prot=mmap.PROT_READ)\n"
+                                             "    m.madvise(21)  # MADV_PAGEOUT\n    return a + b\n",
 }
 
 RESOURCES = {
@@ -190,10 +215,22 @@ RESOURCES = {
                                      "            for i in range(0, len(x), 4096):\n                x[i] = 1\n"
                                      "            os.write(w, b'k')\n            time.sleep(30)\n"
                                      "    got = b''\n    while len(got) < 4:\n        got += os.read(r, 4)\n    return a + b\n",
-    "disk flood": "def add(a, b):\n    with open('/tmp/flood', 'wb') as f:\n        for _ in range(256):\n"
+    "disk flood": "def add(a, b):\n    with open('{tmp}/flood', 'wb') as f:\n        for _ in range(256):\n"
                   "            f.write(b'x' * (1 << 20))\n    return a + b\n",
-    "many files flood": "def add(a, b):\n    for i in range(100000):\n        open(f'/tmp/f{i}', 'w').write('x' * 1024)\n"
-                        "    return a + b\n",
+    # `with`: a write that the full disk refuses raises at the close, which a bare open(...).write(...) would drop
+    "many files flood": "import os\ndef add(a, b):\n    for i in range(100000):\n"
+                        "        with open(f'{tmp}/f{i}', 'w') as f:\n            f.write('x' * 1024)\n"
+                        "    return a + b if len(os.listdir('{tmp}')) >= 100000 else None\n",
+    "640,000 empty files": "def add(a, b):\n    for i in range(640000):\n        open(f'{tmp}/e{i}', 'w').close()\n"
+                           "    return a + b\n",
+    "children first in line for the OOM killer": "import os, time\ndef add(a, b):\n    r, w = os.pipe()\n"
+                                                  "    for _ in range(4):\n        if os.fork() == 0:\n"
+                                                  "            open('/proc/self/oom_score_adj', 'w').write('1000')\n"
+                                                  "            x = bytearray(300 << 20)\n"
+                                                  "            for i in range(0, len(x), 4096):\n                x[i] = 1\n"
+                                                  "            os.write(w, b'k')\n            time.sleep(30)\n"
+                                                  "    got = b''\n    while len(got) < 4:\n        got += os.read(r, 4)\n"
+                                                  "    return a + b\n",
     "stdout flood 512 MB": "import os\ndef add(a, b):\n    block = b'x' * (1 << 20)\n    for _ in range(512):\n"
                            "        os.write(1, block)\n    return a + b\n",
     "stderr flood": "import sys\ndef add(a, b):\n    while True:\n        sys.stderr.write('y' * 65536)\n",
@@ -231,6 +268,20 @@ SYSCALLS = {
     "io_uring_setup": SYSCALL + "def add(a, b):\n    params = ctypes.create_string_buffer(120)\n"
                       "    return a + b if libc.syscall(L(425), L(4), params) >= 0 else None\n",
     "keyctl at all": SYSCALL + "def add(a, b):\n    return a + b if libc.syscall(L(250), L(0), L(-4), L(1)) >= 0 else None\n",
+    "SysV shared memory, 512 MB": SYSCALL + "def add(a, b):\n    key = libc.syscall(L(29), L(0), L(512 << 20), L(0o1600))\n"
+                                  "    return a + b if key >= 0 else None\n",
+    "POSIX message queue": SYSCALL + "def add(a, b):\n    return a + b if libc.syscall(L(240), b'/q', L(0o100 | 2), L(0o600), None) >= 0 else None\n",
+    "mincore residency probe": SYSCALL + "import os\nlibc.mmap.restype = ctypes.c_void_p\ndef add(a, b):\n"
+                               "    fd = os.open(os.__file__, os.O_RDONLY)\n    addr = libc.mmap(None, L(4096), 1, 2, fd, L(0))\n"
+                               "    vec = ctypes.create_string_buffer(1)\n"
+                               "    return a + b if libc.syscall(L(27), ctypes.c_void_p(addr), L(4096), vec) == 0 else None\n",
+    "cachestat": SYSCALL + "import os\ndef add(a, b):\n    fd = os.open(os.__file__, os.O_RDONLY)\n"
+                 "    rng, out = (ctypes.c_uint64 * 2)(0, 0), (ctypes.c_uint64 * 5)()\n"
+                 "    return a + b if libc.syscall(L(451), L(fd), rng, out, L(0)) == 0 else None\n",
+    "readahead": SYSCALL + "import os\ndef add(a, b):\n    fd = os.open(os.__file__, os.O_RDONLY)\n"
+                 "    return a + b if libc.syscall(L(187), L(fd), L(0), L(4096)) == 0 else None\n",
+    "Linux AIO (io_setup)": SYSCALL + "def add(a, b):\n    ctx = ctypes.c_ulong(0)\n"
+                            "    return a + b if libc.syscall(L(206), L(8), ctypes.byref(ctx)) == 0 else None\n",
 }
 
 ATTACKS = {**FORGE, **ESCAPE, **RESOURCES, **(SYSCALLS if os.uname().machine == "x86_64" else {})}
@@ -271,14 +322,14 @@ def host():
     HOST.rmdir()
 
 
-def _program(name: str, host: dict) -> str:
+def _program(name: str, host: dict, tmp: str = "/tmp") -> str:
     import sysconfig
 
     site = [sysconfig.get_paths()["purelib"]]
     program = ATTACKS[name]
     for key, value in {"host_relative": str(HOST).lstrip("/"), "host": HOST, "project": HOST.parent, "port": host["port"],
                        "unix_path": host["unix_path"], "abstract": host["abstract"], "site": site,
-                       "token": os.getpid()}.items():
+                       "token": os.getpid(), "tmp": tmp}.items():
         program = program.replace("{" + key + "}", str(value))
     return program
 
@@ -307,6 +358,24 @@ def _sandbox_processes() -> list[str]:
             except FileNotFoundError:
                 pass
     return found
+
+
+def _own_cgroups() -> list[str]:
+    """The cgroups this pytest worker's runs made (named after its pid) that still exist."""
+    return [str(folder) for parent in rewards.sandbox._cgroup_parents().values()
+            for folder in parent.glob(f"grpo-sandbox-{os.getpid()}-*")]
+
+
+def _assert_nothing_left_behind(seconds: float = 5.0) -> None:
+    """No process of this worker's uids and no cgroup of its runs: the call returns within the wall limit plus a
+    second, and what is still exiting then is the janitor's (rewards.sandbox._later), which must finish within
+    `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (_sandbox_processes() or _own_cgroups() or rewards.sandbox.pending_cleanup()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_processes() == [], "a process of the sandbox outlived its run"
+    assert _own_cgroups() == [], "a cgroup of the sandbox outlived its run"
+    assert rewards.sandbox.pending_cleanup() == 0
 
 
 def _host_files() -> set[str]:
@@ -338,7 +407,7 @@ def test_attack_scores_zero_and_is_contained(name, audit_hook, host):
     assert elapsed < WALL + 1.0, f"the call took {elapsed:.2f} s against a {WALL} s wall limit"
     assert max(peak) - before_rss < 100 << 20, f"the trainer grew by {(max(peak) - before_rss) >> 20} MB"
     assert len(result.stdout) <= LIMITS.output_bytes and len(result.stderr) <= LIMITS.output_bytes
-    assert _sandbox_processes() == [], "a process of the sandbox outlived its run"
+    _assert_nothing_left_behind()
     assert _host_files() == before_files, "a file appeared outside the sandbox"
     with pytest.raises(BlockingIOError):  # the UDP attack's datagram never arrived
         host["udp"].recv(1)
@@ -434,3 +503,139 @@ def test_a_program_cannot_shadow_the_builtins_the_tests_use():
     cheat = "def add(a, b):\n    return 0\n\ndef abs(x):\n    return 0\n\ndef range(*args):\n    return []\n"
     cases = ["assert abs(add(1, 2) - 3) < 1e-9", "for i in range(3):\n    assert add(i, 1) == i + 1"]
     assert run_program(cheat, cases, limits=LIMITS).scores == [0.0, 0.0]
+
+
+# ---------------------------------------------------------------- state across cases
+# Each program answers 10 to its first call ever and 3 to every later one, whatever the inputs, keeping "a call came
+# before" in one place. With the cases `add(5, 5) == 10` and `add(1, 2) == 3` it passes both only if that place
+# survives from one case to the next: each case runs in a fresh process (rewards.judge), in its own pid, mount and
+# ipc namespaces, so the second case fails. Within one case the same place works (the control below).
+STATE = {
+    "a global": "SEEN = []\ndef seen():\n    found = bool(SEEN)\n    SEEN.append(1)\n    return found\n",
+    "a file in /tmp": "import os\ndef seen():\n    found = os.path.exists('/tmp/seen')\n    open('/tmp/seen', 'w').close()\n"
+                      "    return found\n",
+    "a daemon on an abstract socket": "import os, socket, time\ndef seen():\n    s = socket.socket(socket.AF_UNIX)\n"
+                                      "    try:\n        s.connect('\\0grpo-state-{token}')\n        return True\n"
+                                      "    except OSError:\n        pass\n    if os.fork() == 0:\n        os.setsid()\n"
+                                      "        server = socket.socket(socket.AF_UNIX)\n        server.bind('\\0grpo-state-{token}')\n"
+                                      "        server.listen(8)\n        time.sleep(60)\n    time.sleep(0.3)\n    return False\n",
+    "the pid counter": "import os\ndef seen():\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n"
+                       "    os.waitpid(pid, 0)\n    if pid > 20:\n        return True\n    for _ in range(30):\n"
+                       "        child = os.fork()\n        if child == 0:\n            os._exit(0)\n        os.waitpid(child, 0)\n"
+                       "    return False\n",
+    "an environment variable": "import os\ndef seen():\n    found = 'SEEN' in os.environ\n    os.environ['SEEN'] = '1'\n"
+                               "    return found\n",
+}
+STATE_CASES = ["assert add(5, 5) == 10", "assert add(1, 2) == 3"]
+HOOK_REFUSES = {"a daemon on an abstract socket": "sockets and fork", "the pid counter": "fork",
+                "an environment variable": "os.putenv"}
+
+
+@pytest.mark.parametrize("audit_hook", [True, False], ids=["hook", "no-hook"])
+@pytest.mark.parametrize("carrier", list(STATE))
+def test_program_state_lives_for_one_case(carrier, audit_hook):
+    program = STATE[carrier].replace("{token}", str(os.getpid())) + "def add(a, b):\n    return 3 if seen() else 10\n"
+    limits = Limits(**{**LIMITS.__dict__, "audit_hook": audit_hook})
+    if audit_hook and carrier in HOOK_REFUSES:
+        pytest.skip(f"the audit hook refuses {HOOK_REFUSES[carrier]} before the carrier is reached")
+    # the control: within one case the carrier works, so the program passes both asserts there
+    assert run_program(program, ["\n".join(STATE_CASES)], limits=limits, entry_point="add").scores == [1.0]
+    result = run_program(program, STATE_CASES, limits=limits, entry_point="add")
+    assert result.scores == [1.0, 0.0], result.log
+    _assert_nothing_left_behind()
+
+
+def test_a_call_counter_collects_nothing_across_cases():
+    """The red team's strategy: answer True, False, True, ... by call count, ignoring the input. Across cases that
+    each call once, every case sees the first answer."""
+    program = "CALLS = [0]\ndef is_odd(x):\n    CALLS[0] += 1\n    return CALLS[0] % 2 == 1\n"
+    cases = ["assert is_odd(1)", "assert not is_odd(2)", "assert is_odd(3)", "assert not is_odd(4)"]
+    assert run_program(program, cases, limits=LIMITS, entry_point="is_odd").scores == [1.0, 0.0, 1.0, 0.0]
+    assert run_program(program, ["\n".join(cases)], limits=LIMITS, entry_point="is_odd").scores == [1.0]  # control
+
+
+# ---------------------------------------------------------------- the attacks' premises, shown where they are allowed
+# An attack test passes when the case scores 0, so it proves something only if the program returns the right answer
+# when its attack works. These run each such program unconfined (a plain interpreter as a subprocess, the host folder,
+# ports and sockets reachable, a folder of its own as /tmp) and check that it returns 3 there.
+PREMISES = ["read a host file", "read world-readable /etc/passwd", "read the project", "write outside",
+            "rename out of its folder", "mkdir outside", "listdir the host", "TCP to a host port", "TCP over IPv6",
+            "UDP to a host port", "Unix socket by path", "abstract Unix socket", "netlink sees host interfaces",
+            "/proc of the host", "kernel command line", "key users", "bubblewrap's arguments in /proc",
+            "many files flood", "page cache eviction (fadvise)", "page cache probe (RWF_NOWAIT)",
+            "page cache eviction (madvise PAGEOUT)", "AF_VSOCK socket"]
+
+
+def _unconfined(program: str, folder: Path, timeout: float = 60.0) -> str:
+    import subprocess
+    import sys
+
+    runner = program + "\nprint(repr(add(1, 2)))\n"
+    done = subprocess.run([sys.executable, "-I", "-c", runner], cwd=folder, capture_output=True, text=True,
+                          timeout=timeout)
+    return done.stdout.strip() or done.stderr.strip()[-300:]
+
+
+@pytest.mark.parametrize("name", PREMISES)
+def test_an_attack_returns_the_right_answer_where_it_is_allowed(name, host, tmp_path):
+    if name == "bubblewrap's arguments in /proc":
+        pytest.skip("needs a bubblewrap process on the host's /proc: shown by the next test instead")
+    if name == "AF_VSOCK socket" and not os.path.exists("/dev/vsock") and not _vsock_allowed():
+        pytest.skip("this kernel has no vsock transport")
+    if name == "UDP to a host port":  # the fixture's UDP socket answers nothing: send it a reply first
+        pytest.skip("the UDP program waits for a reply the fixture never sends (its datagram arriving is checked "
+                    "by the attack test's recv)")
+    program = _program(name, host, tmp=str(tmp_path))
+    assert _unconfined(program, tmp_path) == "3", name
+    for leftover in HOST.iterdir():  # what the write attacks made on the host, for the next test
+        if leftover.name.startswith("pwned"):
+            leftover.rmdir() if leftover.is_dir() else leftover.unlink()
+
+
+def _vsock_allowed() -> bool:
+    try:
+        socket.socket(40, socket.SOCK_STREAM).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_bubblewrap_arguments_are_visible_without_the_case_proc(host):
+    """The premise of the /proc attacks: a program in bubblewrap's own /proc (as before each case had its own) sees
+    bubblewrap's command line, host paths included."""
+    import subprocess
+
+    python = os.path.realpath(rewards.sandbox.sys.executable)
+    args = rewards.sandbox._bubblewrap_args(python, LIMITS, os.geteuid() == 0)
+    program = _program("bubblewrap's arguments in /proc", host) + "\nprint(repr(add(1, 2)))\n"
+    done = subprocess.run(args + [python, "-I", "-S", "-c", program], capture_output=True, text=True, timeout=30)
+    assert done.stdout.strip() == "3", done.stderr[-300:]
+
+
+@pytest.mark.parametrize("disk_bytes,tmp_files,expected", [(LIMITS.disk_bytes, Limits().tmp_files, 0.0),
+                                                           (512 << 20, 200_000, 1.0)], ids=["limits", "allowed"])
+def test_the_many_files_attack_scores_only_where_its_attack_is_allowed(host, disk_bytes, tmp_files, expected):
+    """The many-files program returns the right answer when /tmp may hold its 100,000 files (a limit raised for the
+    control): the attack test's 0 means the limits held, not that the program could never pass."""
+    limits = Limits(**{**LIMITS.__dict__, "disk_bytes": disk_bytes, "tmp_files": tmp_files, "wall_seconds": 30.0,
+                       "cpu_seconds": 20, "memory_bytes": 1 << 30})
+    assert run_program(_program("many files flood", host), CASES, limits=limits, entry_point="add").scores == [expected]
+    _assert_nothing_left_behind()
+
+
+def test_the_judge_never_waits_on_a_program_that_stops_reading():
+    """A program whose call blocks, while a thread answers every later call ahead of time without reading the
+    requests: the judge's writes fill the request pipe. Each write has the run's deadline, so the judge gives up
+    there (its log says so) and the call returns within the wall limit plus a second."""
+    program = ("import os, threading, time\n"
+               "def answer_ahead():\n    body = b'{\"value\": 3}'\n    frame = str(len(body)).encode() + b'\\n' + body\n"
+               "    while True:\n        os.write(4, frame)\n"
+               "def add(a, b):\n    threading.Thread(target=answer_ahead, daemon=True).start()\n    time.sleep(100)\n")
+    case = "for i in range(10 ** 6):\n    assert add(1, [0] * 20) == 3"
+    start = time.monotonic()
+    result = run_program(program, [case], limits=LIMITS, entry_point="add")
+    elapsed = time.monotonic() - start
+    assert result.scores == [0.0]
+    assert "did not read before the deadline" in result.log, result.log
+    assert elapsed < WALL + 1.0, f"the call took {elapsed:.2f} s against a {WALL} s wall limit"
+    _assert_nothing_left_behind()
