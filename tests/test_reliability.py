@@ -1,5 +1,7 @@
 """Bad input fails early with a message that names the problem; faults lose nothing."""
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -502,3 +504,66 @@ def test_distributed_checkpoint_saves_every_part_and_reloads_the_optimizer(one_r
     for (m, v), (m0, v0) in zip(state_of(optimizer), saved_moments, strict=True):
         torch.testing.assert_close(m, m0, rtol=0, atol=0)
         torch.testing.assert_close(v, v0, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- a full disk
+PAGE = 4096  # tmpfs counts space in pages
+
+
+def _pages(size: int) -> int:
+    return -(-size // PAGE) * PAGE
+
+
+@contextlib.contextmanager
+def _tmpfs(folder: Path, size: str):
+    """A tmpfs of `size` ("4m") mounted at `folder`: a file system that really fills up. Mounting needs root (and a
+    container that allows it); the test is skipped where it may not."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True) if shutil.which("mount") else None
+    if mounted is None or mounted.returncode != 0:
+        pytest.skip("a full-disk test mounts a small tmpfs, which needs root: "
+                    + (mounted.stderr.strip() if mounted else "no mount command"))
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    with _tmpfs(tmp_path / "disk", "4m") as disk:
+        yield disk
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """Write a file that leaves `leave` bytes (a whole number of pages) free on `disk`; deleting it frees the space."""
+    filler = disk / "filler"
+    filler.write_bytes(bytes(shutil.disk_usage(disk).free - leave))
+    assert shutil.disk_usage(disk).free == leave
+    return filler
+
+
+def test_logs_on_a_full_disk_raise_once_and_a_resume_rewrites_them_whole(small_disk):
+    """metrics.jsonl on a disk that fills up: log() raises ENOSPC, close() does not raise it again (the trainer's
+    error stays the one reported); a resumed logger's truncation, on the still-full disk, fails with the file as it
+    was, and once there is space keeps exactly the lines up to the checkpoint's step (the torn last one dropped)."""
+    from grpo.loop.metrics import MetricsLogger
+
+    run = small_disk / "run"
+    logger = MetricsLogger(run)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward": 0.5, "note": "x" * 500}, console=False)
+    filler = _fill(small_disk, 0)
+    with pytest.raises(OSError) as refused:
+        for step in range(4, 100):
+            logger.log(step, {"reward": 0.5, "note": "x" * 500}, console=False)
+    assert refused.value.errno == errno.ENOSPC
+    logger.close()
+    before = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(OSError):  # dropping step 3 needs a new copy of the file: no space for it
+        MetricsLogger(run, resume_step=2)
+    assert (run / "metrics.jsonl").read_bytes() == before and not list(run.glob("*.tmp"))
+    filler.unlink()
+    MetricsLogger(run, resume_step=2).close()
+    assert [record["step"] for record in read_jsonl(run / "metrics.jsonl")] == [1, 2]
