@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from grpo.cli import config_from_args
+from grpo.cli import config_from_args, resume_command
 
 
 def main(argv=None) -> int:
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
 
     from data import DataError
     from grpo.models import ModelError
-    from grpo.loop.trainer import Trainer, TrainingError
+    from grpo.loop.trainer import DiskFullError, Trainer, TrainingError
     from rewards import RewardError
 
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 prints
@@ -41,6 +41,11 @@ def main(argv=None) -> int:
                   + (f" (resumed at step {trainer.step})" if trainer.resume_from else ""))
         result = trainer.train()
         trainer.world.close()
+    except DiskFullError as error:  # nothing is lost: the run goes on from its last good checkpoint
+        flags = sys.argv[1:] if argv is None else argv
+        command = resume_command(flags, config.output_dir, torchrun="RANK" in os.environ)
+        print(f"error: {error} Free some space, then resume with: {command}", file=sys.stderr)
+        return 1
     except (ValueError, DataError, ModelError, RewardError, TrainingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

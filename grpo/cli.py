@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import types
 import typing
 from pathlib import Path
@@ -149,6 +150,20 @@ def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None =
     if getattr(config, "resume", None) == "":  # `--resume` without a folder: this run's own output folder
         config.resume = config.output_dir
     return config.validate()
+
+
+def resume_command(argv: list[str], output_dir: str, torchrun: bool = False) -> str:
+    """The command that continues a run of train.py: its own flags, with `--resume OUTPUT_DIR` in place of any
+    --resume they held (the run folder's newest complete checkpoint is where it goes on)."""
+    flags, rest = [], list(argv)
+    while rest:
+        flag = rest.pop(0)
+        if flag == "--resume" and rest and not rest[0].startswith("-"):
+            rest.pop(0)  # its folder
+        elif flag != "--resume" and not flag.startswith("--resume="):
+            flags.append(flag)
+    program = "torchrun [the same torchrun options] train.py" if torchrun else "python train.py"
+    return f"{program} {shlex.join([*flags, '--resume', str(output_dir)])}"
 
 
 def cli_reference() -> str:

@@ -1,5 +1,7 @@
 """Bad input fails early with a message that names the problem; faults lose nothing."""
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -502,3 +504,264 @@ def test_distributed_checkpoint_saves_every_part_and_reloads_the_optimizer(one_r
     for (m, v), (m0, v0) in zip(state_of(optimizer), saved_moments, strict=True):
         torch.testing.assert_close(m, m0, rtol=0, atol=0)
         torch.testing.assert_close(v, v0, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- a full disk
+PAGE = 4096  # tmpfs counts space in pages
+
+
+def _pages(size: int) -> int:
+    return -(-size // PAGE) * PAGE
+
+
+@contextlib.contextmanager
+def _tmpfs(folder: Path, size: str):
+    """A tmpfs of `size` ("4m") mounted at `folder`: a file system that really fills up. Mounting needs root (and a
+    container that allows it); the test is skipped where it may not."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True) if shutil.which("mount") else None
+    if mounted is None or mounted.returncode != 0:
+        pytest.skip("a full-disk test mounts a small tmpfs, which needs root: "
+                    + (mounted.stderr.strip() if mounted else "no mount command"))
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    with _tmpfs(tmp_path / "disk", "4m") as disk:
+        yield disk
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """Write a file that leaves `leave` bytes (a whole number of pages) free on `disk`; deleting it frees the space."""
+    filler = disk / "filler"
+    filler.write_bytes(bytes(shutil.disk_usage(disk).free - leave))
+    assert shutil.disk_usage(disk).free == leave
+    return filler
+
+
+# Where the disk fills during the step-4 save: (--distributed, the file being written, whether every file but
+# trainer_state.pt, run_config.json and COMPLETE was written before it, how its writer reports it).
+FULL_AT = {
+    "weights": ("none", "model.safetensors", False, "SafetensorError: Error while serializing: I/O error: No space "
+                "left on device (os error 28)"),  # Rust's io::Error
+    "trainer_state": ("none", "trainer_state.pt", True,
+                      "RuntimeError: [enforce fail at inline_container.cc:"),  # torch's zip writer, no errno (the issue's)
+    "sharded_optimizer": ("ddp", "sharded/__0_0.distcp", False,
+                          "RuntimeError: [enforce fail at inline_container.cc:"),  # the same, in a CheckpointException
+}
+
+
+@pytest.mark.own_kernels
+@pytest.mark.parametrize("full_at", FULL_AT)
+def test_a_disk_full_during_a_checkpoint_stops_with_the_last_good_one_and_resumes_exactly(
+        small_disk, tmp_path, monkeypatch, request, full_at):
+    """The plain save and the distributed one (world size 1 in this process: torch.distributed.checkpoint's
+    sharded/ and rank files, as under torchrun) on a disk that fills up half-way through one of the step-4
+    checkpoint's files: DiskFullError names the disk, the checkpoint, the run folder, what the writer said and the
+    last good checkpoint (step 2), which stays intact; with the space freed, --resume clears the torn .tmp- folder
+    and ends where an uninterrupted run ends, bit for bit."""
+    from grpo.loop import run_state
+    from grpo.loop.trainer import DiskFullError
+
+    mode, target, after_the_rest, writer_error = FULL_AT[full_at]
+    if mode != "none":  # a one-process group, as `torchrun --nproc-per-node 1` makes
+        for name in ("RANK", "LOCAL_RANK"):
+            monkeypatch.setenv(name, "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        request.getfixturevalue("one_rank_group")
+    settings = dict(max_steps=4, save_steps=2, log_completions_steps=1, distributed="auto" if mode == "none" else mode)
+    Trainer(make_config(tmp_path / "straight", **settings)).train()
+    run, straight = small_disk / "run", tmp_path / "straight" / "run"
+    real_save, filled = run_state.save, []
+
+    def save_on_a_filling_disk(run_dir, config, state, *args):
+        if state.step == 4 and not filled:  # the disk fills up half-way through `target` (step 2's sizes)
+            last = run / "checkpoints" / "step-000002"
+            sizes = {p.relative_to(last).as_posix(): p.stat().st_size for p in last.rglob("*") if p.is_file()}
+            before = [name for name in sizes if name not in (target, "run_config.json", "COMPLETE")]
+            leave = sum(_pages(sizes[name]) for name in before) if after_the_rest else 0
+            filled.append(_fill(small_disk, leave + _pages(sizes[target]) // 2 // PAGE * PAGE))
+        return real_save(run_dir, config, state, *args)
+
+    monkeypatch.setattr(run_state, "save", save_on_a_filling_disk)
+    with pytest.raises(DiskFullError) as stopped:
+        Trainer(make_config(small_disk, **settings)).train()
+    message = str(stopped.value)
+    assert message.startswith("the disk is full (No space left on device): could not write checkpoint "
+                              f"checkpoints/step-000004 in the run folder {run} [{writer_error}"), message
+    assert message.endswith(f"]. The last good checkpoint is {run / 'checkpoints' / 'step-000002'}."), message
+    assert "\n" not in message
+    torn = list((run / "checkpoints").glob(".tmp-step-000004-*"))
+    assert len(torn) == 1 and not (torn[0] / "COMPLETE").exists()
+    assert latest_checkpoint(run).name == "step-000002" and load_trainer_state(latest_checkpoint(run))["step"] == 2
+
+    filled[0].unlink()  # space freed
+    Trainer(make_config(small_disk, **settings, resume=str(run))).train()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]  # torn one gone
+    expected, got = read_jsonl(straight / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    for key in ("reward", "loss", "kl", "grad_norm", "learning_rate"):
+        assert [m[key] for m in got] == [m[key] for m in expected], key
+    assert read_jsonl(run / "samples.jsonl") == read_jsonl(straight / "samples.jsonl")
+    weights, want = _final_weights(run), _final_weights(straight)
+    for name in want:
+        assert torch.equal(weights[name], want[name]), name
+
+
+def _enospc(path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+@pytest.mark.own_kernels
+@pytest.mark.parametrize("writes, step", [("metrics.jsonl", 1), ("samples.jsonl", 2), ("eval", 2)])
+def test_a_disk_full_at_the_logs_or_the_evaluation_ends_in_one_error_line(tmp_path, capsys, monkeypatch, writes, step):
+    """ENOSPC (injected) from metrics.jsonl's, samples.jsonl's or eval/'s write: train.py prints one `error:` line
+    naming the disk, what it was writing, the run folder, the last good checkpoint (none before the first save)
+    and the command that resumes; no traceback."""
+    import grpo.loop.trainer
+    import train
+    from grpo.loop.metrics import MetricsLogger
+    from tests.test_load_errors import _run
+
+    run = tmp_path / "run"
+    refused = run / "eval" / "step-000002.json" if writes == "eval" else run / writes
+    owner, method = {"eval": (grpo.loop.trainer, "save_evaluation"), "metrics.jsonl": (MetricsLogger, "log"),
+                     "samples.jsonl": (MetricsLogger, "log_samples")}[writes]
+    real = getattr(owner, method)
+
+    def write(*args, **kwargs):  # (self,) step, ... for the logger; run_dir, step, ... for save_evaluation
+        if args[1] == step:
+            raise _enospc(refused)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, method, write)
+    argv = ["--model", "tiny", "--dataset", "synthetic:8", "--max-steps", "3", "--prompts-per-step", "2",
+            "--num-generations", "2", "--micro-batch-size", "4", "--max-completion-length", "4", "--device", "cpu",
+            "--save-steps", "1", "--log-completions-steps", "1", "--eval-steps", "2", "--eval-limit", "2",
+            "--output-dir", str(run)]
+    err = _run(train.main, argv, capsys)
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    what = {"eval": "eval/step-000002.*"}.get(writes, f"step {step}'s lines of metrics.jsonl and samples.jsonl")
+    last = run / "checkpoints" / "step-000001" if step == 2 else "none (none was saved yet)"
+    assert line == (f"error: the disk is full (No space left on device): could not write {what} in the run folder "
+                    f"{run} [OSError: [Errno 28] No space left on device: '{refused}']. The last good checkpoint is "
+                    f"{last}. Free some space, then resume with: python train.py {' '.join(argv)} --resume {run}")
+
+
+def test_only_a_full_disk_becomes_a_disk_full_error(tmp_path, monkeypatch):
+    """Each way a writer says the disk is full (grpo/loop/disk_full.py), and errors that are something else."""
+    import grpo.loop.disk_full as disk_full
+    from torch.distributed.checkpoint import CheckpointException
+
+    # the nearest folder that exists: the run folder's file system before the run made it
+    assert disk_full.free_bytes(tmp_path / "not" / "made" / "yet") == shutil.disk_usage(tmp_path).free
+
+    def raised(error: BaseException, free: int = 10 << 20) -> BaseException:
+        monkeypatch.setattr(disk_full, "free_bytes", lambda folder: free)
+        try:
+            with disk_full.writing(tmp_path, "a file"):
+                raise error
+        except BaseException as caught:  # noqa: BLE001 - what writing() let through or raised
+            return caught
+
+    def chained(outer: Exception, inner: BaseException) -> Exception:
+        outer.__cause__ = inner
+        return outer
+
+    torch_short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 17280 vs 17172")
+    full = {
+        "ENOSPC": _enospc(tmp_path / "a"),
+        "EDQUOT (a quota)": OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)),
+        "ENOSPC as the cause": chained(RuntimeError("could not save"), _enospc(tmp_path / "a")),
+        "Rust's io::Error": Exception("Error while serializing: I/O error: No space left on device (os error 28)"),
+        "a rank's ENOSPC in torch.distributed.checkpoint": CheckpointException("save", {1: (_enospc(tmp_path), None)}),
+    }
+    for name, error in full.items():
+        assert isinstance(raised(error), disk_full.DiskFullError), name
+    assert "(Disk quota exceeded)" in str(raised(full["EDQUOT (a quota)"]))
+    # torch's zip writer keeps no errno: a full disk only when the folder's file system is (nearly) out of space
+    assert isinstance(raised(torch_short_write, free=0), disk_full.DiskFullError)
+    assert raised(torch_short_write) is torch_short_write
+    dcp_short = CheckpointException("save", {0: (torch_short_write, None)})
+    stopped = raised(dcp_short, free=0)
+    assert f"[RuntimeError: {torch_short_write}]" in str(stopped) and stopped.__cause__ is dcp_short
+    for other in (PermissionError(errno.EACCES, "Permission denied"), RuntimeError("unexpected pos 1 vs 0"),
+                  ValueError("no"), CheckpointException("save", {0: (PermissionError(errno.EACCES, "no"), None)})):
+        assert raised(other) is other, other
+    denied = PermissionError(errno.EACCES, "Permission denied")  # an errno that says what it is, on a full disk
+    assert raised(denied, free=0) is denied
+
+
+def test_the_resume_command_keeps_the_flags_and_resumes_the_run_folder():
+    from grpo.cli import resume_command
+
+    assert resume_command(["--preset", "smoke", "--output-dir", "/mnt/x"], "/mnt/x") == (
+        "python train.py --preset smoke --output-dir /mnt/x --resume /mnt/x")
+    for given in (["--resume"], ["--resume", "runs/a/checkpoints/step-000002"], ["--resume=runs/a"]):  # replaced
+        assert resume_command(["--model", "tiny", *given, "--max-steps", "4"], "runs/a") == (
+            "python train.py --model tiny --max-steps 4 --resume runs/a")
+    assert resume_command(["--output-dir", "my runs/a"], "my runs/a", torchrun=True) == (
+        "torchrun [the same torchrun options] train.py --output-dir 'my runs/a' --resume 'my runs/a'")
+
+
+@pytest.mark.slow
+@pytest.mark.own_kernels  # a subprocess: train.py's own --kernels
+def test_the_smoke_preset_on_a_full_disk_says_so_in_one_line_and_resumes(tmp_path):
+    """The issue's case: `train.py --preset smoke` on a 1.8 MB tmpfs fills it at a checkpoint. One `error:` line,
+    no traceback; the command it prints, run once space is freed, redoes the steps past the last good checkpoint
+    exactly as they first ran (the same metrics lines) and clears the torn .tmp- folder."""
+    import shlex
+
+    with _tmpfs(tmp_path / "disk", "1800k") as disk:
+        run = disk / "run"
+        first = subprocess.run([sys.executable, str(ROOT / "train.py"), "--preset", "smoke", "--output-dir", str(run)],
+                               env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=300)
+        errors = [line for line in first.stderr.splitlines() if line.startswith("error:")]
+        assert first.returncode == 1 and len(errors) == 1 and "Traceback" not in first.stderr, first.stderr[-3000:]
+        last_good = latest_checkpoint(run)
+        assert last_good is not None and list((run / "checkpoints").glob(".tmp-*"))
+        assert "error: the disk is full (No space left on device): could not write checkpoint" in errors[0]
+        assert f"in the run folder {run} [" in errors[0]
+        assert f"The last good checkpoint is {last_good}. Free some space, then resume with: " in errors[0]
+        command = shlex.split(errors[0].split("resume with: ")[1])
+        assert command == ["python", "train.py", "--preset", "smoke", "--output-dir", str(run), "--resume", str(run)]
+        first_lines = read_jsonl(run / "metrics.jsonl")
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)  # space freed
+        resumed = subprocess.run([sys.executable, str(ROOT / "train.py"), *command[2:]], env=_env(),
+                                 capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert not list((run / "checkpoints").glob(".tmp-*"))
+        lines = read_jsonl(run / "metrics.jsonl")
+        assert [m["step"] for m in lines] == list(range(1, 31))
+        for key in ("reward", "loss", "kl", "grad_norm"):  # the steps redone after the last good checkpoint
+            assert [m[key] for m in lines] == [m[key] for m in first_lines], key
+
+
+def test_logs_on_a_full_disk_raise_once_and_a_resume_rewrites_them_whole(small_disk):
+    """metrics.jsonl on a disk that fills up: log() raises ENOSPC, close() does not raise it again (the trainer's
+    error stays the one reported); a resumed logger's truncation, on the still-full disk, fails with the file as it
+    was, and once there is space keeps exactly the lines up to the checkpoint's step (the torn last one dropped)."""
+    from grpo.loop.metrics import MetricsLogger
+
+    run = small_disk / "run"
+    logger = MetricsLogger(run)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward": 0.5, "note": "x" * 500}, console=False)
+    filler = _fill(small_disk, 0)
+    with pytest.raises(OSError) as refused:
+        for step in range(4, 100):
+            logger.log(step, {"reward": 0.5, "note": "x" * 500}, console=False)
+    assert refused.value.errno == errno.ENOSPC
+    logger.close()
+    before = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(OSError):  # dropping step 3 needs a new copy of the file: no space for it
+        MetricsLogger(run, resume_step=2)
+    assert (run / "metrics.jsonl").read_bytes() == before and not list(run.glob("*.tmp"))
+    filler.unlink()
+    MetricsLogger(run, resume_step=2).close()
+    assert [record["step"] for record in read_jsonl(run / "metrics.jsonl")] == [1, 2]

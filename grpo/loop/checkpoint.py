@@ -20,7 +20,8 @@ from model.safetensors and the optimizer from trainer_state.pt or sharded/, so a
 number of processes resumes on any other number (the optimizer state is resharded by torch.distributed.checkpoint).
 
 A kill at any moment leaves either the previous checkpoints untouched or the new one complete:
-a half-written folder keeps its `.tmp-` name and is ignored (and cleaned up by the next save).
+a half-written folder keeps its `.tmp-` name and is ignored (and cleaned up by the next save). A save that a full
+disk refused ends the same way; the trainer reports it as one error (grpo.loop.disk_full).
 """
 
 from __future__ import annotations

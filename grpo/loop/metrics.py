@@ -3,13 +3,15 @@
 when WANDB_MODE=offline or no API key is configured: the run is kept in RUN_DIR/wandb for `wandb sync`).
 
 metrics.jsonl and samples.jsonl are appended and flushed line by line, so they survive a crash; a
-resumed run first drops any line past its checkpoint's step, so no step appears twice.
+resumed run first drops any line past its checkpoint's step (and a torn last line), so no step appears twice.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from pathlib import Path
 
 from tqdm import tqdm
@@ -18,18 +20,27 @@ from grpo.algorithm.advantages import reward_function_stats
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Keep only the lines of a JSONL file whose `step` is <= step (and drop a torn last line)."""
+    """Keep only the lines of a JSONL file whose `step` is <= step (and drop a torn last line). The kept lines
+    replace the file atomically, so a disk that fills up meanwhile leaves it as it was."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
+    text = path.read_text()
+    lines, kept = text.splitlines(), []
+    for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut by a crash
+            continue  # a line cut by a crash or a full disk
         if record.get("step", 0) <= step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    if not text or (kept == lines and text.endswith("\n")):
+        return  # nothing to drop
+    rewritten = path.with_name(path.name + ".tmp")
+    try:
+        rewritten.write_text("".join(line + "\n" for line in kept))
+        os.replace(rewritten, path)
+    finally:
+        rewritten.unlink(missing_ok=True)  # left only by a failed write
 
 
 def _clean(value):
@@ -133,8 +144,12 @@ class MetricsLogger:
         self._samples.flush()
 
     def close(self) -> None:
-        self._metrics.close()
-        self._samples.close()
+        for handle in (self._metrics, self._samples):
+            try:
+                handle.close()  # closed even when this raises
+            except OSError as error:  # the unwritten rest of a line a full disk refused: log() raised it already
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
         self.backend.close()
 
 

@@ -7,6 +7,7 @@
               (-> grpo.algorithm.advantages, grpo.algorithm.logprobs, grpo.algorithm.loss)
     log       metrics.jsonl, samples.jsonl, console             grpo.loop.metrics
     save      atomic checkpoint every save_steps and at the end  grpo.loop.run_state, grpo.loop.checkpoint
+A full disk at any write into the run folder stops the run with DiskFullError (grpo.loop.disk_full).
 
 `train()` is the loop and `train_step()` one step of it; `__init__` sets up the run (grpo.loop.setup), which also
 chooses the log-prob, loss and sampling functions once (--kernels). The Trainer holds what the run owns; the
@@ -33,8 +34,9 @@ from tqdm import tqdm
 from grpo.loop import run_state, setup
 from grpo.loop.async_rollouts import (BackgroundRollouts, GenerationError, ProcessRollouts, generation_loop, is_stale,
                                       split_world, steps_ahead)
-from grpo.loop.checkpoint import latest_checkpoint, load_trainer_state
+from grpo.loop.checkpoint import CHECKPOINTS, latest_checkpoint, load_trainer_state
 from grpo.config import GRPOConfig
+from grpo.loop.disk_full import DiskFullError, writing
 from grpo.loop.distributed import World, gathered, init_world, resolve_mode, wrap_model
 from grpo.loop.dynamic_sampling import keep_informative_groups
 from grpo.loop.evaluation import evaluate, make_scorer, save_evaluation
@@ -77,17 +79,18 @@ class Trainer:
         stop_at = min(until_step or self.total_steps, self.total_steps)
         if self.generating:  # a generation process under torchrun: sample until the training ranks stop it
             return self._generate(stop_at)
-        if main:  # rank 0 writes the run's files; every rank trains
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "run_config.json").write_text(json.dumps(self.run_record(), indent=2))
-        metrics_logger = (MetricsLogger(self.run_dir, cfg.report_to, config=self.run_record(),
-                                        resume_step=self.step if self.resume_from else None) if main else None)
         handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        first_reward = last_reward = None
+        first_reward = last_reward = metrics_logger = rollouts = None
         bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", dynamic_ncols=True, disable=not main)
         stopping = False
-        rollouts = self._start_rollouts(stop_at) if cfg.max_staleness is not None else None
-        try:
+        try:  # every write into the run folder runs in `writing`: a full disk stops the run with one error
+            if main:  # rank 0 writes the run's files; every rank trains
+                with writing(self.run_dir, "run_config.json, metrics.jsonl and samples.jsonl"):
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                    (self.run_dir / "run_config.json").write_text(json.dumps(self.run_record(), indent=2))
+                    metrics_logger = MetricsLogger(self.run_dir, cfg.report_to, config=self.run_record(),
+                                                   resume_step=self.step if self.resume_from else None)
+            rollouts = self._start_rollouts(stop_at) if cfg.max_staleness is not None else None
             while self.step < stop_at and not stopping:
                 threads = self.cpu_threads.adjust()  # the cores other processes left idle (grpo/loop/threads.py)
                 # sample -> reward -> advantage -> reference/old log-probs -> loss and update
@@ -101,12 +104,13 @@ class Trainer:
                 if cfg.eval_steps and (self.step % cfg.eval_steps == 0 or self.step == self.total_steps):
                     metrics.update(self.run_eval())
                 if main:
-                    metrics_logger.log(self.step, metrics,
-                                       console=self.step % cfg.logging_steps == 0 or self.step == self.total_steps)
-                    if cfg.log_completions_steps and self.step % cfg.log_completions_steps == 0:
-                        names = [spec.name for spec in self.rewards]
-                        metrics_logger.log_samples(self.step, group_samples(prompts, texts, rollout.rewards_per_func,
-                                                                            names, cfg.num_generations))
+                    with writing(self.run_dir, f"step {self.step}'s lines of metrics.jsonl and samples.jsonl"):
+                        metrics_logger.log(self.step, metrics,
+                                           console=self.step % cfg.logging_steps == 0 or self.step == self.total_steps)
+                        if cfg.log_completions_steps and self.step % cfg.log_completions_steps == 0:
+                            names = [spec.name for spec in self.rewards]
+                            metrics_logger.log_samples(self.step, group_samples(
+                                prompts, texts, rollout.rewards_per_func, names, cfg.num_generations))
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl') or 0:.4f}",
                                 len=f"{metrics['completions/mean_length']:.0f}")
@@ -115,9 +119,9 @@ class Trainer:
                     self._stop_signal = "a signal to another rank"
                 if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == stop_at or stopping:
                     self.save()
-        except TrainingError as error:
-            raise TrainingError(f"{error} The last good checkpoint is "
-                                f"{latest_checkpoint(self.run_dir) or 'none (none was saved yet)'}.") from None
+        except TrainingError as error:  # a DiskFullError too: it stays one (train.py adds how to resume)
+            raise type(error)(f"{error} The last good checkpoint is "
+                              f"{latest_checkpoint(self.run_dir) or 'none (none was saved yet)'}.") from error.__cause__
         finally:
             if rollouts is not None:  # rollouts sampled ahead are discarded (resume samples them again)
                 rollouts.close()
@@ -259,13 +263,16 @@ class Trainer:
                                         chat_template_kwargs=self.template_kwargs, environments=self.played,
                                         reward_specs=self.rewards)
         if self.world.is_main:
-            save_evaluation(self.run_dir, self.step, records, summary)
+            with writing(self.run_dir, f"eval/step-{self.step:06d}.*"):
+                save_evaluation(self.run_dir, self.step, records, summary)
         return {f"eval/{key}": value for key, value in summary.items()}
 
     def save(self) -> Path:
-        """An atomic checkpoint of the run at its current step; returns its folder."""
-        return run_state.save(self.run_dir, self.config, self.state, self.models, self.optimizer, self.scheduler,
-                              self.world, self.tokenizer, self.run_record())
+        """An atomic checkpoint of the run at its current step; returns its folder. A full disk raises
+        DiskFullError and leaves the previous checkpoints as they were."""
+        with writing(self.run_dir, f"checkpoint {CHECKPOINTS}/step-{self.step:06d}"):
+            return run_state.save(self.run_dir, self.config, self.state, self.models, self.optimizer, self.scheduler,
+                                  self.world, self.tokenizer, self.run_record())
 
     def run_record(self) -> dict:
         """The settings and what actually ran (run_config.json, and each checkpoint's)."""
@@ -382,4 +389,4 @@ class Trainer:
             self.state.step = load_trainer_state(self.resume_from)["step"]
 
 
-__all__ = ["Trainer", "TrainingError", "Rollout"]
+__all__ = ["Trainer", "TrainingError", "DiskFullError", "Rollout"]
