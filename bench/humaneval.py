@@ -5,7 +5,7 @@
 
 1. eval.py, greedy, on humaneval's test split (data/humaneval.py: 40 problems), scored by rewards.code:passed_all
    (pass@1: every test case passed; tests_passed: the share of cases);
-2. train.py on the 124 train problems with rewards execution (share of cases passed, rewards/sandbox.py), syntax:0.25
+2. train.py on the 121 train problems with rewards execution (share of cases passed, rewards/sandbox.py), syntax:0.25
    and safety:0.5 (a -1 penalty for process, network or file-system calls);
 3. eval.py again on the last checkpoint. Prints both summaries and the per-step rewards.
 """

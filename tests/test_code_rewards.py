@@ -196,17 +196,20 @@ def test_humaneval_rows_split_their_checks_into_cases():
     from data.humaneval import load_humaneval, split_check
 
     train, test = load_humaneval("train"), load_humaneval("test")
-    assert (len(train), len(test)) == (124, 40)
+    assert (len(train), len(test)) == (121, 40)  # 124 / 40, less /34, /95 and /154 (tests/test_strategies.py)
     assert not {r["task_id"] for r in train} & {r["task_id"] for r in test}
     test = ("import math\n\ndef check(candidate):\n    x = 2\n    assert candidate(x) == 4\n"
             "    assert True, 'not a case'\n    assert not candidate(0)\n    assert candidate(1) == 2\n"
             "    assert abs(candidate(3) - 6.0) < 1e-6\n    assert candidate(5) is None\n")
-    setup, cases = split_check(test, "double", "def double(x):\n    return 2 * x\n")
-    assert setup == "import math\ncandidate = double\ndef double(x):\n    return 2 * x\n"
-    # The constants: DEFAULT_CONSTANTS and the literals compared with (4, 2, 1e-06, None). The constant 4 passes
-    # `candidate(x) == 4`, so that case waits; `assert True` calls no candidate and is no case; `not candidate(0)`
-    # fails 4: one case of the three. `candidate(1) == 2` is passed by 2, which `abs(candidate(3) - 6.0) < 1e-06`
-    # fails: a second case; `is None` at the end, passed by None, joins it.
+    prompt = 'def double(x):\n    """Twice x."""\n'
+    setup, cases = split_check(test, "double", prompt + "    return 2 * x\n", prompt)
+    assert setup == 'import math\ncandidate = double\ndef double(x):\n    """Twice x."""\n    return 2 * x\n'
+    # The strategies (data.strategies): DEFAULT_CONSTANTS and the check's literals (2, 4, 0, 1, 3, 6.0, 1e-06, 5,
+    # None, 'not a case', True), the call counts from 0 and 1, the alternating booleans, the first argument. Of
+    # these only the constant 4 passes `candidate(x) == 4` (the others answer 2, 0, 1, True or False), so that case
+    # waits; `assert True` calls no candidate and is no case; `not candidate(0)` fails 4: one case of the three.
+    # `candidate(1) == 2` is passed by the constant 2 alone (the others answer 1, 0, 1, True or False), which
+    # `abs(candidate(3) - 6.0) < 1e-06` fails: a second case; `is None` at the end, passed by None, joins it.
     assert cases == ["x = 2\nassert candidate(x) == 4\nassert True, 'not a case'\nassert not candidate(0)",
                      "assert candidate(1) == 2\nassert abs(candidate(3) - 6.0) < 1e-06\nassert candidate(5) is None"]
 
