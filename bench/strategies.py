@@ -14,6 +14,12 @@ program runs, no sandbox), under
 For each: the mean over the 164 problems of the best strategy's share of cases (a problem the cut leaves without a
 case pays nothing), the problems above 0, the same for each sequence alone and for the best constant, and each
 problem above 0 with the cases its best strategy passes (numbered from 0) and that strategy's name.
+
+    python bench/strategies.py --sandbox                         # (c): every strategy as a program, sandboxed
+
+(c) runs every strategy of every problem as a program (data.strategies.strategy_program) through the execution
+reward itself (rewards.code.execution: the sandbox and its judge, two programs at once), so what it prints is what a
+policy writing those programs would be paid.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.strategies import replay, strategy_family  # noqa: E402
+from data.strategies import replay, strategy_family, strategy_program  # noqa: E402
 
 
 def load_cut(path: Path):
@@ -52,6 +58,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cut", type=Path, default=ROOT / "data" / "humaneval.py",
                         help="a version of data/humaneval.py whose humaneval_row cuts the cases")
+    parser.add_argument("--sandbox", action="store_true",
+                        help="also run every strategy as a program through the execution reward (minutes)")
     args = parser.parse_args(argv)
     cut = load_cut(args.cut)
     problems = cut._problems()
@@ -77,7 +85,28 @@ def main(argv=None) -> int:
         for row, name, cases in above:
             print(f"  {row['task_id']}: {share(cases):.3f} ({sum(cases)} of {len(cases)} cases: "
                   f"{', '.join(str(index) for index, ok in enumerate(cases) if ok)}) by {name}")
+    if args.sandbox:
+        sandboxed(rows, families)
     return 0
+
+
+def sandboxed(rows: list[dict], families: list) -> None:
+    """(c): each problem's best strategy, every strategy run as a program through the execution reward."""
+    from rewards.code import execution
+
+    start, best = time.perf_counter(), []
+    for row, family in zip(rows, families, strict=True):
+        if not row["tests"]:
+            best.append((0.0, "(no case)"))
+            continue
+        programs = [f"```python\n{strategy_program(row['entry_point'], strategy)}```" for strategy in family]
+        columns = {key: [row[key]] * len(programs) for key in ("tests", "setup", "prompt_code", "entry_point")}
+        scores = execution(None, programs, **columns)
+        best.append(max(zip(scores, (strategy.name for strategy in family))))
+    above = [(row["task_id"], score, name) for row, (score, name) in zip(rows, best, strict=True) if score > 0]
+    print(f"(c) sandboxed, {sum(map(len, families))} programs in {time.perf_counter() - start:.0f} s: the best "
+          f"strategy's reward, mean over the {len(rows)} problems {statistics.mean(s for s, _ in best):.4f}; "
+          f"{len(above)} problems above 0" + "".join(f"\n  {task}: {score:.3f} by {name}" for task, score, name in above))
 
 
 SEQUENCES = ("call count from 0", "call count from 1", "alternate True, False", "alternate False, True",

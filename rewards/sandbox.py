@@ -2,26 +2,31 @@
 
     run_tests(program, cases, setup, limits, helpers=..., entry_point=...) -> [1.0 or 0.0 per case]
 
-Each run starts two processes (rewards/judge.py holds the code of both):
+Each run starts two processes (rewards/judge.py holds the code of both), joined by a control socket:
 
-    confined   the model's program, inside bubblewrap (a maintained sandbox tool, Debian's `bubblewrap`):
-               new pid, network, ipc and uts namespaces; a read-only view of the interpreter and the system
-               libraries only (site-packages hidden, no project folder, no /etc, no host /tmp or /dev/shm), a
-               private size-capped tmpfs as /tmp; no new privileges; a seccomp filter (no new namespaces, keyrings,
-               ptrace, mounts, bpf, io_uring); a distinct unprivileged uid for each program running at once (when
-               started as root); RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC; and a memory and process-count
-               limit over its whole process tree (a cgroup, when one can be made)
+    confined   inside bubblewrap (a maintained sandbox tool, Debian's `bubblewrap`): new pid, network, ipc and uts
+               namespaces; a read-only view of the interpreter and the system libraries only (site-packages hidden, no
+               project folder, no /etc, no host /tmp or /dev/shm); no new privileges; a distinct unprivileged uid for
+               each program running at once (when started as root); a memory and process-count limit over its whole
+               process tree (a cgroup, when one can be made). Its first process, the zygote, runs only trusted code: for
+               each test case it forks a case process into new pid, mount and ipc namespaces with its own /tmp (a
+               size- and file-capped tmpfs) and /proc, which sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE and
+               RLIMIT_NPROC, drops to the uid, installs the seccomp filter (seccomp_filter) and only then imports the
+               program and answers that case's calls. A program's state lives for one case.
     judge      trusted: the task's helpers, setup and test cases, with the functions the tests call as proxies
-               into the confined process. What comes back is plain data, compared here.
+               into the case's process. What comes back is plain data, compared here.
 
 The trainer reads every output pipe with a cap while it streams and kills both processes (and everything in the
-sandbox's pid namespace and cgroup) at the wall deadline, so a call returns within `wall_seconds` plus about a
-second at most (the clean-up) whatever the program does, and never raises for anything the program does.
+sandbox's pid namespace and cgroup) at the wall deadline; every write of the judge has that deadline too. A call
+returns within `wall_seconds` plus about a second at most whatever the program does, and never raises for anything
+the program does; clean-up that takes longer (processes still exiting, a cgroup still busy) goes on in a janitor
+thread that never gives up (`_later`).
 
-`isolation()` says which layers this machine gives (most checked by running a probe in the sandbox); where
+`isolation()` says which layers this machine gives (checked by running a probe program the way programs run); where
 one is missing (no bubblewrap, not root, no writable cgroup), programs still run with what there is, the run's
 first log line names what is missing, and `Limits(require_full_isolation=True)` (`--sandbox-isolation full`)
-refuses to run them instead. docs/tools.md says what each missing layer leaves unstopped.
+refuses to run them instead; where no program can run at all (`Isolation.refusal`), every run refuses with the
+reason. docs/tools.md says what each missing layer leaves unstopped.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ class Limits:
     """What one program may use."""
 
     wall_seconds: float = 10.0  # the whole run, every case included; the trainer kills everything then
-    cpu_seconds: int = 5  # RLIMIT_CPU of each process in the sandbox
+    cpu_seconds: int = 5  # over all its cases: each case process's RLIMIT_CPU is what the earlier cases left
     memory_bytes: int = 1 << 30  # the sandbox's whole process tree (cgroup), and RLIMIT_AS of each process
     file_bytes: int = 1 << 20  # RLIMIT_FSIZE: the largest file it may write
     disk_bytes: int = 16 << 20  # the size of each case's private /tmp (its only writable folder)

