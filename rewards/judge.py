@@ -161,8 +161,9 @@ def confined_main() -> None:
         b"end"                   kill the case process and everything it started; reply b"ended" once all are gone
         end of the socket        the judge is done (or dead): kill the case, exit
 
-    `cpu_seconds` is the program's CPU time over all its cases: each case process gets what earlier cases left (its
-    RLIMIT_CPU), and once nothing is left, a case is not started (its pipes are closed at once)."""
+    `cpu_seconds` bounds the program's CPU time over all its cases: each case process has it as its RLIMIT_CPU (the
+    same for every case, so that no case reads what earlier ones spent), and once the cases together have used it, no
+    further case is started (its pipes are closed at once)."""
     settings = json.loads(sys.argv[1])
     control = socket.socket(fileno=settings["control_fd"])
     case, spent = None, 0.0  # (the case supervisor's pid, the write end of its stop pipe); CPU seconds used
@@ -174,9 +175,8 @@ def confined_main() -> None:
         if case is not None and message != b"case":
             spent += _end_case(*case)
             case = None
-        left = settings["cpu_seconds"] - spent
-        if message == b"case" and len(fds) == 2 and case is None and left >= 0.01:
-            case = _start_case({**settings, "cpu_seconds": math.ceil(left)}, control, fds)
+        if message == b"case" and len(fds) == 2 and case is None and spent < settings["cpu_seconds"]:
+            case = _start_case(settings, control, fds)
         elif message == b"case":
             os.write(2, f"sandbox: a case not run: the program's {settings['cpu_seconds']} s of CPU time are used "
                         "up\n".encode())
@@ -210,21 +210,38 @@ def _end_case(pid: int, stop_write: int) -> float:
 
 def _supervise_case(settings: dict, pipes: list[int], stop_read: int) -> None:
     """Trusted, as root where the trainer is: new pid, mount and ipc namespaces for the case (and a network namespace
-    where no bubblewrap made one), then the case process as their pid 1; kill it when the stop pipe ends. A pid
-    namespace ends with its pid 1: every process the case started dies with it, before waitpid returns."""
+    where no bubblewrap made one), then the case process as their pid 1, with stdout and stderr pipes of its own whose
+    output this process copies to the run's (so that nothing a case sets on an open file -- a pipe's size, O_NONBLOCK
+    -- reaches the next case); kill it when the stop pipe ends. A pid namespace ends with its pid 1: every process the
+    case started dies with it, before waitpid returns."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | (CLONE_NEWNET if settings["unshare_net"] else 0)
     namespaces = libc.unshare(flags) == 0  # needs CAP_SYS_ADMIN (root, or bubblewrap's user namespace)
+    outputs = {1: os.pipe(), 2: os.pipe()}  # the case's stdout and stderr: (read end, write end)
     pid = os.fork()
     if pid == 0:
         os.close(stop_read)
+        for fd, (read, write) in outputs.items():
+            os.close(read)
+            os.dup2(write, fd)
         _case_main(settings, pipes, namespaces)
-    for fd in pipes:
+    for fd in [*pipes, *(write for _, write in outputs.values())]:
         os.close(fd)
+    reads = {read: fd for fd, (read, _) in outputs.items()}
     try:
-        select.select([stop_read, os.pidfd_open(pid)], [], [])
+        pidfd = os.pidfd_open(pid)
+        while True:
+            ready = select.select([stop_read, pidfd, *reads], [], [])[0]
+            for read in [read for read in ready if read in reads]:
+                chunk = os.read(read, 1 << 16)
+                if chunk:
+                    os.write(reads[read], chunk)  # the trainer reads the run's pipes without pause, with a cap
+                else:
+                    del reads[read]
+            if stop_read in ready or (pidfd in ready and not reads):
+                break
     finally:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -261,6 +278,7 @@ def _case_main(settings: dict, pipes: list[int], namespaces: bool) -> None:
         requests, answers = (os.dup(fd) for fd in pipes)  # above 4, so that dup2 below overwrites neither
         os.dup2(requests, REQUESTS_FD)
         os.dup2(answers, ANSWERS_FD)
+        os.dup2(os.open("/dev/null", os.O_RDONLY), 0)  # its own open file, as stdout and stderr are its own pipes
         os.closerange(ANSWERS_FD + 1, 1 << 16)  # the zygote's control socket, the stop pipe, anything else
         for name, value in (("RLIMIT_CPU", settings["cpu_seconds"]), ("RLIMIT_AS", settings["memory_bytes"]),
                             ("RLIMIT_FSIZE", settings["file_bytes"]), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0),

@@ -525,7 +525,19 @@ STATE = {
                        "    return False\n",
     "an environment variable": "import os\ndef seen():\n    found = 'SEEN' in os.environ\n    os.environ['SEEN'] = '1'\n"
                                "    return found\n",
+    # what a case sets on an open file the next case would share (an outside red team's finds)
+    "the stderr pipe's size": "import fcntl\ndef seen():\n    found = fcntl.fcntl(2, 1032) == 8192  # F_GETPIPE_SZ\n"
+                              "    fcntl.fcntl(2, 1031, 8192)  # F_SETPIPE_SZ\n    return found\n",
+    "O_NONBLOCK on stdout": "import os\ndef seen():\n    found = not os.get_blocking(1)\n    os.set_blocking(1, False)\n"
+                            "    return found\n",
+    "O_NONBLOCK on stdin": "import os\ndef seen():\n    found = not os.get_blocking(0)\n    os.set_blocking(0, False)\n"
+                           "    return found\n",
+    # the CPU time earlier cases spent, were each case's RLIMIT_CPU what is left (a carrier across cases only)
+    "the CPU limit": "import resource, time\ndef seen():\n    found = resource.getrlimit(resource.RLIMIT_CPU)[0] < 2\n"
+                     "    start = time.process_time()\n    while time.process_time() - start < 1.05:\n        pass\n"
+                     "    return found\n",
 }
+ACROSS_CASES_ONLY = {"the CPU limit"}
 STATE_CASES = ["assert add(5, 5) == 10", "assert add(1, 2) == 3"]
 HOOK_REFUSES = {"a daemon on an abstract socket": "sockets and fork", "the pid counter": "fork",
                 "an environment variable": "os.putenv"}
@@ -538,8 +550,8 @@ def test_program_state_lives_for_one_case(carrier, audit_hook):
     limits = Limits(**{**LIMITS.__dict__, "audit_hook": audit_hook})
     if audit_hook and carrier in HOOK_REFUSES:
         pytest.skip(f"the audit hook refuses {HOOK_REFUSES[carrier]} before the carrier is reached")
-    # the control: within one case the carrier works, so the program passes both asserts there
-    assert run_program(program, ["\n".join(STATE_CASES)], limits=limits, entry_point="add").scores == [1.0]
+    if carrier not in ACROSS_CASES_ONLY:  # the control: within one case the carrier works, and both asserts pass
+        assert run_program(program, ["\n".join(STATE_CASES)], limits=limits, entry_point="add").scores == [1.0]
     result = run_program(program, STATE_CASES, limits=limits, entry_point="add")
     assert result.scores == [1.0, 0.0], result.log
     _assert_nothing_left_behind()
