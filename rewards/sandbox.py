@@ -76,7 +76,7 @@ class Limits:
     """What one program may use."""
 
     wall_seconds: float = 10.0  # the whole run, every case included; the trainer kills everything then
-    cpu_seconds: int = 5  # over all its cases: each case process's RLIMIT_CPU is what the earlier cases left
+    cpu_seconds: int = 5  # RLIMIT_CPU of each case process; no case starts once the cases together used it
     memory_bytes: int = 1 << 30  # the sandbox's whole process tree (cgroup), and RLIMIT_AS of each process
     file_bytes: int = 1 << 20  # RLIMIT_FSIZE: the largest file it may write
     disk_bytes: int = 16 << 20  # the size of each case's private /tmp (its only writable folder)
