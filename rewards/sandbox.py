@@ -306,9 +306,12 @@ def _kill_uid(uid: int, deadline: float | None = None) -> bool:
 
 
 def _clear_keys(uid: int) -> None:
-    """Empty the kernel keyrings of `uid` when a program left keys there (they outlive processes; the seccomp filter
-    refuses keyrings, so this matters where it is missing): one short process as that uid, the confined side's own
-    clearing (judge._fresh_keyrings)."""
+    """Empty the kernel keyrings of `uid` when a program left keys there (they outlive processes): one short process
+    as that uid, the confined side's own clearing (judge._fresh_keyrings). Only where there is no seccomp filter:
+    every case process installs it before the program runs, and it refuses every keyring call, so no program can
+    have stored a key (the uid's count then holds the session keyrings its cases joined, which the kernel collects)."""
+    if seccomp_filter() is not None:
+        return
     try:
         line = next((line for line in Path("/proc/key-users").read_text().splitlines()
                      if line.split(":")[0].strip() == str(uid)), "")
