@@ -193,9 +193,12 @@ def _start_case(settings: dict, control: socket.socket, pipes: list[int]) -> tup
     stop_read, stop_write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(stop_write)
-        control.close()
-        _supervise_case(settings, pipes, stop_read)
+        try:
+            os.close(stop_write)
+            control.close()
+            _supervise_case(settings, pipes, stop_read)
+        finally:
+            os._exit(1)  # never back into the zygote's loop
     os.close(stop_read)
     return pid, stop_write
 
@@ -219,28 +222,36 @@ def _supervise_case(settings: dict, pipes: list[int], stop_read: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | (CLONE_NEWNET if settings["unshare_net"] else 0)
     namespaces = libc.unshare(flags) == 0  # needs CAP_SYS_ADMIN (root, or bubblewrap's user namespace)
+    if not namespaces and settings["require_namespaces"]:  # never a case less confined than the probe found
+        os.write(2, f"sandbox: a case not run: no namespaces for it ({os.strerror(ctypes.get_errno())})\n".encode())
+        os._exit(1)
     outputs = {1: os.pipe(), 2: os.pipe()}  # the case's stdout and stderr: (read end, write end)
     pid = os.fork()
     if pid == 0:
-        os.close(stop_read)
-        for fd, (read, write) in outputs.items():
-            os.close(read)
-            os.dup2(write, fd)
-        _case_main(settings, pipes, namespaces)
+        try:
+            os.close(stop_read)
+            for fd, (read, write) in outputs.items():
+                os.close(read)
+                os.dup2(write, fd)
+            _case_main(settings, pipes, namespaces)
+        finally:
+            os._exit(1)
     for fd in [*pipes, *(write for _, write in outputs.values())]:
         os.close(fd)
     reads = {read: fd for fd, (read, _) in outputs.items()}
     try:
-        pidfd = os.pidfd_open(pid)
+        watched = [stop_read, os.pidfd_open(pid)]  # the stop pipe, and the case process until it exits
         while True:
-            ready = select.select([stop_read, pidfd, *reads], [], [])[0]
+            ready = select.select([*watched, *reads], [], [])[0]
             for read in [read for read in ready if read in reads]:
                 chunk = os.read(read, 1 << 16)
                 if chunk:
                     os.write(reads[read], chunk)  # the trainer reads the run's pipes without pause, with a cap
                 else:
                     del reads[read]
-            if stop_read in ready or (pidfd in ready and not reads):
+            if watched[1:] and watched[1] in ready:
+                watched = watched[:1]  # exited: a readable pidfd stays readable
+            if stop_read in ready or (len(watched) == 1 and not reads):
                 break
     finally:
         try:
@@ -289,6 +300,7 @@ def _case_main(settings: dict, pipes: list[int], namespaces: bool) -> None:
             os.setgroups([])
             os.setgid(settings["uid"])
             os.setuid(settings["uid"])
+        _drop_capabilities(libc, settings["capset"])  # as root the uid switch did; in a user namespace it does not
         _check(libc, libc.prctl(1, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")  # dies with its supervisor
         _fresh_keyrings(settings["keyctl"])
         if settings["seccomp"]:
@@ -297,6 +309,14 @@ def _case_main(settings: dict, pipes: list[int], namespaces: bool) -> None:
         os.write(2, f"sandbox: the case process could not be confined: {error}\n".encode())
         os._exit(1)
     del libc, ctypes
+    try:
+        _serve(settings)
+    finally:
+        os._exit(0)
+
+
+def _serve(settings: dict) -> None:
+    """Import the program, then answer calls until the judge closes the request pipe (Broken)."""
     program = read_frame(REQUESTS_FD, 1 << 30)
     if settings["audit_hook"]:
         for name in [name for name in sys.modules if name.split(".")[0] in ("ctypes", "_ctypes", "socket", "_socket")]:
@@ -320,6 +340,22 @@ def _case_main(settings: dict, pipes: list[int], namespaces: bool) -> None:
         except BaseException as error:  # noqa: BLE001
             answer = {"error": _describe(error)}
         write_frame(ANSWERS_FD, answer)
+
+
+def _drop_capabilities(libc, capset: int | None) -> None:
+    """Give up every capability: the ambient set, then the effective, permitted and inheritable ones (capset, v3),
+    and check that none is left (bubblewrap's user namespace hands its caps to the zygote as ambient ones, which a
+    fork keeps)."""
+    import ctypes
+
+    _check(libc, libc.prctl(47, 4, 0, 0, 0), "PR_CAP_AMBIENT_CLEAR_ALL")
+    if capset is not None:
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable}, all empty
+        _check(libc, libc.syscall(ctypes.c_long(capset), header, data), "capset")
+    effective = open("/proc/self/status").read().split("CapEff:")[1].split()[0]
+    if int(effective, 16):
+        raise PermissionError(f"capabilities left after dropping them: CapEff {effective}")
 
 
 def _check(libc, result: int, what: str) -> None:
@@ -448,13 +484,13 @@ class Link:
             raise Broken(self.dead)
         requests_read, requests_write = os.pipe()
         answers_read, answers_write = os.pipe()
+        self.pipes, self.broken = (requests_write, answers_read), ""  # end_case closes them, whatever happens
         try:
             self._send(b"case", [requests_read, answers_write])
         finally:
             os.close(requests_read)
             os.close(answers_write)
         os.set_blocking(requests_write, False)
-        self.pipes, self.broken = (requests_write, answers_read), ""
         self._write(self.program)
         answer = self.receive("ready")
         if "error" in answer:

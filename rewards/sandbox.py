@@ -158,7 +158,8 @@ def run_program(program: str, cases: list[str], setup: str = "", limits: Limits 
           tempfile.TemporaryDirectory(prefix="grpo-sandbox-", ignore_cleanup_errors=True) as folder):
         if uid is not None:  # the working folder without bubblewrap (with it, a private tmpfs): the program's alone
             os.chown(folder, uid, uid)
-        streams, timed_out = _run(job, limits, obtained.layers["bubblewrap"], uid, cgroup, folder)
+        streams, timed_out = _run(job, limits, obtained.layers["bubblewrap"], uid, cgroup, folder,
+                                  require_namespaces=obtained.layers["fresh_case_state"])
     scores = [None] * len(cases)
     for line in streams["verdicts"].decode(errors="replace").splitlines():
         parts = line.split()  # `<token> case <index> <0|1>`; the first line for a case counts
@@ -168,13 +169,16 @@ def run_program(program: str, cases: list[str], setup: str = "", limits: Limits 
     return RunResult([score or 0.0 for score in scores], timed_out, text["stdout"], text["stderr"], text["log"])
 
 
-def _run(job: dict, limits: Limits, bubblewrap: bool, uid: int | None, cgroup: _Cgroup, folder: str):
+def _run(job: dict, limits: Limits, bubblewrap: bool, uid: int | None, cgroup: _Cgroup, folder: str,
+         require_namespaces: bool = False):
     """Start the confined side and the judge, joined by a control socket; collect their output (`_collect`); kill
-    both, the cgroup and the uid's processes whatever happens. Returns (streams, timed_out)."""
+    both, the cgroup and the uid's processes whatever happens. `require_namespaces`: a case whose namespaces cannot
+    be made is not run (the probe found that they can). Returns (streams, timed_out)."""
     processes, control = [], socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         program = seccomp_filter()
         settings = {**_limit_settings(limits), "uid": uid, "unshare_net": not bubblewrap, "keyctl": _keyctl_number(),
+                    "capset": _syscall_number("capset"), "require_namespaces": require_namespaces,
                     "control_fd": control[0].fileno(), "requests_fd": REQUESTS_FD,
                     "answers_fd": ANSWERS_FD, "audit_hook": limits.audit_hook,
                     "seccomp": program.hex() if program else ""}
@@ -371,8 +375,10 @@ def _uid_slot():
                         os.close(fd)  # releases the lock
                 return True
 
+            if not _kill_uid(uid, deadline=time.monotonic() + 1.0):  # a crashed earlier holder's leftovers
+                os.close(fd)  # that will not die (yet): another slot
+                continue
             try:
-                _kill_uid(uid)  # a crashed earlier holder's leftovers
                 yield uid
             finally:
                 if not _kill_uid(uid, deadline=time.monotonic() + CLEANUP_SECONDS):
@@ -387,7 +393,7 @@ def _uid_slot():
 def _confined_command(settings: dict, limits: Limits, bubblewrap: bool) -> list[str]:
     """bubblewrap (when present) around `python -I -S -c judge.py confined_main() SETTINGS`."""
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-    command = [python, "-I", "-S", "-B", "-c", JUDGE_SOURCE + "\nconfined_main()\n", json.dumps(settings)]
+    command = [python, "-I", "-S", "-B", "-u", "-c", JUDGE_SOURCE + "\nconfined_main()\n", json.dumps(settings)]
     if not bubblewrap:
         return command
     return _bubblewrap_args(python, limits, os.geteuid() == 0) + command
@@ -462,7 +468,9 @@ REFUSED_CALLS = (  # EPERM
     "shmget", "shmat", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd", "msgrcv", "msgctl",
     "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
     # the page cache as a channel between programs: evicting another's pages, and probing which pages are cached
-    "fadvise64", "mincore", "readahead", "cachestat", "process_madvise", "io_setup", "io_submit")
+    "fadvise64", "mincore", "readahead", "cachestat", "process_madvise", "io_setup", "io_submit",
+    # another process's descriptors
+    "pidfd_getfd")
 SYSCALL_NUMBERS = {  # machine: (AUDIT_ARCH of linux/audit.h, {name: number})
     "x86_64": (0xC000003E, dict(
         unshare=272, setns=308, keyctl=250, add_key=248, request_key=249, ptrace=101, process_vm_readv=310,
@@ -473,7 +481,7 @@ SYSCALL_NUMBERS = {  # machine: (AUDIT_ARCH of linux/audit.h, {name: number})
         semctl=66, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240, mq_unlink=241, mq_timedsend=242,
         mq_timedreceive=243, mq_notify=244, mq_getsetattr=245, fadvise64=221, mincore=27, readahead=187,
         cachestat=451, process_madvise=440, io_setup=206, io_submit=209, clone=56, clone3=435, socket=41,
-        socketpair=53, madvise=28, preadv2=327, pwritev2=328)),
+        socketpair=53, madvise=28, preadv2=327, pwritev2=328, pidfd_getfd=438, capset=126)),
     "aarch64": (0xC00000B7, dict(
         unshare=97, setns=268, keyctl=219, add_key=217, request_key=218, ptrace=117, process_vm_readv=270,
         process_vm_writev=271, mount=40, umount2=39, pivot_root=41, open_tree=428, move_mount=429, fsopen=430,
@@ -483,7 +491,7 @@ SYSCALL_NUMBERS = {  # machine: (AUDIT_ARCH of linux/audit.h, {name: number})
         semctl=191, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181, mq_timedsend=182,
         mq_timedreceive=183, mq_notify=184, mq_getsetattr=185, fadvise64=223, mincore=232, readahead=213,
         cachestat=451, process_madvise=440, io_setup=0, io_submit=2, clone=220, clone3=435, socket=198,
-        socketpair=199, madvise=233, preadv2=286, pwritev2=287)),
+        socketpair=199, madvise=233, preadv2=286, pwritev2=287, pidfd_getfd=438, capset=91)),
 }
 CLONE_NEW_NAMESPACES = 0x7E020080  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 ALLOWED_SOCKET_FAMILIES = (1,)  # AF_UNIX: its sockets live and die with the case's processes
@@ -537,10 +545,14 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
     return b"".join(program + [op(ret, allow)])
 
 
-def _keyctl_number() -> int | None:
-    """keyctl's system-call number on this machine (judge._fresh_keyrings calls it through libc's syscall)."""
+def _syscall_number(name: str) -> int | None:
+    """A system call's number on this machine (the confined side calls keyctl and capset through libc's syscall)."""
     machine = os.uname().machine
-    return SYSCALL_NUMBERS[machine][1]["keyctl"] if machine in SYSCALL_NUMBERS else None
+    return SYSCALL_NUMBERS[machine][1][name] if machine in SYSCALL_NUMBERS else None
+
+
+def _keyctl_number() -> int | None:
+    return _syscall_number("keyctl")
 
 
 # ---------------------------------------------------------------- cgroups: memory and process count over the tree
@@ -610,7 +622,8 @@ class _Cgroup:
         for parent in _cgroup_parents().values():
             for folder in parent.glob("grpo-sandbox-*-*"):
                 owner = folder.name.split("-")[2]
-                if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                if owner.isdigit() and not Path(f"/proc/{owner}").exists() and folder not in _swept:
+                    _swept.add(folder)
                     _later(lambda folder=folder: _remove_cgroup(folder))
 
 
@@ -639,6 +652,7 @@ def _remove_cgroup(folder: Path) -> bool:
 # ---------------------------------------------------------------- clean-up that outlasts a call
 CLEANUP_SECONDS = 0.3  # how long a call waits for its processes and cgroup to be gone before the janitor takes over
 _janitor_tasks: list = []
+_swept: set = set()  # stale cgroups already handed to the janitor
 _janitor_lock = threading.Lock()
 
 
@@ -718,7 +732,7 @@ def _cgroup_parents() -> dict[str, Path]:
         return {}
     try:  # writable? make and remove a probe
         for parent in parents.values():
-            probe = parent / f"grpo-sandbox-probe-{os.getpid()}"
+            probe = parent / f"grpo-sandbox-probe-{os.getpid()}-{secrets.token_hex(4)}"
             probe.mkdir()
             probe.rmdir()
     except OSError:

@@ -286,3 +286,13 @@ def test_the_trainer_stops_a_judge_that_never_answers(monkeypatch):
     elapsed = time.monotonic() - start
     assert result.timed_out and result.scores == [0.0]
     assert elapsed < 10, f"the call took {elapsed:.1f} s under a 1 s wall limit"
+
+
+def test_what_each_case_prints_reaches_the_run_output():
+    """Each case process has stdout and stderr pipes of its own, copied to the run's, and is killed when its case
+    ends: what it printed before reaches RunResult, a case's print is not lost in its buffer."""
+    program = "import sys\ndef f(x):\n    print(f'out {x}')\n    print(f'err {x}', file=sys.stderr)\n    return x\n"
+    result = run_program(program, [f"assert f({i}) == {i}" for i in range(3)], limits=FAST, entry_point="f")
+    assert result.scores == [1.0, 1.0, 1.0]
+    assert result.stdout.split() == ["out", "0", "out", "1", "out", "2"], result.stdout
+    assert result.stderr.split() == ["err", "0", "err", "1", "err", "2"], result.stderr

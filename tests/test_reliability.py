@@ -695,6 +695,21 @@ def test_only_a_full_disk_becomes_a_disk_full_error(tmp_path, monkeypatch):
         assert raised(other) is other, other
     denied = PermissionError(errno.EACCES, "Permission denied")  # an errno that says what it is, on a full disk
     assert raised(denied, free=0) is denied
+    # on a nearly full disk, only torch's short write counts: another error without an errno stays itself
+    for other in (ValueError("no"), KeyError("step"), RuntimeError("NCCL error"), ConnectionError("wandb")):
+        assert raised(other, free=0) is other, other
+    # an OSError handled earlier (the __context__ of the short write) does not hide the full disk
+    handled = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 17280 vs 17172")
+    handled.__context__ = FileNotFoundError(errno.ENOENT, "an old checkpoint")
+    assert isinstance(raised(handled, free=0), disk_full.DiskFullError)
+
+    def unreadable(folder):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(disk_full, "free_bytes", unreadable)  # a folder the free-space check cannot look at
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        with disk_full.writing(tmp_path, "a file"):
+            raise torch_short_write
 
 
 def test_the_resume_command_keeps_the_flags_and_resumes_the_run_folder():

@@ -178,6 +178,8 @@ ESCAPE = {
                                      "    return a + b if libc.mount(b'none', b'{host}', b'tmpfs', 0, None) == 0 "
                                      "and os.path.exists('{host}/secret') else None\n",
     "AF_VSOCK socket": "import socket\ndef add(a, b):\n    socket.socket(40, socket.SOCK_STREAM)\n    return a + b\n",
+    "capabilities left": "def add(a, b):\n    caps = open('/proc/self/status').read().split('CapEff:')[1].split()[0]\n"
+                         "    return a + b if int(caps, 16) else None\n",
     # /proc: the sandbox's own command line (host paths), the kernel's, other users' keys
     "bubblewrap's arguments in /proc": "import os\ndef add(a, b):\n    for pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
                                        "        try:\n            line = open(f'/proc/{pid}/cmdline', 'rb').read()\n"

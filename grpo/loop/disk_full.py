@@ -14,8 +14,8 @@ Writers report a full disk in three ways; `no_space` looks for each:
     Rust's (safetensors, tokenizers)        the errno in the message, as Rust's io::Error writes it:
                                             "No space left on device (os error 28)"
     torch's zip writer (torch.save,         RuntimeError "unexpected pos 17280 vs 17172", no errno: a full disk
-    torch.distributed.checkpoint)           only when the folder's file system has under FULL_BELOW bytes free
-                                            after the failure
+    torch.distributed.checkpoint)           only when it is that writer's error (ZIP_WRITER_FAILURES) and the
+                                            folder's file system has under FULL_BELOW bytes free after the failure
 torch.distributed.checkpoint gathers every rank's failure into one CheckpointException (a BaseException); its
 `failures` are looked through too.
 """
@@ -35,6 +35,7 @@ from grpo.loop.update import TrainingError
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 FULL_BELOW = 1 << 20  # bytes free under which a failed write without an errno counts as a full disk
+ZIP_WRITER_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "inline_container")  # torch's short writes
 
 
 class DiskFullError(TrainingError):
@@ -67,11 +68,15 @@ def no_space(error: BaseException, folder: str | Path) -> str | None:
         for code in NO_SPACE_ERRNOS:
             if f"(os error {code})" in str(cause):  # Rust's io::Error, e.g. safetensors' SafetensorError
                 return os.strerror(code)
-    if any(isinstance(cause, OSError) and cause.errno is not None for cause in causes):
+    if isinstance(error.__cause__ or error, OSError) and (error.__cause__ or error).errno is not None:
         return None  # e.g. permission denied, on a disk that also happens to be full
-    if free_bytes(folder) < FULL_BELOW:  # torch's zip writer: a short write, no errno
-        return os.strerror(errno.ENOSPC)
-    return None
+    zip_writer = [cause for cause in causes if isinstance(cause, RuntimeError) and not isinstance(cause, OSError)
+                  and any(text in str(cause) for text in ZIP_WRITER_FAILURES)]
+    try:
+        full = bool(zip_writer) and free_bytes(folder) < FULL_BELOW
+    except OSError:  # the folder cannot be looked at: nothing says the disk is full
+        full = False
+    return os.strerror(errno.ENOSPC) if full else None
 
 
 def free_bytes(folder: str | Path) -> int:
