@@ -177,8 +177,9 @@ def _run(job: dict, limits: Limits, bubblewrap: bool, uid: int | None, cgroup: _
     processes, control = [], socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         program = seccomp_filter()
-        settings = {**_limit_settings(limits), "uid": uid, "unshare_net": not bubblewrap, "keyctl": _keyctl_number(),
-                    "capset": _syscall_number("capset"), "require_namespaces": require_namespaces,
+        settings = {**_limit_settings(limits), "uid": uid, "unshare_net": not bubblewrap,
+                    "keyctl": _syscall_number("keyctl"), "capset": _syscall_number("capset"),
+                    "require_namespaces": require_namespaces,
                     "control_fd": control[0].fileno(), "requests_fd": REQUESTS_FD,
                     "answers_fd": ANSWERS_FD, "audit_hook": limits.audit_hook,
                     "seccomp": program.hex() if program else ""}
@@ -324,10 +325,10 @@ def _clear_keys(uid: int) -> None:
     fields = line.split()
     # beyond its user, user-session and persistent keyrings and the session keyring it joined (until the kernel's
     # garbage collection takes it, moments after the run)
-    if len(fields) < 3 or int(fields[2].split("/")[0]) <= 4 or _keyctl_number() is None:
+    if len(fields) < 3 or int(fields[2].split("/")[0]) <= 4 or _syscall_number("keyctl") is None:
         return
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-    clear = f"os.setgroups([]); os.setgid({uid}); os.setuid({uid}); _fresh_keyrings({_keyctl_number()})\n"
+    clear = f"os.setgroups([]); os.setgid({uid}); os.setuid({uid}); _fresh_keyrings({_syscall_number('keyctl')})\n"
     command = [python, "-I", "-S", "-c", JUDGE_SOURCE + "\n" + clear]
     if _bwrap():  # where the interpreter may not be readable to that uid
         command = _bubblewrap_args(python, Limits(), root=True) + command
@@ -360,19 +361,18 @@ def _uid_slot():
                 os.close(fd)
                 continue
             uid = FIRST_UID + slot
-            released = False
+
+            def give_back() -> None:
+                try:
+                    _clear_keys(uid)
+                finally:
+                    os.close(fd)  # releases the lock
 
             def release() -> bool:
-                """Once no process of the uid is left: empty its keyrings and give the slot back."""
-                nonlocal released
+                """The janitor's task: once no process of the uid is left, give the slot back."""
                 if not _kill_uid(uid, deadline=time.monotonic()):
                     return False
-                if not released:
-                    released = True
-                    try:
-                        _clear_keys(uid)
-                    finally:
-                        os.close(fd)  # releases the lock
+                give_back()
                 return True
 
             if not _kill_uid(uid, deadline=time.monotonic() + 1.0):  # a crashed earlier holder's leftovers
@@ -381,10 +381,10 @@ def _uid_slot():
             try:
                 yield uid
             finally:
-                if not _kill_uid(uid, deadline=time.monotonic() + CLEANUP_SECONDS):
-                    _later(release)
+                if _kill_uid(uid, deadline=time.monotonic() + CLEANUP_SECONDS):
+                    give_back()
                 else:
-                    release()
+                    _later(release)
             return
         time.sleep(0.05)  # every slot busy: more than UID_SLOTS programs at once on this machine
 
@@ -550,9 +550,6 @@ def _syscall_number(name: str) -> int | None:
     machine = os.uname().machine
     return SYSCALL_NUMBERS[machine][1][name] if machine in SYSCALL_NUMBERS else None
 
-
-def _keyctl_number() -> int | None:
-    return _syscall_number("keyctl")
 
 
 # ---------------------------------------------------------------- cgroups: memory and process count over the tree
