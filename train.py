@@ -40,7 +40,7 @@ def main(argv=None) -> int:
                   f"({trainer.models.distributed}) micro-batches/update/process={micro_batches}"
                   + (f" (resumed at step {trainer.step})" if trainer.resume_from else ""))
         result = trainer.train()
-        trainer.world.close()
+        trainer.close()
     except DiskFullError as error:  # nothing is lost: the run goes on from its last good checkpoint
         flags = sys.argv[1:] if argv is None else argv
         command = resume_command(flags, config.output_dir, torchrun="RANK" in os.environ)

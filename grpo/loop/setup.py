@@ -232,7 +232,7 @@ def step_functions(config, device, policy, distributed: str, entropy_bonus: bool
                             fp32_head=config.cast_lm_head_to_fp32, sharded=distributed == "fsdp",
                             gradient_checkpointing=config.gradient_checkpointing)
     choice.log_reasons()
-    if config.generation_backend == "sampler":  # what our sampler's kernels need of the model (generate: nothing)
+    if config.generation_backend != "transformers":  # what our sampler's kernels need of the model (generate: nothing)
         choice.prepare_model(policy)
     functions = choice.step_functions(options, config.temperature, config.logprob_chunk_size,
                                       config.cast_lm_head_to_fp32)
@@ -254,3 +254,23 @@ def use_cpu_huge_pages() -> None:
     called before any large tensor exists (train.py and Trainer call it first). A value the user set wins.
     """
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def vllm_engine(config, world, generators: list[int], generating: bool, precision: str, peft_model) -> tuple[str, dict | None]:
+    """(the backend this process samples with, vLLM's engine options or None), placing the engine
+    (docs/vllm.md): colocate, in every training process; with generation processes, in those only (the
+    training processes then evaluate with our sampler)."""
+    if config.generation_backend != "vllm":
+        return config.generation_backend, None
+    if config.max_staleness is not None and not generators and not generating:
+        raise ValueError("--max-staleness with --generation-backend vllm needs generation processes: launch with "
+                         "torchrun and --generation-processes, so that the engine has ranks of its own (a background "
+                         "thread would need a second engine in the trainer's process)")
+    if generators and not generating:
+        return "sampler", None
+    if not generating and config.vllm_tensor_parallel_size > 1:
+        raise ValueError("--vllm-tensor-parallel-size > 1 needs generation processes (the engine then starts its own "
+                         "workers); a colocated engine spans its own process only")
+    return "vllm", dict(settings=config.engine_settings(precision), rows=config.completions_per_generation,
+                        peft_model=peft_model, in_process=not generating,
+                        distributed=not generating and world.size > 1)

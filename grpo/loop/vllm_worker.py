@@ -1,0 +1,41 @@
+"""The trainer's hook inside a vLLM engine's worker (`worker_extension_cls`): reload every weight from the policy.
+
+vLLM imports this module in its worker, which may be a process of its own (generation ranks), so it imports
+nothing of ours. The names are the Hugging Face checkpoint's (`model.layers.0.self_attn.q_proj.weight`); the
+engine's `load_weights` maps them onto its own fused parameters (`qkv_proj`, `gate_up_proj`) with the model's
+own mapping, as when it reads a checkpoint. The reload goes through vLLM's layerwise reload, which redoes what
+the engine did to its weights after loading them (a CPU engine repacks its linear layers for its kernels, so
+a plain `load_weights` into a running engine fails there).
+"""
+
+from __future__ import annotations
+
+
+class WeightLoader:
+    """Mixed into vLLM's worker class: `self.model_runner` holds the engine's model."""
+
+    def grpo_reload_weights(self, weights) -> list[str]:
+        """Reload from (name, tensor) pairs (an iterator given in this process: an engine in the trainer's own).
+        Returns the engine's parameters that no weight reached (the caller stops the run on any)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        expected = {name for name, _ in model.named_parameters()}
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(weights)
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        return sorted(expected - set(loaded or ()))
+
+    def grpo_reload_weights_files(self, paths: list[str]) -> list[str]:
+        """Reload from safetensors files (an engine in a process of its own: the files lie in shared memory)."""
+        from safetensors import safe_open
+
+        def weights():
+            for path in paths:
+                with safe_open(path, framework="pt") as file:
+                    for name in file.keys():
+                        yield name, file.get_tensor(name)
+
+        return self.grpo_reload_weights(weights())
