@@ -97,6 +97,8 @@ QWEN25_CHAT_TEMPLATE = (
 SHAPES: dict[str, dict] = {
     "tiny": dict(vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
+    "tiny-vllm": dict(vocab_size=None, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1),  # 64-wide heads: vLLM's CPU attention needs them
     "small": dict(vocab_size=151_936, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2),
     "qwen2.5-0.5b": dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -150,6 +150,11 @@ def build_engine(model, settings: EngineSettings, rows: int, in_process: bool, d
     except (ValueError, RuntimeError) as error:  # vLLM's own refusal (model length, memory): named, before step 1
         raise EngineError(f"the vLLM engine could not be built ({error}); see --vllm-max-model-length, "
                           "--vllm-gpu-memory-utilization and --vllm-kv-cache-gib (docs/vllm.md)") from error
+    try:  # one token: what the engine cannot run (a head size its kernels lack) fails here, before step 1
+        llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+    except Exception as error:  # noqa: BLE001 - any failure of the engine's first forward
+        raise EngineError(f"the vLLM engine cannot run this model: {type(error).__name__}: {error}; use "
+                          "--generation-backend sampler, or try --vllm-model-impl transformers") from error
     cache = llm.llm_engine.vllm_config.cache_config
     capacity = (cache.num_gpu_blocks or 0) * cache.block_size
     if capacity and capacity < settings.group_tokens:

@@ -24,9 +24,16 @@ class WeightLoader:
         expected = {name for name, _ in model.named_parameters()}
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            loaded = model.load_weights(weights)
+            loaded = set(model.load_weights(weights) or ())
             finalize_layerwise_reload(model, self.vllm_config.model_config)
-        return sorted(expected - set(loaded or ()))
+            # A layer whose weight is another's (a tied output head) loads nothing of its own, so the reload keeps
+            # what it derived from the old weight (a CPU engine's packed copy): derive it again from the new one.
+            for prefix, layer in model.named_modules():
+                own = [f"{prefix}.{name}" for name, param in layer.named_parameters(recurse=False)]
+                method = getattr(layer, "quant_method", None)
+                if own and not loaded.intersection(own) and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(layer)
+        return sorted(expected - loaded)
 
     def grpo_reload_weights_files(self, paths: list[str]) -> list[str]:
         """Reload from safetensors files (an engine in a process of its own: the files lie in shared memory)."""
