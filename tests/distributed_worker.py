@@ -5,6 +5,8 @@
 Each rank trains the same small run and writes what it saw to OUT/rank-<r>.pt: per step its prompt indices,
 each prompt's completions, the gathered advantages, the metrics, the averaged gradient of the first update
 and the reference log-probs; at the end the full weights and whether the reference changed.
+With generation_backend "vllm" each rank with an engine also records the engine's log-probs of FIXED_SEQUENCE
+before and after training (`engine_start`, `engine_end`).
 Scenarios: `train` (the run), `kill` (rank 1 kills itself mid-step 2), `raise` (rank 1 raises in step 2);
 with --max-staleness (generation processes, the last ranks): `gen_kill` / `gen_raise` (the generation process
 kills itself / raises while sampling step 2). JSON overrides are GRPOConfig fields, plus `until`
@@ -37,6 +39,24 @@ BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_genera
             max_prompt_length=128, max_completion_length=8, learning_rate=1e-3, reward=["tags"], device="cpu",
             precision="fp32", save_steps=0, log_completions_steps=0, logging_steps=100, warmup_ratio=0.0,
             beta=0.04, max_steps=3, distributed_timeout=30.0)
+
+
+def engine_logps(trainer, token_ids: list[int]):
+    """A vLLM backend's engine: its log-probs of `token_ids` (each token after the first), after loading the
+    policy's weights if an update made them stale; None for other backends (tests/test_vllm.py)."""
+    generation = trainer.generation
+    if not hasattr(generation, "llm"):
+        return None
+    from vllm import SamplingParams
+
+    if generation.stale:
+        generation.sync_weights()
+    output = generation.llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(
+        max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+    return torch.tensor([entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], token_ids[1:])])
+
+
+FIXED_SEQUENCE = [3, 40, 41, 42, 7, 99, 120, 5, 60, 61, 200, 17]  # token ids the engine scores (tiny vocabulary)
 
 
 def full_params(trainer) -> dict:
@@ -97,13 +117,15 @@ def main():
     elif trainer.generating:
         trainer.collect_rollout = generating
     trainer.update, trainer.optimizer.step = updating, stepping
+    engine_start = None if trainer.generating else engine_logps(trainer, FIXED_SEQUENCE)
     result = trainer.train(until_step=until)
-    record.update(result=result, params=full_params(trainer), generating=trainer.generating)
+    record.update(result=result, params=full_params(trainer), generating=trainer.generating,
+                  engine_start=engine_start, engine_end=None if trainer.generating else engine_logps(trainer, FIXED_SEQUENCE))
     if ref_before is not None:
         after = full_params_of(models.reference_call)
         record["ref_unchanged"] = all(torch.equal(ref_before[k], after[k]) for k in ref_before)
     torch.save(record, out / f"rank-{rank}.pt")
-    trainer.world.close()  # as train.py does: the process group is gone before the interpreter exits
+    trainer.close()  # as train.py does: the engine and the process group are gone before the interpreter exits
     assert not torch.distributed.is_initialized()
 
 

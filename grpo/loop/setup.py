@@ -256,10 +256,11 @@ def use_cpu_huge_pages() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def vllm_engine(config, world, generators: list[int], generating: bool, precision: str, peft_model) -> tuple[str, dict | None]:
+def vllm_engine(config, world, generators: list[int], generating: bool, precision: str, policy,
+                peft_model) -> tuple[str, dict | None]:
     """(the backend this process samples with, vLLM's engine options or None), placing the engine
     (docs/vllm.md): colocate, in every training process; with generation processes, in those only (the
-    training processes then evaluate with our sampler)."""
+    training processes then evaluate with our sampler). Called before the policy is wrapped (FSDP2)."""
     if config.generation_backend != "vllm":
         return config.generation_backend, None
     if config.max_staleness is not None and not generators and not generating:
@@ -271,6 +272,9 @@ def vllm_engine(config, world, generators: list[int], generating: bool, precisio
     if not generating and config.vllm_tensor_parallel_size > 1:
         raise ValueError("--vllm-tensor-parallel-size > 1 needs generation processes (the engine then starts its own "
                          "workers); a colocated engine spans its own process only")
-    return "vllm", dict(settings=config.engine_settings(precision), rows=config.completions_per_generation,
+    from grpo.loop.vllm_generation import engine_source
+
+    return "vllm", dict(source=engine_source(policy), settings=config.engine_settings(precision),
+                        rows=config.completions_per_generation,
                         peft_model=peft_model, in_process=not generating,
                         distributed=not generating and world.size > 1)

@@ -359,6 +359,8 @@ class Trainer:
             setup.use_gradient_checkpointing(policy)
         policy.train()
         self.eos_token_ids = eos_token_ids(policy, self.tokenizer)
+        backend, engine = setup.vllm_engine(cfg, self.world, self.generators, self.generating, precision, policy,
+                                            peft_model)  # where the vLLM engine runs, and what it reads
         distributed = "none" if self.generating else resolve_mode(cfg.distributed, self.world)
         if cfg.use_peft and distributed == "fsdp":
             raise ValueError("--use-peft under FSDP2 is not supported yet: use --distributed ddp (the adapters are "
@@ -375,7 +377,6 @@ class Trainer:
         entropy = EntropyControl.from_config(cfg)
         # self.kernels: the grpo.kernels.KernelChoice (which kernels apply, and why the others do not); None: plain
         self.functions, sampler, self.kernels = setup.step_functions(cfg, device, policy, distributed, entropy.enabled)
-        backend, engine = setup.vllm_engine(cfg, self.world, self.generators, self.generating, precision, peft_model)
         self.generation = make_generation_backend(backend, policy, self.tokenizer.pad_token_id, sampler, self.tool_set,
                                                   engine)
 

@@ -24,6 +24,7 @@ Placements (docs/vllm.md):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -115,17 +116,23 @@ def check_architecture(model_config, model_impl: str) -> None:
 
 
 def engine_source(model) -> str:
-    """The folder or hub id `model` was loaded from; a model built in memory is saved to a temporary folder."""
+    """The folder or hub id `model` was loaded from; a model built in memory is saved to a temporary folder (removed
+    when the process exits). Called before the model is sharded (FSDP2 cannot save it per rank)."""
     source = getattr(model, "name_or_path", "") or ""
     if source and (os.path.isdir(source) or not os.path.exists(source)):
         return source
+    from safetensors.torch import save_file
+
     folder = tempfile.mkdtemp(prefix="grpo-vllm-model-")
-    model.save_pretrained(folder, safe_serialization=True)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    model.config.save_pretrained(folder)  # (not model.save_pretrained: under torch.distributed only rank 0 writes)
+    save_file({name: tensor.contiguous() for name, tensor in inference_weights(model)}, f"{folder}/model.safetensors")
     return folder
 
 
-def build_engine(model, settings: EngineSettings, rows: int, in_process: bool, distributed: bool):
-    """An LLM for the policy `model` (its weights replaced by `sync_weights` before the first generation).
+def build_engine(model, source: str, settings: EngineSettings, rows: int, in_process: bool, distributed: bool):
+    """An LLM for the policy `model`, read from `source` (engine_source), its weights replaced by `sync_weights`
+    before the first generation.
 
     in_process: the engine lives in this process (colocate); else in a child process (a generation rank, which
     already belongs to the trainers' torch.distributed world that an in-process engine would try to join).
@@ -134,7 +141,7 @@ def build_engine(model, settings: EngineSettings, rows: int, in_process: bool, d
     model_config = model.config
     check_architecture(model_config, settings.model_impl)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-    options = dict(model=engine_source(model), skip_tokenizer_init=True, generation_config="vllm",
+    options = dict(model=source, skip_tokenizer_init=True, generation_config="vllm",
                    dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_length,
                    gpu_memory_utilization=settings.gpu_memory_utilization,
                    kv_cache_memory_bytes=kv_cache_bytes(model_config, settings, rows),
@@ -210,11 +217,11 @@ class VLLMGenerate:
     """vLLM behind the generation seam (grpo.loop.rollout): `generate` as our sampler's, `after_update` marks the
     engine's weights stale."""
 
-    def __init__(self, model, pad_token_id: int, settings: EngineSettings, rows: int, peft_model=None,
+    def __init__(self, model, pad_token_id: int, source: str, settings: EngineSettings, rows: int, peft_model=None,
                  tools=None, in_process: bool = True, distributed: bool = False):
         self.model, self.pad_token_id, self.peft_model, self.tools = model, pad_token_id, peft_model, tools
         self.in_process, self.settings = in_process, settings
-        self.llm = build_engine(model, settings, rows, in_process, distributed)
+        self.llm = build_engine(model, source, settings, rows, in_process, distributed)
         self.sleeping = False
         if settings.enable_sleep_mode:  # the weights and the KV cache are released until the first generate
             self.llm.sleep(level=2)
