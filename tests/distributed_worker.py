@@ -7,7 +7,8 @@ each prompt's completions, the gathered advantages, the metrics, the averaged gr
 and the reference log-probs; at the end the full weights and whether the reference changed.
 With generation_backend "vllm" each rank with an engine also records the engine's log-probs of FIXED_SEQUENCE
 before and after training (`engine_start`, `engine_end`).
-Scenarios: `train` (the run), `kill` (rank 1 kills itself mid-step 2), `raise` (rank 1 raises in step 2);
+Scenarios: `engine_raise` (the engine fails in step 2), `engine_kill` (the processes of a generation rank's
+engine are killed in step 2), `train` (the run), `kill` (rank 1 kills itself mid-step 2), `raise` (rank 1 raises in step 2);
 with --max-staleness (generation processes, the last ranks): `gen_kill` / `gen_raise` (the generation process
 kills itself / raises while sampling step 2). JSON overrides are GRPOConfig fields, plus `until`
 (train(until_step=...)). Under --max-staleness the training ranks receive their rows from the generation
@@ -54,6 +55,15 @@ def engine_logps(trainer, token_ids: list[int]):
     output = generation.llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(
         max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
     return torch.tensor([entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], token_ids[1:])])
+
+
+@torch.no_grad()
+def policy_logps(trainer, token_ids: list[int]) -> torch.Tensor:
+    """The trained policy's fp32 log-probs of `token_ids` (each token after the first), as the update computes
+    them (every training rank calls it: FSDP2 gathers)."""
+    ids = torch.tensor([token_ids])
+    logits = trainer.models.policy_call(lambda model: model(input_ids=ids).logits)[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
 
 
 FIXED_SEQUENCE = [3, 40, 41, 42, 7, 99, 120, 5, 60, 61, 200, 17]  # token ids the engine scores (tiny vocabulary)
@@ -108,10 +118,24 @@ def main():
     def generating(step, *backend_and_world):  # a generation process samples for the training ranks
         if step == 1 and scenario == "gen_kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == 1 and scenario == "engine_kill":  # the vLLM engine's own processes die under the generation rank
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
         if step == 1 and scenario == "gen_raise":
             raise RuntimeError("a deliberate failure in the generation process")
         return collect(step, *backend_and_world)
 
+    if scenario == "engine_raise" and hasattr(trainer.generation, "llm"):  # the engine fails in step 2
+        engine_generate = trainer.generation.llm.generate
+
+        def failing(*args, **kwargs):
+            if trainer.step == 1:
+                raise RuntimeError("a deliberate engine failure")
+            return engine_generate(*args, **kwargs)
+
+        trainer.generation.llm.generate = failing
     if config.max_staleness is None:
         trainer.collect_rollout = collecting
     elif trainer.generating:
@@ -120,7 +144,8 @@ def main():
     engine_start = None if trainer.generating else engine_logps(trainer, FIXED_SEQUENCE)
     result = trainer.train(until_step=until)
     record.update(result=result, params=full_params(trainer), generating=trainer.generating,
-                  engine_start=engine_start, engine_end=None if trainer.generating else engine_logps(trainer, FIXED_SEQUENCE))
+                  engine_start=engine_start, engine_end=None if trainer.generating else engine_logps(trainer, FIXED_SEQUENCE),
+                  policy_logps=None if trainer.generating else policy_logps(trainer, FIXED_SEQUENCE))
     if ref_before is not None:
         after = full_params_of(models.reference_call)
         record["ref_unchanged"] = all(torch.equal(ref_before[k], after[k]) for k in ref_before)

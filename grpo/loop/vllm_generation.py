@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,17 @@ def _torch_threads_kept():
         torch.set_num_threads(threads)
 
 
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (vLLM's validation errors run over several)."""
+    return " ".join(str(error).split())
+
+
+def _children() -> list:
+    import psutil  # a dependency of vLLM
+
+    return psutil.Process().children(recursive=True)
+
+
 def check_architecture(model_config, model_impl: str) -> None:
     """An architecture vLLM has no implementation of is refused before the engine is built."""
     vllm = import_vllm()
@@ -140,6 +152,11 @@ def build_engine(model, source: str, settings: EngineSettings, rows: int, in_pro
     vllm = import_vllm()
     model_config = model.config
     check_architecture(model_config, settings.model_impl)
+    positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    if positions and settings.max_model_length > positions:
+        raise EngineError(f"the vLLM engine's model length, {settings.max_model_length} tokens (--vllm-max-model-length, "
+                          "default max_prompt_length + max_completion_length), is over the model's "
+                          f"max_position_embeddings, {positions}: lower --max-prompt-length or --max-completion-length")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     options = dict(model=source, skip_tokenizer_init=True, generation_config="vllm",
                    dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_length,
@@ -155,12 +172,12 @@ def build_engine(model, source: str, settings: EngineSettings, rows: int, in_pro
         with _torch_threads_kept() if in_process else contextlib.nullcontext():
             llm = vllm.LLM(**options)
     except (ValueError, RuntimeError) as error:  # vLLM's own refusal (model length, memory): named, before step 1
-        raise EngineError(f"the vLLM engine could not be built ({error}); see --vllm-max-model-length, "
+        raise EngineError(f"the vLLM engine could not be built ({one_line(error)}); see --vllm-max-model-length, "
                           "--vllm-gpu-memory-utilization and --vllm-kv-cache-gib (docs/vllm.md)") from error
     try:  # one token: what the engine cannot run (a head size its kernels lack) fails here, before step 1
         llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     except Exception as error:  # noqa: BLE001 - any failure of the engine's first forward
-        raise EngineError(f"the vLLM engine cannot run this model: {type(error).__name__}: {error}; use "
+        raise EngineError(f"the vLLM engine cannot run this model: {type(error).__name__}: {one_line(error)}; use "
                           "--generation-backend sampler, or try --vllm-model-impl transformers") from error
     cache = llm.llm_engine.vllm_config.cache_config
     capacity = (cache.num_gpu_blocks or 0) * cache.block_size
@@ -183,7 +200,7 @@ def engine_errors():
     except TrainingError:
         raise
     except Exception as error:  # noqa: BLE001 - vLLM's EngineDeadError, a worker's error, a failed weight load
-        raise TrainingError(f"the vLLM engine failed: {type(error).__name__}: {error}") from error
+        raise TrainingError(f"the vLLM engine failed: {type(error).__name__}: {one_line(error)}") from error
 
 
 def inference_weights(model: torch.nn.Module):
@@ -221,7 +238,10 @@ class VLLMGenerate:
                  tools=None, in_process: bool = True, distributed: bool = False):
         self.model, self.pad_token_id, self.peft_model, self.tools = model, pad_token_id, peft_model, tools
         self.in_process, self.settings = in_process, settings
+        started = set() if in_process else {child.pid for child in _children()}
         self.llm = build_engine(model, source, settings, rows, in_process, distributed)
+        # an engine in its own processes: watched, since vLLM's client waits forever on an engine that died
+        self.processes = [] if in_process else [child for child in _children() if child.pid not in started]
         self.sleeping = False
         if settings.enable_sleep_mode:  # the weights and the KV cache are released until the first generate
             self.llm.sleep(level=2)
@@ -243,7 +263,7 @@ class VLLMGenerate:
             if self.in_process:  # one weight at a time, straight from the policy (FSDP2: gathered as it goes)
                 missing = self.llm.collective_rpc("grpo_reload_weights", args=(inference_weights(self.model),))[0]
             else:
-                missing = self._reload_through_files()
+                missing = self._watched(self._reload_through_files)
         finally:
             if merged:
                 self.peft_model.unmerge_adapter()
@@ -304,6 +324,29 @@ class VLLMGenerate:
                       self.pad_token_id, device)
         return sample if turns is None else turns.finish(sample)
 
+    def _watched(self, call, *args, **kwargs):
+        """call(*args, **kwargs); for an engine in its own processes, in a thread while this one checks every second
+        that those processes live, raising the moment one has died."""
+        if not self.processes:
+            return call(*args, **kwargs)
+        result, done = {}, threading.Event()
+
+        def run():
+            try:
+                result["value"] = call(*args, **kwargs)
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+                result["error"] = error
+            done.set()
+
+        threading.Thread(target=run, name="grpo-vllm-call", daemon=True).start()
+        while not done.wait(1.0):
+            dead = [p for p in self.processes if not p.is_running() or p.status() == "zombie"]
+            if dead:
+                raise RuntimeError(f"the vLLM engine's process {dead[0].pid} died")
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
     def close(self) -> None:
         """Shut the engine down (before the trainer leaves its process group, which an in-process engine uses)."""
         engine, self.llm = getattr(self, "llm", None), None
@@ -328,7 +371,7 @@ class VLLMGenerate:
                     stop_token_ids=list(eos), ignore_eos=True, seed=seed, logprobs=0 if return_logprobs else None,
                     detokenize=False))
                 requests.append({"prompt_token_ids": rows[row] + completions[row]})
-            outputs = self.llm.generate(requests, options, use_tqdm=False)
+            outputs = self._watched(self.llm.generate, requests, options, use_tqdm=False)
             going_on = []
             for row, output in zip(active, outputs, strict=True):
                 out = output.outputs[0]
