@@ -105,7 +105,8 @@ def train_flags(args, name: str, settings: dict, seed: int) -> list[str]:
             "--num-generations", str(args.num_generations), "--micro-batch-size", str(args.micro_batch_size),
             "--temperature", str(args.temperature), "--learning-rate", str(args.lr), "--lr-scheduler-type", "constant",
             "--warmup-ratio", "0", "--beta", str(args.beta), "--max-grad-norm", str(args.max_grad_norm),
-            "--save-steps", "0", "--log-completions-steps", "0", "--overwrite"]
+            "--save-steps", "0", "--log-completions-steps", "0", "--overwrite",
+            "--generation-backend", args.generation_backend]
 
 
 def run_ours(args, name: str, settings: dict, seed: int, run_dir: Path) -> dict:
@@ -282,6 +283,8 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--generation-backend", default="sampler", choices=("sampler", "vllm"),
+                        help="how our runs sample their rollouts (evaluation is eval.py's, our sampler, either way)")
     parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated before and after")
     parser.add_argument("--pass-k", type=int, default=1, help="samples per held-out problem for pass@k (1: greedy only)")
     parser.add_argument("--eval-batch-size", type=int, default=100)

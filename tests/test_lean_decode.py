@@ -11,7 +11,7 @@ from grpo.kernels.compiled_decode import use_packed_decode_attention
 from grpo.kernels.lean_decode import LeanDecodeStep, unsupported_reason
 from grpo.kernels.sampling import FastSampler, _reserve
 from grpo.algorithm.logprobs import position_ids_from_mask
-from grpo.algorithm.sampler import SamplingParams, left_pad
+from grpo.algorithm.sampler import SamplingParams, cache_kwarg, left_pad
 
 
 def sample_groups(*args, lean_decode=True, **kwargs):
@@ -50,7 +50,8 @@ PROMPTS = [[5, 9, 13, 2, 77, 41, 8], [3, 4], [250, 17, 17, 99, 1]]  # left paddi
 def _prefilled(model, group_size: int, extra: int):
     ids, mask = left_pad(PROMPTS, 0, "cpu")
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), cache=cache, use_cache=True)
+    model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True,
+          **{cache_kwarg(model): cache})  # the argument's name depends on the transformers release
     cache.batch_repeat_interleave(group_size)
     _reserve(cache, extra)
     return cache, mask.repeat_interleave(group_size, 0)
@@ -85,8 +86,8 @@ def test_lean_step_gives_transformers_hidden_states(case):
         for step in range(steps):
             tokens = torch.randint(0, SMALL["vocab_size"], (mask.shape[0], 1), generator=generator)
             full_mask = torch.cat([full_mask, full_mask.new_ones(mask.shape[0], 1)], 1)
-            theirs = trunk(input_ids=tokens, attention_mask=full_mask, position_ids=positions, cache=theirs_cache,
-                           use_cache=True).last_hidden_state[:, -1]
+            theirs = trunk(input_ids=tokens, attention_mask=full_mask, position_ids=positions, use_cache=True,
+                           **{cache_kwarg(trunk): theirs_cache}).last_hidden_state[:, -1]
             ours = lean(tokens, positions)
             assert ours.shape == theirs.shape
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)

@@ -88,7 +88,10 @@ def test_prefix_sharing_changes_no_logit(peaked, prompts, tokenizer, sampler, mo
         for step, step_logits in enumerate(seen):
             logits = peaked(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                             **{kwarg: cache}).logits[:, -1]
-            torch.testing.assert_close(step_logits, logits, rtol=1e-5, atol=1e-5)
+            # the kernel's decode step is transformers' to 1e-6 of the hidden state's scale (tests/test_lean_decode.py),
+            # so its logits are to that share of theirs: transformers 5.19 and 5.25 round the reference apart by 1.9e-5
+            # at logits of 14
+            torch.testing.assert_close(step_logits, logits, rtol=1e-5, atol=max(1e-5, 2e-6 * logits.abs().max().item()))
             ids = sample.completion_ids[:, step : step + 1]
             mask = torch.cat([mask, torch.ones_like(ids)], 1)
             positions = positions[:, -1:] + 1

@@ -32,7 +32,7 @@ def _vllm_error() -> str | None:
         from grpo.loop.vllm_generation import import_vllm
 
         import_vllm()
-    except ImportError as error:
+    except ValueError as error:  # EngineError: not installed, or its torchvision breaks it
         return str(error)
     return None
 
@@ -176,7 +176,7 @@ def test_tool_results_continue_the_same_token_sequence(tiny_model_and_tokenizer)
                 first + first + call_23 + [eos] + s5 + answer + [eos], first + call_broken + [eos] + s_err + answer + [eos]]
     engine = PlannedEngine(prompt, expected, eos)
     backend = object.__new__(VLLMGenerate)  # the backend around a planned engine (no vLLM process)
-    backend.__dict__.update(model=model, pad_token_id=tokenizer.pad_token_id, peft_model=None, in_process=True,
+    backend.__dict__.update(model=model, pad_token_id=tokenizer.pad_token_id, peft_model=None, in_process=True, processes=[],
                             tools=ToolSet([add, broken], tokenizer, eos), llm=engine, sleeping=False, stale=False,
                             settings=SimpleNamespace(enable_sleep_mode=False))
     params = SamplingParams(max_completion_length=200, temperature=1.0, eos_token_ids=(eos,))
@@ -296,7 +296,9 @@ def test_an_engine_that_fails_mid_run_keeps_the_checkpoint_and_resume_goes_on(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, named", [
-    (["--vllm-kv-cache-gib", "0.00001"], "--vllm-kv-cache-gib"),
+    (["--vllm-kv-cache-gib", "0.00001"], "--vllm-kv-cache-gib"),  # vLLM's own refusal: no block at all
+    (["--vllm-kv-cache-gib", "0.001", "--num-generations", "16", "--micro-batch-size", "32",
+      "--max-completion-length", "128"], "less than one group's"),  # ~1,000 tokens: one request fits, a group not
     (["--max-prompt-length", "40000"], "--vllm-max-model-length"),  # over the model's 32,768 positions
 ])
 def test_an_engine_that_cannot_serve_the_run_stops_it_before_step_1(tmp_path, flags, named):

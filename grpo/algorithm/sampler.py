@@ -128,6 +128,15 @@ class RowUniforms:
         return RowUniforms(self.values.to(device), self.seed)
 
 
+def row_seeds(noise, num_rows: int) -> list[int]:
+    """A seed per completion, for what samples it outside this loop (an environment's process, vLLM's request): from
+    the completion's own pre-drawn uniforms (their first and last columns), so a resumed run or another world size
+    seeds each completion the same; from the generator otherwise."""
+    if isinstance(noise, RowUniforms):  # fp32 uniforms have 2^24 values: two columns make 48 bits
+        return [int(last * 2**24) << 24 | int(first * 2**24) for first, last in noise.values[:, [0, -1]].tolist()]
+    return torch.randint(2**48, (num_rows,), generator=noise).tolist()
+
+
 def draw_uniform(source, num_rows: int, step: int, device) -> torch.Tensor:
     """(N, 1) uniforms for decode step `step`: the pre-drawn column of a RowUniforms, or fresh from a generator."""
     if isinstance(source, RowUniforms):

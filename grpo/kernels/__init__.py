@@ -149,7 +149,7 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     a token's loss to depend on that token's log-prob only. entropy_bonus: the loss differentiates the entropy,
     which the log-prob kernels compute for the logs only, so the update pass takes the plain log-probs.
     fp32_head (cast_lm_head_to_fp32): the kernels run the output projection in the autocast dtype; the plain
-    log-probs run it in fp32. sharded (FSDP2): no shared-prompt passes; gradient_checkpointing: none in the update.
+    log-probs run it in fp32. sharded (FSDP2) or gradient_checkpointing: no shared-prompt passes.
     """
     from grpo.algorithm.loss import LossOptions
 
@@ -206,13 +206,14 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         (not choice.fast_logprobs, "the log-prob kernels are off"),
         (choice.packed_logprobs, "the passes run packed rows (no padding) instead"),
         (sharded, "under FSDP2 each layer's parameters would be gathered twice a micro-batch"),
+        (gradient_checkpointing, "gradient checkpointing turns the trunk's KV cache off in training mode (transformers "
+                                 "before 5.2x: also without grad)"),
     )
     choice.shared_prompt_passes = not unshared
     if unshared:
         choice.reasons["shared_prompt_passes"] = "; ".join(unshared)
     unshared_update = unshared + _holding(
         (not (choice.fused_loss or choice.update_logprobs), "the update pass takes grpo.algorithm.logprobs"),
-        (gradient_checkpointing, "gradient checkpointing turns the trunk's KV cache off when grad is on"),
     )
     choice.shared_prompt_update = not unshared_update
     if unshared_update:

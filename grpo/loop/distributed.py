@@ -214,7 +214,7 @@ def _nothing(model):
 def fsdp_modules(module) -> list:
     from torch.distributed.fsdp import FSDPModule
 
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+    return [m for m in (module.modules() if module is not None else ()) if isinstance(m, FSDPModule)]
 
 
 @contextlib.contextmanager

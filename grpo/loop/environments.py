@@ -491,9 +491,10 @@ class EnvironmentRollouts:
         """grpo.loop.rollout.sample_rollout with environments (its arguments; `prompt_ids` unused, the prompts are
         encoded here with each reset's text): start one per completion, sample with their tools, score (reward
         functions get them as `environments`), then stop them all. Returns (rollout, prompts, texts)."""
-        from grpo.loop.rollout import rollout_from_sample, rollout_seeds
+        from grpo.algorithm.sampler import row_seeds
+        from grpo.loop.rollout import rollout_from_sample
 
-        episodes, prompt_ids, per_prompt, prompts = self.begin(rows, group, rollout_seeds(noise, len(rows) * group))
+        episodes, prompt_ids, per_prompt, prompts = self.begin(rows, group, row_seeds(noise, len(rows) * group))
         try:
             sample = generation.generate(prompt_ids, per_prompt, params, noise, return_logprobs=return_logprobs,
                                          tools=episodes.toolset(self.toolset))

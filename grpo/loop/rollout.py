@@ -175,15 +175,6 @@ def rollout_from_sample(sample, tokenizer, reward_specs, rows: list[dict], group
         tool_mask=sample.tool_mask, tool_calls=sample.tool_calls), prompts, texts
 
 
-def rollout_seeds(noise, num_rows: int) -> list[int]:
-    """A seed per completion for its environment's process: from the completion's own pre-drawn uniforms (its first
-    and last columns), so a resumed run or another world size seeds each rollout the same; from the generator
-    otherwise."""
-    if isinstance(noise, RowUniforms):  # fp32 uniforms have 2^24 values: two columns make 48 bits
-        return [int(last * 2**24) << 24 | int(first * 2**24) for first, last in noise.values[:, [0, -1]].tolist()]
-    return torch.randint(2**48, (num_rows,), generator=noise).tolist()
-
-
 # ----------------------------------------------------------------------------- the generation seam
 
 class GenerationBackend(Protocol):
@@ -263,14 +254,12 @@ class TransformersGenerate:
 
 
 def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups,
-                            tools=None, engine: dict | None = None) -> GenerationBackend:
+                            tools=None, engine=None) -> GenerationBackend:
     """`sample`: the group sampler our backend calls (grpo.loop.setup.step_functions says which); `tools`:
     grpo.loop.tools.ToolSet, which our sampler and vLLM can feed (GRPOConfig.validate checks that); `engine`:
-    vllm's placement and settings (grpo.loop.setup.vllm_engine)."""
+    vllm's backend with its placement and settings, given the model (grpo.loop.setup.vllm_engine)."""
     if name == "transformers":
         return TransformersGenerate(model, pad_token_id)
     if name == "vllm":
-        from grpo.loop.vllm_generation import VLLMGenerate
-
-        return VLLMGenerate(model, pad_token_id, tools=tools, **engine)
+        return engine(model, pad_token_id, tools=tools)
     return GroupSampler(model, pad_token_id, sample, tools)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import copy
+import functools
 import logging
 import math
 import os
@@ -257,8 +258,8 @@ def use_cpu_huge_pages() -> None:
 
 
 def vllm_engine(config, world, generators: list[int], generating: bool, precision: str, policy,
-                peft_model) -> tuple[str, dict | None]:
-    """(the backend this process samples with, vLLM's engine options or None), placing the engine
+                peft_model) -> tuple[str, object]:
+    """(the backend this process samples with, what builds vLLM's backend given the model, or None), placing the engine
     (docs/vllm.md): colocate, in every training process; with generation processes, in those only (the
     training processes then evaluate with our sampler). Called before the policy is wrapped (FSDP2)."""
     if config.generation_backend != "vllm":
@@ -272,9 +273,9 @@ def vllm_engine(config, world, generators: list[int], generating: bool, precisio
     if not generating and config.vllm_tensor_parallel_size > 1:
         raise ValueError("--vllm-tensor-parallel-size > 1 needs generation processes (the engine then starts its own "
                          "workers); a colocated engine spans its own process only")
-    from grpo.loop.vllm_generation import engine_source
+    from grpo.loop.vllm_generation import VLLMGenerate, engine_source
 
-    return "vllm", dict(source=engine_source(policy), settings=config.engine_settings(precision),
-                        rows=config.completions_per_generation,
-                        peft_model=peft_model, in_process=not generating,
-                        distributed=not generating and world.size > 1)
+    return "vllm", functools.partial(VLLMGenerate, source=engine_source(policy),
+                                     settings=config.engine_settings(precision), rows=config.completions_per_generation,
+                                     peft_model=peft_model, in_process=not generating,
+                                     distributed=not generating and world.size > 1)

