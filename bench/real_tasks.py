@@ -15,7 +15,8 @@ What it runs, each step printed as the command that reruns it:
 2. GRPO: train.py on each task's train split, rewarded by the task's own verifier (--reward: task_solved, full marks
    only, by default), for each of
    --seeds; trl 1.16's GRPOTrainer with the same settings and the same reward function for each of --trl-seeds on the
-   first task. Each run is its own process.
+   first task, and ours sampling with vLLM (--generation-backend vllm) for each of --vllm-seeds on the first task.
+   Each run is its own process.
 3. After: eval.py on each run's final weights, on the same held-out problems, greedy (and the same --pass-k).
 4. The table (stdout and OUT/results.json) and one figure (OUT/real_tasks.png, or --plot): held-out greedy accuracy
    before and after each run, and the training reward against the step.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import resource
@@ -105,16 +107,16 @@ def train_flags(args, name: str, settings: dict, seed: int) -> list[str]:
             "--num-generations", str(args.num_generations), "--micro-batch-size", str(args.micro_batch_size),
             "--temperature", str(args.temperature), "--learning-rate", str(args.lr), "--lr-scheduler-type", "constant",
             "--warmup-ratio", "0", "--beta", str(args.beta), "--max-grad-norm", str(args.max_grad_norm),
-            "--save-steps", "0", "--log-completions-steps", "0", "--overwrite",
-            "--generation-backend", args.generation_backend]
+            "--save-steps", "0", "--log-completions-steps", "0", "--overwrite"]
 
 
-def run_ours(args, name: str, settings: dict, seed: int, run_dir: Path) -> dict:
+def run_ours(args, name: str, settings: dict, seed: int, run_dir: Path, backend: str = "sampler") -> dict:
     import train
 
     from grpo.loop.metrics import read_jsonl
 
-    argv = ["--model", args.model, "--output-dir", str(run_dir), *train_flags(args, name, settings, seed)]
+    argv = ["--model", args.model, "--output-dir", str(run_dir), *train_flags(args, name, settings, seed),
+            "--generation-backend", backend]
     print("$ python train.py " + " ".join(_quoted(argv)), flush=True)
     if train.main(argv) != 0:
         raise RuntimeError("train.py failed")
@@ -194,7 +196,8 @@ def run_side(args, side: str, task: str, seed: int, run_dir: Path) -> dict:
 def child(args) -> int:
     run_dir = Path(args.child_dir)
     name, settings = parse_task(args.child_task)
-    result = {"ours": run_ours, "trl": run_trl}[args.child](args, name, settings, args.child_seed, run_dir)
+    sides = {"ours": run_ours, "vllm": functools.partial(run_ours, backend="vllm"), "trl": run_trl}
+    result = sides[args.child](args, name, settings, args.child_seed, run_dir)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
@@ -235,7 +238,7 @@ def plot(results: dict, path: Path) -> None:
         bars, rewards = axes[0][column], axes[1][column]
         labels = ["before"] + [f"{r['side']} {r['seed']}" for r in task["runs"]]
         values = [task["before"]["accuracy"]] + [r["after"]["accuracy"] for r in task["runs"]]
-        colours = ["0.6"] + ["C3" if r["side"] == "trl" else "C0" for r in task["runs"]]
+        colours = ["0.6"] + [{"trl": "C3", "vllm": "C2"}.get(r["side"], "C0") for r in task["runs"]]
         bars.bar(labels, values, color=colours)
         bars.axhline(task["common_share"], color="k", linestyle=":", linewidth=1, label="most common answer's share")
         for x, value in enumerate(values):
@@ -244,7 +247,8 @@ def plot(results: dict, path: Path) -> None:
                  ylim=(0, max(values + [task["common_share"]]) * 1.25 + 0.02))
         bars.legend(fontsize=7, loc="upper left")
         for index, run in enumerate(task["runs"]):
-            style = dict(color="C3", linestyle="--") if run["side"] == "trl" else dict(color=f"C{index}")
+            style = {"trl": dict(color="C3", linestyle="--"), "vllm": dict(color="C2", linestyle=":")}.get(
+                run["side"], dict(color=f"C{index}"))
             rewards.plot([s["step"] for s in run["steps"]], [s["reward"] for s in run["steps"]], alpha=0.8,
                          label=f"{run['side']} seed {run['seed']}", **style)
         rewards.set(title=f"{task['name']}: mean training reward ({results['settings']['reward']})", xlabel="GRPO step")
@@ -283,13 +287,13 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--generation-backend", default="sampler", choices=("sampler", "vllm"),
-                        help="how our runs sample their rollouts (evaluation is eval.py's, our sampler, either way)")
+    parser.add_argument("--vllm-seeds", type=int, nargs="*", default=[], help="also our runs with --generation-backend "
+                        "vllm, these seeds, on the first task (side `vllm`; evaluation is eval.py's either way)")
     parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated before and after")
     parser.add_argument("--pass-k", type=int, default=1, help="samples per held-out problem for pass@k (1: greedy only)")
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--plot", default=None, help="the figure's path (default OUT/real_tasks.png)")
-    parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("ours", "vllm", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--child-task", help=argparse.SUPPRESS)
     parser.add_argument("--child-seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-dir", help=argparse.SUPPRESS)
@@ -315,7 +319,7 @@ def main(argv=None) -> int:
                 "pass_k": args.pass_k, "runs": []}
         results["tasks"].append(task)
         task["before"] = evaluate(args, args.model, name, settings, out / name / "eval-before")
-        sides = [("ours", args.seeds)] + ([("trl", args.trl_seeds)] if index == 0 else [])
+        sides = [("ours", args.seeds)] + ([("vllm", args.vllm_seeds), ("trl", args.trl_seeds)] if index == 0 else [])
         for side, seeds in sides:
             for seed in seeds:
                 run = run_side(args, side, text, seed, out / name / f"{side}-seed{seed}")

@@ -40,9 +40,9 @@ GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 
 
 def resolve_model(name: str) -> str:
-    from grpo.models import resolve_offline_model
+    from grpo.models import resolve_model_name
 
-    return str(resolve_offline_model(name) or name)
+    return resolve_model_name(name)
 
 
 def questions(count: int) -> list[str]:
@@ -74,7 +74,8 @@ def sampler_part(args) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              return_dict=False) for q in questions(args.prompts)]
-    params = SamplingParams(args.new_tokens, 1.0, eos_token_ids=())  # no EOS: every completion runs to T tokens
+    never = model.config.vocab_size  # an EOS id past the vocabulary (ours) or none (vLLM): completions run to T tokens
+    params, engine_params = (SamplingParams(args.new_tokens, 1.0, eos_token_ids=eos) for eos in ((never,), ()))
     pad, group = tokenizer.pad_token_id, args.group
     config = GRPOConfig(model=path if not args.shape else "tiny", num_generations=group, prompts_per_step=args.prompts, micro_batch_size=group,
                         max_completion_length=args.new_tokens, max_prompt_length=max(map(len, prompts)),
@@ -90,7 +91,7 @@ def sampler_part(args) -> dict:
     with torch.no_grad():
         contenders = {"ours, plain": lambda r: sample_groups(model, prompts, group, params, pad, noise(r).to(device)),
                       "ours, kernel": lambda r: kernel(model, prompts, group, params, pad, noise(r).to(device)),
-                      "vllm": lambda r: engine.generate(prompts, group, params, noise(r))}
+                      "vllm": lambda r: engine.generate(prompts, group, engine_params, noise(r))}
         for run in contenders.values():
             run(0)  # warm-up (and the kernel's compile on CUDA)
         times = {name: [] for name in contenders}
@@ -167,7 +168,7 @@ def mismatch_part(args, out: Path) -> dict:
 
 def async_part(args, out: Path) -> dict:
     result = {}
-    for backend in ("vllm", "sampler"):
+    for backend in args.async_backends.split(","):
         for label, processes, extra in (("sync", 1, []), ("async", 2, ["--max-staleness", "1",
                                                                        "--generation-processes", "1"])):
             steps = run_train([*train_flags(args, backend, args.steps), *extra], out / f"async-{backend}-{label}",
@@ -178,7 +179,7 @@ def async_part(args, out: Path) -> dict:
     print(f"\nsteps per hour, {args.threads} cores in all (steps 2..{args.steps}):")
     for name, row in result.items():
         print(f"  {name:14s} {row['steps_per_hour']:7.1f}  ({row['steps']} steps in {row['steps_s']:.0f} s)")
-    for backend in ("vllm", "sampler"):
+    for backend in args.async_backends.split(","):
         ratio = result[f"{backend} async"]["steps_per_hour"] / result[f"{backend} sync"]["steps_per_hour"]
         print(f"  {backend}: async / sync = {ratio:.2f}x")
     return result
@@ -198,6 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="T")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps of each step / async run")
+    parser.add_argument("--async-backends", default="vllm,sampler", help="the async part's backends")
     parser.add_argument("--out", default="runs/bench_vllm")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()

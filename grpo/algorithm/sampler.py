@@ -133,6 +133,8 @@ def row_seeds(noise, num_rows: int) -> list[int]:
     the completion's own pre-drawn uniforms (their first and last columns), so a resumed run or another world size
     seeds each completion the same; from the generator otherwise."""
     if isinstance(noise, RowUniforms):  # fp32 uniforms have 2^24 values: two columns make 48 bits
+        if noise.values.shape[0] != num_rows:
+            raise ValueError(f"RowUniforms hold {noise.values.shape[0]} rows' noise for {num_rows} rows")
         return [int(last * 2**24) << 24 | int(first * 2**24) for first, last in noise.values[:, [0, -1]].tolist()]
     return torch.randint(2**48, (num_rows,), generator=noise).tolist()
 

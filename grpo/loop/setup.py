@@ -257,8 +257,8 @@ def use_cpu_huge_pages() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def vllm_engine(config, world, generators: list[int], generating: bool, precision: str, policy,
-                peft_model) -> tuple[str, object]:
+def vllm_engine(config, world, generators: list[int], generating: bool, precision: str,
+                policy) -> tuple[str, object]:
     """(the backend this process samples with, what builds vLLM's backend given the model, or None), placing the engine
     (docs/vllm.md): colocate, in every training process; with generation processes, in those only (the
     training processes then evaluate with our sampler). Called before the policy is wrapped (FSDP2)."""
@@ -276,6 +276,6 @@ def vllm_engine(config, world, generators: list[int], generating: bool, precisio
     from grpo.loop.vllm_generation import VLLMGenerate, engine_source
 
     return "vllm", functools.partial(VLLMGenerate, source=engine_source(policy),
-                                     settings=config.engine_settings(precision), rows=config.completions_per_generation,
-                                     peft_model=peft_model, in_process=not generating,
-                                     distributed=not generating and world.size > 1)
+                                     settings=config.engine_settings(precision),
+                                     rows=config.completions_per_generation // max(world.size, 1),  # this rank's
+                                     in_process=not generating, distributed=not generating and world.size > 1)

@@ -359,8 +359,8 @@ class Trainer:
             setup.use_gradient_checkpointing(policy)
         policy.train()
         self.eos_token_ids = eos_token_ids(policy, self.tokenizer)
-        backend, engine = setup.vllm_engine(cfg, self.world, self.generators, self.generating, precision, policy,
-                                            peft_model)  # where the vLLM engine runs, and what it reads
+        # where the vLLM engine runs, and what it reads
+        backend, engine = setup.vllm_engine(cfg, self.world, self.generators, self.generating, precision, policy)
         distributed = "none" if self.generating else resolve_mode(cfg.distributed, self.world)
         if cfg.use_peft and distributed == "fsdp":
             raise ValueError("--use-peft under FSDP2 is not supported yet: use --distributed ddp (the adapters are "

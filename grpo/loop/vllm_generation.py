@@ -111,12 +111,6 @@ def one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-def _children() -> list:
-    import psutil  # a dependency of vLLM
-
-    return psutil.Process().children(recursive=True)
-
-
 def check_architecture(model_config, model_impl: str) -> None:
     """An architecture vLLM has no implementation of is refused before the engine is built."""
     vllm = import_vllm()
@@ -129,8 +123,9 @@ def check_architecture(model_config, model_impl: str) -> None:
 
 
 def engine_source(model) -> str:
-    """The folder or hub id `model` was loaded from; a model built in memory is saved to a temporary folder (removed
-    when the process exits). Called before the model is sharded (FSDP2 cannot save it per rank)."""
+    """The folder or hub id `model` was loaded from; a model built in memory is saved to a temporary folder
+    (`grpo-vllm-model-*`: removed once the engine has read it, or at exit). Called before the model is sharded
+    (FSDP2 cannot save it per rank)."""
     source = getattr(model, "name_or_path", "") or ""
     if source and (os.path.isdir(source) or not os.path.exists(source)):
         return source
@@ -166,11 +161,14 @@ def build_engine(model, source: str, settings: EngineSettings, rows: int, in_pro
                    enable_sleep_mode=settings.enable_sleep_mode, tensor_parallel_size=settings.tensor_parallel_size,
                    model_impl=settings.model_impl, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                    worker_extension_cls=WORKER_EXTENSION, enforce_eager=not torch.cuda.is_available(),
-                   max_num_batched_tokens=max(4096, settings.max_model_length))
+                   max_num_batched_tokens=max(4096, settings.max_model_length),
+                   # a prompt prefilled in pieces discards a token and rewinds its request's seeded generator, which
+                   # a CPU generator cannot do ("CPU Generator does not use offset")
+                   enable_chunked_prefill=torch.cuda.is_available())
     if distributed:
         options["distributed_executor_backend"] = "external_launcher"
     try:
-        with _torch_threads_kept() if in_process else contextlib.nullcontext():
+        with _torch_threads_kept() if in_process else _this_ranks_gpus(settings.tensor_parallel_size):
             llm = vllm.LLM(**options)
     except (ValueError, RuntimeError) as error:  # vLLM's own refusal (model length, memory): named, before step 1
         raise EngineError(f"the vLLM engine could not be built ({one_line(error)}); see --vllm-max-model-length, "
@@ -180,6 +178,8 @@ def build_engine(model, source: str, settings: EngineSettings, rows: int, in_pro
     except Exception as error:  # noqa: BLE001 - any failure of the engine's first forward
         raise EngineError(f"the vLLM engine cannot run this model: {type(error).__name__}: {one_line(error)}; use "
                           "--generation-backend sampler, or try --vllm-model-impl transformers") from error
+    if os.path.basename(source).startswith("grpo-vllm-model-"):  # read: the weights come from the policy from now on
+        shutil.rmtree(source, ignore_errors=True)
     cache = llm.llm_engine.vllm_config.cache_config
     capacity = (cache.num_gpu_blocks or 0) * cache.block_size
     if capacity and capacity < settings.group_tokens:
@@ -188,6 +188,26 @@ def build_engine(model, source: str, settings: EngineSettings, rows: int, in_pro
                           "max_completion_length): raise --vllm-kv-cache-gib or --vllm-gpu-memory-utilization, or "
                           "lower --num-generations or --max-completion-length")
     return llm
+
+
+@contextlib.contextmanager
+def _this_ranks_gpus(count: int):
+    """An engine in a child process of a generation rank sees this rank's GPU (and the next count - 1) as its own:
+    vLLM's executor takes device 0 of what it sees."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    first = torch.cuda.current_device()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[first : first + count])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 @contextlib.contextmanager
@@ -206,9 +226,11 @@ def engine_errors():
 
 def inference_weights(model: torch.nn.Module):
     """(name, tensor) for every weight of a Hugging Face model under its checkpoint's names, each once (tied weights
-    once): the names vLLM's `load_weights` reads. A LoRA layer (peft) stands for its base layer, whose weight
-    the caller has merged the adapter into; the adapters themselves are not weights of the served model.
-    FSDP2's sharded parameters are gathered one at a time (a collective: every rank iterates)."""
+    once): the names vLLM's `load_weights` reads. A LoRA layer (peft) stands for its base layer, its weight given
+    with the active adapters merged in, out of place (W + (alpha / r) B A, peft's get_delta_weight: the module's own
+    weight is never touched, so no rounding from a merge and unmerge drifts the frozen base); the adapters
+    themselves are not weights of the served model. FSDP2's sharded parameters are gathered one at a time (a
+    collective: every rank iterates)."""
     from grpo.loop.distributed import full_tensor
 
     try:
@@ -217,16 +239,28 @@ def inference_weights(model: torch.nn.Module):
         BaseTunerLayer = ()
     seen = set()
 
-    def visit(module, prefix):
+    def visit(module, prefix, adapted=None):
         if isinstance(module, BaseTunerLayer):  # its own children are the adapters
-            yield from visit(module.get_base_layer(), prefix)
+            yield from visit(module.get_base_layer(), prefix, adapted=module)
             return
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))
-                yield prefix + name, full_tensor(param.detach())
+                tensor = full_tensor(param.detach())
+                yield prefix + name, tensor if adapted is None or name != "weight" else merged(adapted, tensor)
         for name, child in module.named_children():
             yield from visit(child, f"{prefix}{name}.")
+
+    def merged(layer, weight):
+        if layer.merged or layer.disable_adapters:
+            return weight
+        for adapter in layer.active_adapters:
+            if adapter in getattr(layer, "lora_A", {}):
+                if getattr(layer, "lora_variant", {}).get(adapter) or getattr(layer, "lora_bias", {}).get(adapter):
+                    raise NotImplementedError(f"adapter {adapter!r} is a LoRA variant (DoRA, ...) or trains a bias: "
+                                              "its merged weights are not sent to vLLM; use --generation-backend sampler")
+                weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+        return weight
 
     yield from visit(model, "")
 
@@ -237,19 +271,24 @@ class VLLMGenerate:
 
     own_weights = True  # the trainer does not gather FSDP2's weights for it (Trainer.decode_weights)
 
-    def __init__(self, model, pad_token_id: int, source: str, settings: EngineSettings, rows: int, peft_model=None,
-                 tools=None, in_process: bool = True, distributed: bool = False):
-        self.model, self.pad_token_id, self.peft_model, self.tools = model, pad_token_id, peft_model, tools
+    def __init__(self, model, pad_token_id: int, source: str, settings: EngineSettings, rows: int, tools=None,
+                 in_process: bool = True, distributed: bool = False):
+        self.model, self.pad_token_id, self.tools = model, pad_token_id, tools
         self.in_process, self.settings = in_process, settings
-        started = set() if in_process else {child.pid for child in _children()}
         self.llm = build_engine(model, source, settings, rows, in_process, distributed)
         # an engine in its own processes: watched, since vLLM's client waits forever on an engine that died
-        self.processes = [] if in_process else [child for child in _children() if child.pid not in started]
+        manager = getattr(getattr(self.llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+        self.processes = [] if in_process else list(getattr(manager, "processes", None) or [])
         self.sleeping = False
-        if settings.enable_sleep_mode:  # the weights and the KV cache are released until the first generate
-            self.llm.sleep(level=2)
-            self.sleeping = True
+        self.sleep()  # with sleep mode: released until the first generate
         self.stale = True  # the engine read its weights from disk: the policy's may differ (a resumed run, LoRA)
+
+    def sleep(self) -> None:
+        """With --vllm-enable-sleep-mode: the weights go to CPU memory and the KV cache is freed (level 1: the weights
+        come back as they were, so an engine that is not stale is not reloaded; every rank reloads together)."""
+        if self.settings.enable_sleep_mode:
+            self.llm.sleep(level=1)
+            self.sleeping = True
 
     def after_update(self) -> None:
         """The policy changed: the next generate loads its weights first."""
@@ -259,29 +298,26 @@ class VLLMGenerate:
     def sync_weights(self) -> None:
         """Copy the policy's weights into the engine (see the module docstring); every rank of a colocated run
         calls it together (FSDP2 gathers)."""
-        merged = self.peft_model is not None
-        if merged:
-            self.peft_model.merge_adapter()
-        try:
-            if self.in_process:  # one weight at a time, straight from the policy (FSDP2: gathered as it goes)
-                missing = self.llm.collective_rpc("grpo_reload_weights", args=(inference_weights(self.model),))[0]
-            else:
-                missing = self._watched(self._reload_through_files)
-        finally:
-            if merged:
-                self.peft_model.unmerge_adapter()
+        if self.in_process:  # one weight at a time, straight from the policy (FSDP2: gathered as it goes)
+            missing = self.llm.collective_rpc("grpo_reload_weights", args=(inference_weights(self.model),))[0]
+        else:
+            missing = self._reload_through_files()
         if missing:
             raise RuntimeError(f"the policy's weights did not reach the vLLM engine's {', '.join(missing[:5])}"
                                f"{' ...' if len(missing) > 5 else ''}: the model's checkpoint names do not match "
                                "what vLLM loads for this architecture")
-        self.llm.reset_prefix_cache()  # cached prompts were computed with the old weights
+        if not self._watched(self.llm.reset_prefix_cache):  # cached prompts were computed with the old weights
+            raise RuntimeError("vLLM did not reset its prefix cache after the weights changed")
         self.stale = False
 
     def _reload_through_files(self) -> list[str]:
-        """The weights written to shared memory in files of about CHUNK_BYTES, for an engine in another process."""
+        """The weights written to files of CHUNK_BYTES or a little more, for an engine in another process: in shared
+        memory where it has room for the whole model, else in the temporary folder; removed after the load."""
         from safetensors.torch import save_file
 
-        folder = tempfile.mkdtemp(prefix="grpo-weights-", dir=SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None)
+        needed = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        roomy = os.path.isdir(SHARED_MEMORY) and shutil.disk_usage(SHARED_MEMORY).free > 1.2 * needed
+        folder = tempfile.mkdtemp(prefix="grpo-weights-", dir=SHARED_MEMORY if roomy else None)
         paths, chunk, size = [], {}, 0
         try:
             for name, tensor in inference_weights(self.model):
@@ -294,7 +330,7 @@ class VLLMGenerate:
             if chunk:
                 paths.append(os.path.join(folder, f"{len(paths):05d}.safetensors"))
                 save_file(chunk, paths[-1])
-            return self.llm.collective_rpc("grpo_reload_weights_files", args=(paths,))[0]
+            return self._watched(self.llm.collective_rpc, "grpo_reload_weights_files", args=(paths,))[0]
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -304,23 +340,19 @@ class VLLMGenerate:
         call's own (an environment batch's), instead of the run's."""
         with engine_errors():
             if self.sleeping:
-                self.llm.wake_up(tags=["weights"])
-            if self.stale or self.sleeping:  # sleep level 2 dropped the weights
-                self.sync_weights()
-            if self.sleeping:
-                self.llm.wake_up(tags=["kv_cache"])
+                self._watched(self.llm.wake_up)
                 self.sleeping = False
+            if self.stale:
+                self.sync_weights()
         device = next(self.model.parameters()).device
         prompt, prompt_mask = left_pad(prompt_ids, self.pad_token_id, device)  # (B, P)
         rows = [ids for ids in prompt_ids for _ in range(num_generations)]  # N = B * G token lists
         seeds = row_seeds(generator, len(rows)) if generator is not None and params.temperature > 0 else None
         tools = tools if tools is not None else self.tools
         turns = tools.start(len(rows), params.max_completion_length, device) if tools is not None else None
+        completions, logprobs = self._sample(rows, params, seeds, turns, return_logprobs)
         with engine_errors():
-            completions, logprobs = self._sample(rows, params, seeds, turns, return_logprobs)
-            if self.settings.enable_sleep_mode:
-                self.llm.sleep(level=2)
-                self.sleeping = True
+            self.sleep()
         sample = pack(prompt, prompt_mask, completions, logprobs if return_logprobs else None, params.eos_token_ids,
                       self.pad_token_id, device)
         return sample if turns is None else turns.finish(sample)
@@ -341,9 +373,9 @@ class VLLMGenerate:
 
         threading.Thread(target=run, name="grpo-vllm-call", daemon=True).start()
         while not done.wait(1.0):
-            dead = [p for p in self.processes if not p.is_running() or p.status() == "zombie"]
+            dead = [p for p in self.processes if not p.is_alive()]
             if dead:
-                raise RuntimeError(f"the vLLM engine's process {dead[0].pid} died")
+                raise RuntimeError(f"the vLLM engine's process {dead[0].pid} died (exit code {dead[0].exitcode})")
         if "error" in result:
             raise result["error"]
         return result["value"]
@@ -372,7 +404,8 @@ class VLLMGenerate:
                     stop_token_ids=list(eos), ignore_eos=True, seed=seed, logprobs=0 if return_logprobs else None,
                     detokenize=False))
                 requests.append({"prompt_token_ids": rows[row] + completions[row]})
-            outputs = self._watched(self.llm.generate, requests, options, use_tqdm=False)
+            with engine_errors():
+                outputs = self._watched(self.llm.generate, requests, options, use_tqdm=False)
             going_on = []
             for row, output in zip(active, outputs, strict=True):
                 out = output.outputs[0]
@@ -391,7 +424,8 @@ class VLLMGenerate:
         """grpo.loop.tools decides whether the row's turn called a tool; if so its result is appended, masked."""
         step = len(completions[row]) - 1  # the EOS that ended the turn
         ids = torch.tensor(completions[row] + [0] * (budget - len(completions[row])))[None].expand(len(turns.waiting), -1)
-        hit = torch.zeros(len(turns.waiting), dtype=torch.bool)
+        ids = ids.to(turns.fed.device)
+        hit = torch.zeros(len(turns.waiting), dtype=torch.bool, device=turns.fed.device)
         hit[row] = True
         if bool(turns.end_turns(step, ids, hit)[row]):  # the row ends here
             return False
