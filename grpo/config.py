@@ -185,8 +185,8 @@ class GRPOConfig(ConfigMixin):
     vllm_mode: str = option("colocate", "where the engine runs: colocate = inside each process that samples (each training process; the --generation-processes ranks with --max-staleness under torchrun). trl's `server` (a `vllm serve` process reached over NCCL) is not built: generation processes are this project's separate engine", choices=VLLM_MODES)
     vllm_gpu_memory_utilization: float = option(0.3, "share of the GPU's memory the engine takes for its weights and KV cache (trl's colocate default); unused on a CPU, where --vllm-kv-cache-gib sizes it")
     vllm_kv_cache_gib: float | None = option(None, "the engine's KV cache in GiB (sets it exactly, on a GPU too); default on a CPU: what one step's completions at full length need")
-    vllm_enable_sleep_mode: bool = option(False, "release the engine's weights and KV cache between generations (level 2, as trl), so the update has that memory back; needs a platform with sleep mode (CUDA)")
-    vllm_max_model_length: int | None = option(None, "tokens one request may hold (prompt and completion); default max_prompt_length + max_completion_length, which it must not be below")
+    vllm_enable_sleep_mode: bool = option(False, "release the engine's GPU memory between generations (level 1: weights to CPU memory, KV cache freed; trl's level 2 drops the weights and reloads them every time), so the update has that memory back; needs a platform with sleep mode (CUDA)")
+    vllm_max_model_length: int | None = option(None, "tokens one request may hold (prompt and completion); default max_prompt_length + the larger of max_completion_length and eval_max_completion_length, which it must not be below")
     vllm_tensor_parallel_size: int = option(1, "GPUs one engine spans; > 1 only on generation processes (each engine then starts its own workers)")
     vllm_model_impl: str = option("auto", "the engine's model code: auto, vllm (its own) or transformers (vLLM's transformers backend, for architectures it has no implementation of)", choices=VLLM_MODEL_IMPLS)
 

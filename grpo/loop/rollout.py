@@ -21,8 +21,9 @@ Backends (`--generation-backend`):
                    times, as trl does without vLLM
     vllm           a vLLM engine (grpo.loop.vllm_generation), with its own copy of the weights, loaded from the
                    policy before the first generation after an update
-Both return rows grouped [prompt 0 x G, prompt 1 x G, ...], the completion mask up to and including the
-first EOS, and (when asked) the sampler's per-token log-probs under softmax(logits / temperature).
+All return rows grouped [prompt 0 x G, prompt 1 x G, ...], the completion mask up to and including the
+first EOS, and (when asked) the sampler's per-token log-probs under softmax(logits / temperature) (vLLM's: after its
+top-k, top-p and min-p filters too).
 
 Notation: B prompts, G completions per prompt, N = B * G rows, P prompt tokens, T completion tokens.
 """
