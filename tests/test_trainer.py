@@ -243,12 +243,13 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path):
     params = []
     for checkpointing in (False, True):
         trainer = Trainer(make_config(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing, beta=0.04))
-        # Under checkpointing the update cannot share its prompts (select_kernels): both runs take the same kernels,
+        # Under checkpointing no pass shares its prompts (select_kernels): both runs take the same kernels,
         # so only checkpointing differs (k_proj's bias has a gradient of 0 up to rounding, which AdamW's first step
         # turns into +-lr: another order of sums would move it).
         if trainer.kernels is not None:  # auto (plain: no kernels at all)
-            assert not trainer.kernels.shared_prompt_update or not checkpointing
-            trainer.kernels.shared_prompt_update = False
+            assert not (trainer.kernels.shared_prompt_passes or trainer.kernels.shared_prompt_update) or not checkpointing
+            trainer.kernels.shared_prompt_passes = trainer.kernels.shared_prompt_update = False
+            trainer.kernels.unpadded_trunk = False  # it runs inside the shared-prompt passes
             refresh_kernels(trainer)
         trainer.train_on_rollout(fixed_rollout(trainer))
         params.append(params_of(trainer.policy))
