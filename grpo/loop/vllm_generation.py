@@ -10,8 +10,8 @@
     log-probs  the sampled tokens' log-probs after temperature, top-k and top-p (`processed_logprobs`, as trl):
                the behaviour policy of the importance-sampling correction (grpo.algorithm.off_policy)
     weights    after an optimizer update the engine is stale; the next `generate` loads the policy's weights into
-               it first, one parameter at a time (FSDP2 gathers each one on every rank; LoRA adapters are merged
-               for the copy and unmerged after), under the names of the model's own checkpoint. Every engine
+               it first, one parameter at a time (FSDP2 gathers each one on every rank; a LoRA layer's weight is
+               sent with its adapters merged in, out of place), under the names of the model's own checkpoint. Every engine
                parameter must be reached, or the run stops naming the ones that were not
     tools      a row whose turn calls a tool gets the result as tokens (grpo.loop.tools) and goes on in a new request
                whose prompt is the prompt, its turns so far and the result, as token ids
