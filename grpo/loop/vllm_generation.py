@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import shutil
 import tempfile
@@ -36,8 +35,6 @@ from dataclasses import dataclass
 import torch
 
 from grpo.algorithm.sampler import GroupSample, left_pad, row_seeds
-
-logger = logging.getLogger("grpo")
 
 WORKER_EXTENSION = "grpo.loop.vllm_worker.WeightLoader"
 SHARED_MEMORY = "/dev/shm"  # where the weights for an engine in another process are written, when it exists
@@ -318,18 +315,23 @@ class VLLMGenerate:
         needed = sum(p.numel() * p.element_size() for p in self.model.parameters())
         roomy = os.path.isdir(SHARED_MEMORY) and shutil.disk_usage(SHARED_MEMORY).free > 1.2 * needed
         folder = tempfile.mkdtemp(prefix="grpo-weights-", dir=SHARED_MEMORY if roomy else None)
-        paths, chunk, size = [], {}, 0
+        paths, chunk = [], {}
+
+        def write():  # the chunk so far as the next file
+            paths.append(os.path.join(folder, f"{len(paths):05d}.safetensors"))
+            save_file(chunk, paths[-1])
+            chunk.clear()
+
         try:
+            size = 0
             for name, tensor in inference_weights(self.model):
                 chunk[name] = tensor.to("cpu", copy=True).contiguous()  # a tied or viewed tensor gets its own storage
                 size += tensor.numel() * tensor.element_size()
                 if size >= CHUNK_BYTES:
-                    paths.append(os.path.join(folder, f"{len(paths):05d}.safetensors"))
-                    save_file(chunk, paths[-1])
-                    chunk, size = {}, 0
+                    write()
+                    size = 0
             if chunk:
-                paths.append(os.path.join(folder, f"{len(paths):05d}.safetensors"))
-                save_file(chunk, paths[-1])
+                write()
             return self._watched(self.llm.collective_rpc, "grpo_reload_weights_files", args=(paths,))[0]
         finally:
             shutil.rmtree(folder, ignore_errors=True)
