@@ -14,6 +14,10 @@ SYSTEM_PROMPT = """Respond in the following format:
 ...
 </answer>"""
 
+# reasoning-gym tasks (the `reasoning-gym-small` preset): a short answer in the tag task_score reads, no R1 layout.
+# Small instruct models asked for GSM8K's <reasoning> layout on such a task mostly answer "The answer is 1."
+TASK_SYSTEM_PROMPT = ("Solve the task. Think briefly, then give only the final answer inside <answer></answer> "
+                      "tags.")
 
 # GSM8K's first train problem and its solution: the worked example of `one_shot` prompts.
 EXAMPLE_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

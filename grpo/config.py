@@ -101,6 +101,21 @@ class ConfigMixin:
             return []
         return [f"{name} must be a JSON object of names to values, got {kwargs!r}"]
 
+    def resolve_defaults(self, gsm8k_rewards: list[str]) -> None:
+        """Settings left unset (None) become the data's own. The reward: a reasoning-gym task's verifier
+        (task_solved: its full marks; partial credit can be climbed without solving anything, docs/tasks.md), an
+        --environment's get_reward alone, else `gsm8k_rewards` (the GSM8K recipe). The system
+        prompt: a short-answer prompt for a reasoning-gym task (data.prompts.TASK_SYSTEM_PROMPT), else GSM8K's R1
+        format prompt (data.prompts.SYSTEM_PROMPT)."""
+        from data.prompts import TASK_SYSTEM_PROMPT
+        from data.reasoning_gym import is_source
+
+        task = is_source(self.dataset)
+        if self.reward is None:
+            self.reward = ["task_solved"] if task else [] if self.environment else list(gsm8k_rewards)
+        if self.system_prompt is None:
+            self.system_prompt = TASK_SYSTEM_PROMPT if task else SYSTEM_PROMPT
+
     def task_problems(self) -> list[str]:
         """--task-settings and --task-seed belong to a reasoning-gym dataset, whose task, settings and verifier are
         checked here (a problem is generated, the verifier probed), before any model is loaded."""
@@ -141,10 +156,10 @@ class GRPOConfig(ConfigMixin):
 
     # --- model and data ---
     model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder; `tiny` or `tiny:SHAPE` builds a random-init local model (grpo/tiny_model.py)", section='model and data')
-    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, `synthetic[:N]` (seeded GSM8K-shaped problems), or `reasoning-gym:NAME[:N]` (a reasoning-gym task, N problems per split; reward task_score). Rows with a `prompt` column (a string or chat messages) train as they are, every other column reaching the rewards; rows with GSM8K's `question` and `answer` are checked and get --system-prompt")
+    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, `synthetic[:N]` (seeded GSM8K-shaped problems), or `reasoning-gym:NAME[:N]` (a reasoning-gym task, N problems per split; rewarded by its verifier). Rows with a `prompt` column (a string or chat messages) train as they are, every other column reaching the rewards; rows with GSM8K's `question` and `answer` are checked and get --system-prompt")
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option("test", "dataset split to evaluate on (--eval-steps)")
-    system_prompt: str = option(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (question/answer), asking for <reasoning>/<answer> tags")
+    system_prompt: str | None = option(None, "system prompt of GSM8K-style rows (question/answer) and reasoning-gym tasks; default: GSM8K's R1 format prompt asking for <reasoning>/<answer> tags (data.prompts.SYSTEM_PROMPT), and for reasoning-gym:NAME a short-answer prompt asking for the answer in <answer> tags (data.prompts.TASK_SYSTEM_PROMPT)")
     one_shot: bool = option(False, "GSM8K-style rows: one worked example (a train problem answered in the format) as a user/assistant exchange before the question; for small instruct models that ignore the system prompt's format (docs/real-model.md)")
     chat_template: str | None = option(None, "a Jinja chat template file, for tokenizers that have none")
     chat_template_kwargs: dict | None = option(None, "extra keyword arguments of the chat template for chat prompts (training and evaluation), a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3; trl's option")
@@ -191,7 +206,7 @@ class GRPOConfig(ConfigMixin):
     vllm_model_impl: str = option("auto", "the engine's model code: auto, vllm (its own) or transformers (vLLM's transformers backend, for architectures it has no implementation of)", choices=VLLM_MODEL_IMPLS)
 
     # --- rewards and advantages ---
-    reward: list[str] = option(GSM8K_RECIPE_REWARDS, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags, task_score and task_solved for reasoning-gym, accuracy_reward for math-verify, ...), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns)", section='rewards and advantages')
+    reward: list[str] | None = option(None, "reward functions, each with an optional weight (correctness:2): a name from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags, task_score and task_solved for reasoning-gym, accuracy_reward for math-verify, ...), module:function or path/to/file.py:function, with trl's signature fn(prompts, completions, **columns). Default: the data's own: task_solved (the task's verifier, full marks only) for reasoning-gym:NAME, only the environment's get_reward with --environment, else the GSM8K recipe (xmlcount soft_format strict_format int correctness)", section='rewards and advantages')
     sandbox_isolation: str = option("available", "rewards that run the model's programs (execution): `available` runs them with the isolation layers this machine gives, the first log line naming any that is missing; `full` refuses to start without every layer (bubblewrap, root, cgroups; docs/tools.md)", choices=ISOLATION_CHOICES)
     overlong_buffer_len: int = option(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
     overlong_penalty_factor: float = option(1.0, "overlong reward shaping: the penalty at the full budget")
@@ -365,6 +380,7 @@ class GRPOConfig(ConfigMixin):
         """Reject impossible settings with a message that names the field; returns self."""
         from rewards.registry import parse_reward_specs
 
+        self.resolve_defaults(GSM8K_RECIPE_REWARDS)
         problems = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

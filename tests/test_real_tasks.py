@@ -75,8 +75,8 @@ def test_config_checks_the_task_before_any_model_loads():
     assert GRPOConfig(**base, task_settings=TWO_TERMS).validate().task_settings == TWO_TERMS
     with pytest.raises(ValueError, match="refuses --task-settings"):
         GRPOConfig(**base, task_settings={"max_termz": 3}).validate()
-    with pytest.raises(ValueError, match="--reward task_score"):
-        GRPOConfig(dataset="reasoning-gym:chain_sum").validate()  # the GSM8K rewards would score nothing
+    with pytest.raises(ValueError, match="--reward task_score"):  # GSM8K's correctness would score nothing
+        GRPOConfig(dataset="reasoning-gym:chain_sum", reward=["correctness", "int"]).validate()
     with pytest.raises(ValueError, match="--task-settings is for a reasoning-gym dataset"):
         GRPOConfig(dataset="synthetic", task_settings={"a": 1}).validate()
     with pytest.raises(ValueError, match="task_settings must be a JSON object"):

@@ -27,7 +27,6 @@ import torch
 from tqdm import tqdm
 
 from data.answers import canonical_number, extract_last_number, gold_from_column
-from data.prompts import SYSTEM_PROMPT
 from grpo.config import KERNEL_CHOICES, ConfigMixin, option
 from grpo.models import PRECISIONS
 from grpo.loop.prompts import encode_prompts
@@ -51,7 +50,7 @@ class EvalConfig(ConfigMixin):
     dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, `synthetic[:N]` or `reasoning-gym:NAME[:N]`; rows with a `prompt` column, or a question and an answer")
     split: str = option("test", "dataset split")
     limit: int = option(0, "evaluate the first N problems (0 = all)")
-    system_prompt: str = option(SYSTEM_PROMPT, "system prompt of GSM8K-style rows (the same as training)")
+    system_prompt: str | None = option(None, "system prompt of GSM8K-style rows and reasoning-gym tasks (the same as training; default the data's, as train.py's)")
     one_shot: bool = option(False, "GSM8K-style rows: a worked example before the question (the same as training)")
     chat_template: str | None = option(None, "a Jinja chat template file for tokenizers that have none (as train.py's; a checkpoint keeps the one it trained with), used for --model and --compare")
     chat_template_kwargs: dict | None = option(None, "extra keyword arguments of the chat template, a JSON object (the same as training), e.g. '{\"enable_thinking\": false}'")
@@ -64,7 +63,7 @@ class EvalConfig(ConfigMixin):
     environment: list[str] = option([], "multi-turn environments, module:Class or file.py:Class each (the same as training's --environment); their get_reward scores are reported with the --reward ones")
     environment_timeout: float = option(10.0, "seconds an environment's reset, tool call or get_reward may take (as training)")
     scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
-    reward: list[str] = option(["correctness"], "reward functions for --scorer rewards (names, module:function or file.py:function)")
+    reward: list[str] | None = option(None, "reward functions for --scorer rewards (names, module:function or file.py:function); default: the data's own, as train.py's (task_solved for reasoning-gym:NAME, the environment's get_reward alone with --environment, else correctness)")
     sandbox_isolation: str = option("available", "a scorer or reward that runs the model's programs: `available` runs them with the isolation layers this machine gives (a warning names any that is missing), `full` refuses to start without every layer (as train.py's)", choices=ISOLATION_CHOICES)
     max_prompt_length: int = option(512, "prompt tokens kept (truncated from the left)")
     max_completion_length: int = option(512, "completion token budget")
@@ -82,6 +81,7 @@ class EvalConfig(ConfigMixin):
     output_dir: str = option("runs/eval", "where the per-sample JSONL and summary JSON go")
 
     def validate(self) -> "EvalConfig":
+        self.resolve_defaults(["correctness"])
         problems = [f"{name} must be >= 1, got {getattr(self, name)}"
                     for name in ("max_prompt_length", "max_completion_length", "batch_size") if getattr(self, name) < 1]
         if self.limit < 0:
