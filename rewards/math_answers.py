@@ -48,4 +48,7 @@ def accuracy_reward(prompts=None, completions=(), solution=None, **kwargs) -> li
     return rewards
 
 
+accuracy_reward.required_columns = ("solution",)  # checked before the model loads (rewards.scoring)
+
+
 MATH_REWARDS = {"accuracy_reward": accuracy_reward}

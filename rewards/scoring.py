@@ -10,6 +10,7 @@ here, left out of that row's weighted sum (grpo.algorithm.advantages.weighted_re
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -136,4 +137,34 @@ def score_rows(specs: Sequence[RewardSpec], rows: list[dict], texts: list[str], 
     return score_completions(specs, prompts, completions, columns)
 
 
-__all__ = ["RewardError", "Unscorable", "score_completions", "score_rows"]
+# What every call passes beside the rows' columns (score_rows); `environments` with --environment
+SUPPLIED_ARGUMENTS = ("prompts", "completions", "completion_ids", "environments")
+
+
+def missing_columns(spec: RewardSpec, columns) -> list[str]:
+    """The columns `spec.fn` needs that neither the loop nor the rows' `columns` supply: its parameters without a
+    default, and the names in its `required_columns` attribute (for a parameter that keeps trl's default of None,
+    as accuracy_reward's `solution`). A function whose signature cannot be read, or that takes only **kwargs,
+    needs none but those it declares."""
+    try:
+        parameters = inspect.signature(spec.fn).parameters.values()
+    except (TypeError, ValueError):
+        parameters = []
+    required = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    needed = [p.name for p in parameters if p.kind in required and p.default is inspect.Parameter.empty]
+    needed += [name for name in getattr(spec.fn, "required_columns", ()) if name not in needed]
+    return [name for name in needed if name not in SUPPLIED_ARGUMENTS and name not in columns]
+
+
+def check_reward_columns(specs: Sequence[RewardSpec], rows: list[dict], where: str) -> None:
+    """Refuse, before any model loads, a reward that needs a column the rows lack (accuracy_reward without
+    `solution`, correctness without `answer`): it would fail at the first step."""
+    columns = set(rows[0]) - {"prompt"} if rows else set()
+    problems = [f"reward {spec.name!r} needs the column(s) {', '.join(missing)}" for spec in specs
+                for missing in [missing_columns(spec, columns)] if missing]
+    if problems:
+        raise ValueError(f"{where}: {'; '.join(problems)}, which these rows do not have (their columns: "
+                         f"{', '.join(sorted(columns)) or 'none but prompt'}); choose rewards for this data with --reward")
+
+
+__all__ = ["RewardError", "Unscorable", "check_reward_columns", "missing_columns", "score_completions", "score_rows"]
