@@ -30,11 +30,29 @@ def output_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.strip("/")) or "model"
 
 
+def is_correct(record: dict, pass_key: str | None, threshold: float) -> bool:
+    value = record.get(pass_key) if pass_key else None
+    return isinstance(value, (int, float)) and value >= threshold
+
+
+def constant_scorer(rows: list[dict], scorer, pass_key: str | None, threshold: float, task: str, environments):
+    """`answer -> [correct per problem]`: the completion `<answer>ANSWER</answer>` for every problem, scored as the
+    model's are; None where there is no gold answer to compare (rows of other tasks, environments' episodes)."""
+    if task not in ("gsm8k", "reasoning-gym") or environments or not pass_key:
+        return None
+
+    def score(answer: str) -> list[bool]:
+        records = scorer([f"<answer>{answer}</answer>"] * len(rows), rows, [[] for _ in rows])
+        return [is_correct(record, pass_key, threshold) for record in records]
+    return score
+
+
 def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task: str, pass_key: str | None,
                    reward_specs=None, environments=None) -> dict:
     import torch
 
-    from grpo.loop.evaluation import evaluate, evaluate_samples
+    from grpo.loop.answers import prior_summary
+    from grpo.loop.evaluation import evaluate, evaluate_samples, sample_answer
     from grpo.loop.rollout import GroupSampler
     from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
@@ -56,6 +74,13 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
     records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
                                 config.max_completion_length, config.batch_size, autocast=autocast, scorer=scorer,
                                 backend=backend, chat_template_kwargs=template_kwargs, **played_with)
+    # guards against the prior (grpo/loop/answers.py): the model's most common answer, the best constant answer
+    answers = [sample_answer(record["completion"], task, row) for record, row in zip(records, rows, strict=True)]
+    for record, answer in zip(records, answers, strict=True):
+        record["answer"] = answer
+    summary.update(prior_summary(answers, [record["gold"] for record in records],
+                                 [is_correct(record, pass_key, config.pass_threshold) for record in records],
+                                 constant_scorer(rows, scorer, pass_key, config.pass_threshold, task, environments)))
     folder = Path(config.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     stem = output_stem(name)
@@ -75,6 +100,17 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
     return summary
 
 
+def prior_line(summary: dict) -> str:
+    """One line on the prior: the model's most common answer, and the best constant answer's accuracy."""
+    line = (f"{summary['model']}: its most common answer {summary['answers/most_common']!r} is "
+            f"{summary['answers/most_common_share']:.1%} of its answers")
+    if "best_constant_answer" in summary:
+        line += (f"; always answering {summary['best_constant_answer']!r} would score "
+                 f"{summary['best_constant_accuracy']:.1%}, and on the problems it misses the model scores "
+                 f"{summary['accuracy_beyond_constant']:.1%}")
+    return line
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -83,10 +119,11 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     from data import DataError, load_task_rows
-    from grpo.loop.evaluation import default_pass_key, make_scorer
+    from grpo.loop.evaluation import default_pass_key, make_scorer, scorer_kind
     from grpo.models import ModelError
     from grpo.loop.setup import environments as load_environments, reward_specs as reward_specs_of
     from rewards import RewardError
+    from rewards.scoring import check_reward_columns
 
     try:
         rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt,
@@ -96,6 +133,8 @@ def main(argv=None) -> int:
         environments = load_environments(config)  # their get_reward scores join the rewards, as in training
         reward_specs = reward_specs_of(config, environments=environments)
         scorer_name = "rewards" if environments else config.scorer
+        if scorer_kind(scorer_name, task) == "rewards" and not environments:  # refused here, not mid-evaluation
+            check_reward_columns(reward_specs, rows, f"{config.dataset}[{config.split}]")
         scorer = make_scorer(scorer_name, task, reward_specs, config.sandbox_isolation)
         pass_key = config.pass_key or default_pass_key(scorer_name, task, reward_specs)
         if config.num_samples > 1 and pass_key is None:
@@ -106,11 +145,14 @@ def main(argv=None) -> int:
     except (ValueError, DataError, ModelError, RewardError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    keys = [key for key in summaries[0] if key not in ("model", "dataset", "split", "num_samples", "sampling")]
+    keys = [key for key in summaries[0] if key not in ("model", "dataset", "split", "num_samples", "sampling")
+            and isinstance(summaries[0][key], (int, float))]
     width = max(len(s["model"]) for s in summaries)
     print(f"{'model':{width}s}  " + "  ".join(f"{k:>17s}" for k in keys) + f"   ({len(rows)} problems, greedy)")
     for summary in summaries:
         print(f"{summary['model']:{width}s}  " + "  ".join(f"{summary[k]:17.4f}" for k in keys))
+    for summary in summaries:
+        print(prior_line(summary))
     if config.num_samples > 1:
         names = [key for key in summaries[0]["sampling"] if key.startswith(("pass@", "maj@"))]
         print(f"\n{config.num_samples} samples per problem at temperature {config.temperature} (correct: "

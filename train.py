@@ -8,11 +8,30 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 
 from grpo.cli import config_from_args, resume_command
+
+
+def run_summary(config, reward_names: list[str], problems: int, task: str, steps: int, resumed_at: int | None,
+                processes: int, distributed: str, device, precision: str) -> str:
+    """The run in five lines: model, data, rewards, steps and hardware, the output folder (every setting is in
+    the folder's run_config.json)."""
+    settings = f" {json.dumps(config.task_settings)}" if config.task_settings else ""
+    micro_batches = config.completions_per_step // processes // config.micro_batch_size
+    resumed = f", resumed at step {resumed_at}" if resumed_at is not None else ""
+    return "\n".join([
+        f"model:   {config.model}",
+        f"data:    {config.dataset}{settings} [{config.train_split}]: {problems} problems ({task})",
+        f"rewards: {', '.join(reward_names)}",
+        f"steps:   {steps}{resumed}; each {config.prompts_per_step} prompts x {config.num_generations} completions of "
+        f"up to {config.max_completion_length} tokens, {micro_batches} micro-batch(es) per update per process; "
+        f"{processes} process(es) ({distributed}) on {device}, {precision}",
+        f"output:  {config.output_dir} (every setting in run_config.json)",
+    ])
 
 
 def main(argv=None) -> int:
@@ -29,16 +48,13 @@ def main(argv=None) -> int:
     from rewards import RewardError
 
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 prints
-    if main_process:
-        print("settings:", ", ".join(f"{k}={v!r}" for k, v in config.to_dict().items() if k != "system_prompt"))
     try:
         trainer = Trainer(config)
         if main_process:
-            micro_batches = config.completions_per_step // trainer.world.size // config.micro_batch_size
-            print(f"device={trainer.models.device} precision={trainer.precision} steps={trainer.total_steps} "
-                  f"completions/step={config.completions_per_step} processes={trainer.world.size} "
-                  f"({trainer.models.distributed}) micro-batches/update/process={micro_batches}"
-                  + (f" (resumed at step {trainer.step})" if trainer.resume_from else ""))
+            rewards = [spec.name if spec.weight == 1 else f"{spec.name}:{spec.weight:g}" for spec in trainer.rewards]
+            print(run_summary(config, rewards, len(trainer.train_rows), trainer.task, trainer.total_steps,
+                              trainer.step if trainer.resume_from else None, trainer.world.size,
+                              trainer.models.distributed, trainer.models.device, trainer.precision))
         result = trainer.train()
         trainer.close()
     except DiskFullError as error:  # nothing is lost: the run goes on from its last good checkpoint

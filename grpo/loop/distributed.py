@@ -80,6 +80,14 @@ class World:
         dist.all_gather(parts, tensor.to(self.device).contiguous(), group=self.group)
         return torch.cat(parts).to(tensor.device)
 
+    def gather_objects(self, value) -> list:
+        """Every rank's picklable `value`, in rank order ([value] at size 1)."""
+        if self.size == 1:
+            return [value]
+        values = [None] * self.size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
     def local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's equal share of rows gathered by `gather_rows` (all of them at size 1)."""
         rows = tensor.shape[0] // self.size

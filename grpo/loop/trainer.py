@@ -39,7 +39,8 @@ from grpo.config import GRPOConfig
 from grpo.loop.disk_full import DiskFullError, writing
 from grpo.loop.distributed import World, gathered, init_world, resolve_mode, wrap_model
 from grpo.loop.dynamic_sampling import keep_informative_groups
-from grpo.loop.evaluation import evaluate, make_scorer, save_evaluation
+from grpo.loop.answers import CollapseWatch, answer_metrics, prompt_key
+from grpo.loop.evaluation import evaluate, gold_answer, make_scorer, sample_answer, save_evaluation
 from grpo.algorithm.logprobs import check_plain_output_head
 from grpo.loop.lora import AdaptersOff
 from grpo.algorithm.loss import EntropyControl
@@ -50,6 +51,7 @@ from grpo.loop.threads import CpuThreads
 from grpo.loop.rollout import Rollout, RowUniforms, make_generation_backend, sample_rollout, seeded, step_prompts
 from grpo.algorithm.sampler import SamplingParams, sample_groups
 from grpo.loop.update import Models, StepState, TrainingError, UpdateResult, train_on_rollout
+from rewards.scoring import check_reward_columns
 
 logger = logging.getLogger("grpo")
 
@@ -98,6 +100,7 @@ class Trainer:
                 if rollouts is not None and self.step < stop_at:  # the generator samples ahead from the new weights
                     rollouts.publish(self.step, self.state.updates, self.policy)
                 metrics["cpu_threads"] = threads
+                metrics.update(self.watch_answers(prompts, texts))  # answers/*: one answer to every question warns
                 first_reward = metrics["reward"] if first_reward is None else first_reward
                 last_reward = metrics["reward"]
                 # evaluate -> log -> checkpoint
@@ -149,6 +152,16 @@ class Trainer:
         metrics.update(step_time=time.perf_counter() - started, sample_time=sampled - started,
                        tokens_per_second=tokens / max(sampled - started, 1e-9))
         return StepOutput(metrics, rollout, prompts, texts)
+
+    def watch_answers(self, prompts: list, texts: list[str]) -> dict:
+        """The step's answers/* metrics over every rank's completions, and the collapse check (grpo/loop/answers.py):
+        each completion's answer as evaluation extracts it, beside its problem's gold answer."""
+        rows = [self.rows_by_prompt.get(prompt_key(prompt), {}) for prompt in prompts]  # {}: an environment's prompt
+        pairs = [(sample_answer(text, self.task, row), gold_answer(row)) for text, row in zip(texts, rows, strict=True)]
+        answers, golds = zip(*[pair for part in self.world.gather_objects(pairs) for pair in part], strict=True)
+        if self.world.is_main:
+            self.collapse.update(self.step, list(answers), list(golds))
+        return answer_metrics(list(answers), self.config.num_generations)
 
     # ------------------------------------------------------------------ sample + reward
     def collect_rollout(self, step: int, generation=None, world: World | None = None) -> tuple[Rollout, list, list, dict]:
@@ -338,6 +351,9 @@ class Trainer:
         self.tool_set, self.template_kwargs, self.played = setup.tool_set(cfg, self.tokenizer, tools, self.environments)
         self.sample_rollout = sample_rollout if self.played is None else self.played.sample_rollout  # same arguments
         self.train_rows, self.task = setup.task_rows(cfg, train_rows, cfg.train_split, "train")
+        check_reward_columns(self.rewards, self.train_rows, f"{cfg.dataset}[{cfg.train_split}]")  # not at step 1
+        self.rows_by_prompt = {prompt_key(row["prompt"]): row for row in self.train_rows}  # a completion's problem
+        self.collapse = CollapseWatch()
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
             self.tokenizer, self.train_rows, cfg.max_prompt_length, cfg.long_prompts,
             where=f"{cfg.dataset}[{cfg.train_split}]", chat_template_kwargs=self.template_kwargs)
