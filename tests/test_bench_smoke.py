@@ -162,11 +162,16 @@ def test_real_tasks_benchmark_runs_both_sides(tmp_path, capsys):
     assert real_tasks.main(["--model", str(model), "--task", 'basic_arithmetic={"max_terms": 2}', "--seeds", "0",
                             "--trl-seeds", "0", "--steps", "1", "--heldout", "4", "--pass-k", "2", "--train-size", "20",
                             "--max-completion-length", "6", "--prompts-per-step", "2", "--num-generations", "2",
-                            "--micro-batch-size", "4", "--eval-batch-size", "4", "--out", str(out)]) == 0
+                            "--micro-batch-size", "4", "--eval-batch-size", "4", "--overlong-buffer-len", "2",
+                            "--jobs", "2", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     (task,) = results["tasks"]
     assert [(r["side"], len(r["steps"])) for r in task["runs"]] == [("ours", 1), ("trl", 1)]
     assert task["before"]["num_samples"] == 4 and "pass@2" in task["before"]["sampling"]
+    assert all("pass@2" in r["after"]["sampling"] for r in task["runs"])  # the first seed's run and trl's
+    assert 0 <= task["before"]["best_constant_accuracy"] <= 1 and "accuracy_beyond_constant" in task["before"]
+    trl_config = json.loads((out / "basic_arithmetic" / "trl-seed0" / "result.json").read_text())
+    assert trl_config["steps"][0]["reward"] >= 0  # the verifier's mean, not the sum with the overlong penalty
     assert all(0 <= r["after"]["accuracy"] <= 1 for r in task["runs"]) and (out / "real_tasks.png").is_file()
     assert "ours-seed0" in capsys.readouterr().out
 
