@@ -9,13 +9,15 @@ trained by the `reasoning-gym-small` preset (grpo/cli.py), the README's "does it
 What it runs, each step printed as the command that reruns it:
 1. Before: eval.py on the starting model (the fetched model as it is: no warm start of any kind), greedy, on the
    first --heldout problems of each task's held-out split (disjoint from its train split, data/reasoning_gym.py),
-   with --pass-k samples at --temperature beside it (pass@1, 4, ..., k: how often the right answer is within k tries).
+   with --pass-k samples at --temperature on the first --pass-k-heldout of them (pass@1, 4, ..., k: how often the
+   right answer is within k tries).
    Accuracy counts a problem right when the verifier gives 1 (a partial credit is not right). eval.py's guards
    against the prior are reported too: the best constant answer's accuracy on the same problems, and the model's
    accuracy on the problems that constant does not solve (grpo/loop/answers.py).
 2. GRPO: train.py --preset reasoning-gym-small on each task's train split, for each of --seeds; trl 1.16's
    GRPOTrainer with the same settings, the same reward functions (the verifier's full marks, DAPO's overlong
-   penalty: trl.rewards.get_soft_overlong_punishment) for each of --trl-seeds on the first task; ours sampling with
+   penalty: trl.rewards.get_soft_overlong_punishment; trl has no dynamic sampling, so its run is the recipe without
+   it) for each of --trl-seeds on the first task; ours sampling with
    vLLM (--generation-backend vllm) for each of --vllm-seeds on the first task. Each run is its own process, --jobs
    of them at once (each then gets its share of the cores).
 3. After: eval.py on each run's final weights, on the same held-out problems, greedy; pass@k on the first of
@@ -72,27 +74,34 @@ def task_flags(args, name: str, settings: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------ 1, 3. evaluation
 def evaluate(args, model: str, name: str, settings: dict, out: Path, pass_k: bool = True) -> dict:
     """eval.py's summary of `model` on the task's held-out problems: greedy (with the best constant answer's accuracy
-    beside it), and with `pass_k` pass@k / maj@k at the temperature."""
+    beside it), and with `pass_k` pass@k / maj@k at the temperature on the first --pass-k-heldout of them."""
     import eval as eval_program
 
-    argv = ["--model", model, *task_flags(args, name, settings), "--split", "test", "--limit", str(args.heldout),
-            "--reward", "task_score", "--batch-size", str(args.eval_batch_size), "--output-dir", str(out)]
-    if pass_k and args.pass_k > 1:
-        argv += ["--num-samples", str(args.pass_k), "--temperature", str(args.temperature)]
-    print("$ python eval.py " + " ".join(_quoted(argv)), flush=True)
     started = time.perf_counter()
-    if eval_program.main(argv) != 0:
-        raise RuntimeError(f"eval.py failed on {model}")
-    stem = eval_program.output_stem(model)
-    summary = json.loads((out / f"{stem}.summary.json").read_text())
+    summary = _eval_py(eval_program, args, model, name, settings, out, args.heldout)
+    if pass_k and args.pass_k > 1:
+        sampled = _eval_py(eval_program, args, model, name, settings, out / "pass_at_k", args.pass_k_heldout,
+                           ["--num-samples", str(args.pass_k), "--temperature", str(args.temperature)])
+        summary["sampling"] = {**sampled["sampling"], "problems": sampled["num_samples"]}
     summary["seconds"] = time.perf_counter() - started
-    records = [json.loads(line) for line in (out / f"{stem}.samples.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in
+               (out / f"{eval_program.output_stem(model)}.samples.jsonl").read_text().splitlines()]
     right = [(str(r["gold"]), r["rewards/task_score"] >= 1.0) for r in records]  # a partial credit is not right
     summary["accuracy"] = sum(ok for _, ok in right) / len(right)
     common = collections.Counter(gold for gold, _ in right).most_common(1)[0][0]
     others = [ok for gold, ok in right if gold != common]  # beyond what always giving the commonest answer scores
     summary["accuracy_other_answers"] = sum(others) / max(len(others), 1)
     return summary
+
+
+def _eval_py(eval_program, args, model: str, name: str, settings: dict, out: Path, limit: int,
+             extra: list[str] = ()) -> dict:
+    argv = ["--model", model, *task_flags(args, name, settings), "--split", "test", "--limit", str(limit),
+            "--reward", "task_score", "--batch-size", str(args.eval_batch_size), "--output-dir", str(out), *extra]
+    print("$ python eval.py " + " ".join(_quoted(argv)), flush=True)
+    if eval_program.main(argv) != 0:
+        raise RuntimeError(f"eval.py failed on {model}")
+    return json.loads((out / f"{eval_program.output_stem(model)}.summary.json").read_text())
 
 
 def _quoted(argv: list[str]) -> list[str]:
@@ -131,7 +140,7 @@ def run_ours(args, name: str, settings: dict, seed: int, run_dir: Path, backend:
         raise RuntimeError("train.py failed")
     # the policy's reward on the step's prompts (under dynamic sampling, before tied groups are dropped)
     steps = [{"step": m["step"], "time": m["step_time"],
-              "reward": m.get("dynamic_sampling/sampled_reward", m[f"rewards/{args.reward}/mean"]),
+              "reward": m.get(f"dynamic_sampling/sampled_rewards/{args.reward}", m[f"rewards/{args.reward}/mean"]),
               "zero_std": m.get("frac_reward_zero_std", float("nan")), "length": m["completions/mean_length"],
               "distinct": m["answers/distinct_share"]}
              for m in read_jsonl(run_dir / "metrics.jsonl") if "step_time" in m]
@@ -332,6 +341,8 @@ def parse_args(argv=None):
     parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated before and after")
     parser.add_argument("--pass-k", type=int, default=16, help="samples per held-out problem for pass@k, before training "
                         "and after the first seed's run and trl's (1: greedy only)")
+    parser.add_argument("--pass-k-heldout", type=int, default=100, help="held-out problems pass@k samples (the first "
+                        "of the --heldout ones: 16 samples of 200 problems take 6 minutes on 2 cores)")
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--plot", default=None, help="the figure's path (default OUT/real_tasks.png)")
     parser.add_argument("--child", choices=("ours", "vllm", "trl"), help=argparse.SUPPRESS)

@@ -152,30 +152,52 @@ def test_collapse_warns_once_when_one_answer_outgrows_the_gold_answers(caplog):
     assert all(spread.update(step, half[:32], golds) is None for step in range(10))
 
 
-def test_a_run_forced_to_one_answer_warns(tmp_path, caplog):
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_a_run_forced_to_one_answer_warns(tmp_path, caplog, dynamic_sampling):
     """A constant-answer policy: every completion the sampler makes is replaced by `<answer>7</answer>` before it is
-    scored, so the run trains on exactly what such a policy would give; the warning must fire."""
+    scored, so the run trains on exactly what such a policy would give; the warning must fire. Under dynamic
+    sampling every such group ties and is dropped: the guards read round 0, which holds them all."""
     config = GRPOConfig(**TINY, dataset="synthetic:64", reward=["tags"], max_steps=WINDOW + 1,
-                        output_dir=str(tmp_path / "run"))
+                        dynamic_sampling=dynamic_sampling, output_dir=str(tmp_path / "run"))
     trainer = Trainer(config)
     fixed = trainer.tokenizer("<answer>7</answer>", add_special_tokens=False)["input_ids"] + [trainer.eos_token_ids[0]]
     generate = trainer.generation.generate
 
+    kept = []  # under dynamic sampling: the texts the update trained on
+
     def constant(prompt_ids, group, params, noise, **kwargs):
         sample = generate(prompt_ids, group, params, noise, **kwargs)
-        rows = sample.completion_ids.shape[0]
-        sample.completion_ids = torch.tensor([fixed] * rows)  # (N, T) the same answer everywhere
-        sample.completion_mask = torch.ones_like(sample.completion_ids)
-        sample.truncated = torch.zeros(rows, dtype=torch.bool)
-        sample.logprobs = None if sample.logprobs is None else torch.zeros(sample.completion_ids.shape)
+        rows = group if dynamic_sampling else sample.completion_ids.shape[0]  # dynamic: the first group only
+        width = max(len(fixed), sample.completion_ids.shape[1])
+        ids = torch.nn.functional.pad(sample.completion_ids, (0, width - sample.completion_ids.shape[1]),
+                                      value=trainer.tokenizer.pad_token_id)  # (N, T')
+        mask = torch.nn.functional.pad(sample.completion_mask, (0, width - sample.completion_mask.shape[1]))
+        ids[:rows] = torch.tensor([fixed + [trainer.tokenizer.pad_token_id] * (width - len(fixed))] * rows)
+        mask[:rows] = torch.tensor([[1] * len(fixed) + [0] * (width - len(fixed))] * rows)
+        sample.completion_ids, sample.completion_mask = ids, mask
+        sample.truncated = sample.truncated.clone()
+        sample.truncated[:rows] = False
+        sample.logprobs = None if sample.logprobs is None else torch.zeros(ids.shape)
         return sample
 
     trainer.generation.generate = constant
+    train_step = trainer.train_step
+
+    def recording_step(*args):
+        output = train_step(*args)
+        kept.append(output.texts)
+        return output
+
+    trainer.train_step = recording_step
     with caplog.at_level(logging.WARNING, logger="grpo"):
         trainer.train()
     assert "the answers are collapsing to one value: '7'" in caplog.text
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert all(m["answers/distinct_share"] == 1 / 4 and m["answers/most_common_share"] == 1.0 for m in metrics)
+    assert all(m["answers/most_common_share"] == 1.0 for m in metrics)  # every answer given is '7'
+    if not dynamic_sampling:
+        assert all(m["answers/distinct_share"] == 1 / 4 for m in metrics)
+    else:  # the constant group ties and is dropped when another is informative: the guards saw it anyway
+        assert any(not any("<answer>7</answer>" in text for text in texts) for texts in kept)
 
 
 def test_a_varied_run_does_not_warn(tmp_path, caplog):

@@ -542,6 +542,7 @@ def _tied_prompt(prompt) -> bool:
 
 @pytest.mark.own_kernels
 def test_dynamic_sampling_keeps_informative_groups(tmp_path):
+    from grpo.loop.dynamic_sampling import FIRST_ROUND
     from rewards import RewardSpec
 
     spec = [RewardSpec("tied_sometimes", _rewards_tied_for_some_prompts)]
@@ -568,7 +569,13 @@ def test_dynamic_sampling_keeps_informative_groups(tmp_path):
     # One round only: tied groups fill the step and are counted.
     capped = Trainer(make_config(tmp_path / "capped", dynamic_sampling=True, dynamic_sampling_max_rounds=1,
                                  prompts_per_step=4, micro_batch_size=16, max_steps=1), reward_functions=spec)
-    _, _, _, metrics = capped.collect_rollout(0)
+    capped_rollout, kept, _, metrics = capped.collect_rollout(0)
+    first_prompts, _ = metrics.pop(FIRST_ROUND)  # round 0 for the answer guards: every group, kept or not
+    assert sorted(map(str, first_prompts)) == sorted(map(str, kept))  # one round: all of them are kept
+    # the policy's reward before any group is dropped: round 0's mean, the weighted sum and per function
+    first_mean = capped_rollout.rewards_per_func[:, 0].mean().item()
+    assert metrics.pop("dynamic_sampling/sampled_reward") == pytest.approx(first_mean)
+    assert metrics.pop("dynamic_sampling/sampled_rewards/tied_sometimes") == pytest.approx(first_mean)
     assert metrics == {"dynamic_sampling/rounds": 1, "dynamic_sampling/dropped_groups": 0,
                        "dynamic_sampling/filled": tied_first}
 
@@ -627,8 +634,10 @@ def test_dynamic_sampling_rounds_draw_other_prompts_per_step_and_round(tmp_path)
         trainer = spy(Trainer(make_config(tmp_path / name, dynamic_sampling=True, dynamic_sampling_max_rounds=3,
                                           max_steps=2), reward_functions=[RewardSpec("tied", _always_tied)]))
         metrics = [trainer.collect_rollout(step)[3] for step in (0, 1)]
-        assert all(m == {"dynamic_sampling/rounds": 3, "dynamic_sampling/dropped_groups": 4,
-                         "dynamic_sampling/filled": 2} for m in metrics), metrics  # every group ties: all rounds run
+        counts = [{k: m[k] for k in ("dynamic_sampling/rounds", "dynamic_sampling/dropped_groups",
+                                     "dynamic_sampling/filled")} for m in metrics]
+        assert all(c == {"dynamic_sampling/rounds": 3, "dynamic_sampling/dropped_groups": 4,
+                         "dynamic_sampling/filled": 2} for c in counts), metrics  # every group ties: all rounds run
         runs.append(drawn[id(trainer)])
     first = runs[0]
     assert first[(0, 1)] != first[(0, 2)] and first[(0, 1)] != first[(1, 1)]  # seeded by step and round

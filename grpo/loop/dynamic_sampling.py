@@ -20,6 +20,8 @@ from grpo.loop.rollout import Rollout
 
 logger = logging.getLogger("grpo")
 
+FIRST_ROUND = "dynamic_sampling/first_round"  # the step's metrics carry round 0's (prompts, texts) under this key
+
 
 def keep_informative_groups(first: tuple, sample_round: Callable[[int], tuple], wanted: int, group: int,
                             reward_weights, max_rounds: int, pad_token_id: int, step: int):

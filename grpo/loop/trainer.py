@@ -38,7 +38,7 @@ from grpo.loop.checkpoint import CHECKPOINTS, latest_checkpoint, load_trainer_st
 from grpo.config import GRPOConfig
 from grpo.loop.disk_full import DiskFullError, writing
 from grpo.loop.distributed import World, gathered, init_world, resolve_mode, wrap_model
-from grpo.loop.dynamic_sampling import keep_informative_groups
+from grpo.loop.dynamic_sampling import FIRST_ROUND, keep_informative_groups
 from grpo.loop.answers import CollapseWatch, answer_metrics, prompt_key
 from grpo.loop.evaluation import evaluate, gold_answer, make_scorer, sample_answer, save_evaluation
 from grpo.algorithm.logprobs import check_plain_output_head
@@ -100,7 +100,8 @@ class Trainer:
                 if rollouts is not None and self.step < stop_at:  # the generator samples ahead from the new weights
                     rollouts.publish(self.step, self.state.updates, self.policy)
                 metrics["cpu_threads"] = threads
-                metrics.update(self.watch_answers(prompts, texts))  # answers/*: one answer to every question warns
+                # answers/*: one answer to every question warns (under dynamic sampling, round 0's: every group)
+                metrics.update(self.watch_answers(*metrics.pop(FIRST_ROUND, (prompts, texts))))
                 first_reward = metrics["reward"] if first_reward is None else first_reward
                 last_reward = metrics["reward"]
                 # evaluate -> log -> checkpoint
@@ -181,9 +182,14 @@ class Trainer:
             return self._sample_round(step, round_, order[: self.prompts_per_generation].tolist(), generation, world)
 
         weights = torch.tensor([spec.weight for spec in self.rewards], dtype=torch.float32)
-        return keep_informative_groups(first, another_round, self.prompts_per_generation // world.size,
-                                       cfg.num_generations, weights, cfg.dynamic_sampling_max_rounds,
-                                       self.tokenizer.pad_token_id, step)
+        rollout, prompts, texts, metrics = keep_informative_groups(
+            first, another_round, self.prompts_per_generation // world.size, cfg.num_generations, weights,
+            cfg.dynamic_sampling_max_rounds, self.tokenizer.pad_token_id, step)
+        # the policy's own rewards and answers are round 0's (the step's prompts, no group dropped yet)
+        means = first[0].rewards_per_func.nanmean(0).tolist()  # (K,)
+        metrics.update({f"dynamic_sampling/sampled_rewards/{spec.name}": m for spec, m in zip(self.rewards, means)})
+        metrics[FIRST_ROUND] = (first[1], first[2])  # popped by train() for the answer guards, never logged
+        return rollout, prompts, texts, metrics
 
     def _sample_round(self, step: int, round_: int, indices: list[int], generation, world: World):
         """The rank's contiguous slice of a global prompt list, sampled and scored; each prompt's noise seeded
