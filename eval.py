@@ -78,9 +78,13 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
     answers = [sample_answer(record["completion"], task, row) for record, row in zip(records, rows, strict=True)]
     for record, answer in zip(records, answers, strict=True):
         record["answer"] = answer
-    summary.update(prior_summary(answers, [record["gold"] for record in records],
-                                 [is_correct(record, pass_key, config.pass_threshold) for record in records],
-                                 constant_scorer(rows, scorer, pass_key, config.pass_threshold, task, environments)))
+    try:  # a scorer that cannot score a bare `<answer>X</answer>` loses the guard, not the evaluation
+        summary.update(prior_summary(answers, [record["gold"] for record in records],
+                                     [is_correct(record, pass_key, config.pass_threshold) for record in records],
+                                     constant_scorer(rows, scorer, pass_key, config.pass_threshold, task, environments)))
+    except Exception as error:  # noqa: BLE001 - reported, and the evaluation goes on
+        logging.getLogger("grpo").warning("the best constant answer was not scored: %s: %s", type(error).__name__, error)
+        summary.update(prior_summary(answers, [None] * len(answers), [], None))
     folder = Path(config.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     stem = output_stem(name)
@@ -103,7 +107,7 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
 def prior_line(summary: dict) -> str:
     """One line on the prior: the model's most common answer, and the best constant answer's accuracy."""
     line = (f"{summary['model']}: its most common answer {summary['answers/most_common']!r} is "
-            f"{summary['answers/most_common_share']:.1%} of its answers")
+            f"{summary['answers/most_common_share']:.1%} of the answers it gave")
     if "best_constant_answer" in summary:
         line += (f"; always answering {summary['best_constant_answer']!r} would score "
                  f"{summary['best_constant_accuracy']:.1%}, and on the problems it misses the model scores "

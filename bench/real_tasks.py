@@ -21,7 +21,7 @@ What it runs, each step printed as the command that reruns it:
    vLLM (--generation-backend vllm) for each of --vllm-seeds on the first task. Each run is its own process, --jobs
    of them at once (each then gets its share of the cores).
 3. After: eval.py on each run's final weights, on the same held-out problems, greedy; pass@k on the first of
-   --seeds (and on trl's run).
+   --seeds.
 4. The table (stdout and OUT/results.json) and one figure (OUT/real_tasks.png, or --plot): held-out greedy accuracy
    before and after each run beside the best constant answer's, and the training reward against the step.
 
@@ -98,10 +98,14 @@ def _eval_py(eval_program, args, model: str, name: str, settings: dict, out: Pat
              extra: list[str] = ()) -> dict:
     argv = ["--model", model, *task_flags(args, name, settings), "--split", "test", "--limit", str(limit),
             "--reward", "task_score", "--batch-size", str(args.eval_batch_size), "--output-dir", str(out), *extra]
+    summary = out / f"{eval_program.output_stem(model)}.summary.json"
+    if args.reuse and summary.is_file():
+        print(f"reusing {summary}", flush=True)
+        return json.loads(summary.read_text())
     print("$ python eval.py " + " ".join(_quoted(argv)), flush=True)
     if eval_program.main(argv) != 0:
         raise RuntimeError(f"eval.py failed on {model}")
-    return json.loads((out / f"{eval_program.output_stem(model)}.summary.json").read_text())
+    return json.loads(summary.read_text())
 
 
 def _quoted(argv: list[str]) -> list[str]:
@@ -167,7 +171,7 @@ def run_trl(args, name: str, settings: dict, seed: int, run_dir: Path) -> dict:
         warmup_steps=0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8,
         max_grad_norm=args.max_grad_norm, optim="adamw_torch", beta=args.beta, use_bias_correction_kl=False,
         epsilon=0.2, loss_type=args.loss_type, scale_rewards="group", num_iterations=1, disable_dropout=True,
-        shuffle_dataset=True, max_steps=args.steps, logging_steps=1, dataloader_num_workers=0,
+        shuffle_dataset=True, max_steps=args.trl_steps or args.steps, logging_steps=1, dataloader_num_workers=0,
         gradient_checkpointing=False,
     )
     rows, _ = load_task_rows(f"reasoning-gym:{name}:{args.train_size}", "train", system_prompt=args.system_prompt,
@@ -216,11 +220,22 @@ def run_side(args, side: str, task: str, seed: int, run_dir: Path) -> dict:
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if args.jobs > 1 else {})}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
-        subprocess.run(command, check=True, env=env, stdout=log if args.jobs > 1 else None,
-                       stderr=subprocess.STDOUT if args.jobs > 1 else None)
+    if args.reuse and (run_dir / "result.json").is_file():
+        result = json.loads((run_dir / "result.json").read_text())
+        print(f"reusing {run_dir}", flush=True)
+        # a run from before result.json kept its wall time: its steps' time stands for it
+        return {**result, "side": side, "seed": seed,
+                "seconds": result.get("seconds", sum(step["time"] for step in result["steps"]))}
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with log_path.open("w") as log:
+        done = subprocess.run(command, env=env, stdout=log if args.jobs > 1 else None,
+                              stderr=subprocess.STDOUT if args.jobs > 1 else None)
+    if done.returncode != 0:
+        tail = log_path.read_text()[-3000:] if args.jobs > 1 else "(above)"
+        raise RuntimeError(f"the {side} run, seed {seed}, on {task} failed (exit {done.returncode}); its output: {tail}")
     result = json.loads((run_dir / "result.json").read_text())
     result.update(side=side, seed=seed, seconds=time.perf_counter() - started)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2))  # with its wall time, for --reuse
     return result
 
 
@@ -239,17 +254,20 @@ def child(args) -> int:
 def print_report(results: dict) -> None:
     for task in results["tasks"]:
         before = task["before"]
-        print(f"\n{task['name']} {json.dumps(task['settings'])}: {before['num_samples']} held-out problems; always "
-              f"answering {before['best_constant_answer']!r} (the best constant answer) scores "
-              f"{before['best_constant_accuracy']:.3f}; the most common gold answer is {task['common_share']:.3f} of them")
+        constant = (f"always answering {before['best_constant_answer']!r} (the best constant answer) scores "
+                    f"{before['best_constant_accuracy']:.3f}" if "best_constant_answer" in before
+                    else "no gold answers, so no constant answer to compare")
+        print(f"\n{task['name']} {json.dumps(task['settings'])}: {before['num_samples']} held-out problems; {constant}; "
+              f"the most common gold answer is {task['common_share']:.3f} of them")
         keys = [f"pass@{k}" for k in pass_ks(task["pass_k"])]
         print(f"{'run':>12} | {'greedy accuracy':>15} | {'rise':>6} | {'vs constant':>11} | {'beyond constant':>15} | "
               + " | ".join(f"{key:>14}" for key in keys) + f" | {'s/step':>6} | {'minutes':>7}")
         for run in task["runs"]:
             after = run["after"]
             cells = [f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}", f"{after['accuracy'] - before['accuracy']:+.3f}",
-                     f"{after['accuracy'] - after['best_constant_accuracy']:+.3f}",
-                     f"{before['accuracy_beyond_constant']:.3f} -> {after['accuracy_beyond_constant']:.3f}"]
+                     f"{after['accuracy'] - after.get('best_constant_accuracy', 0.0):+.3f}",
+                     f"{before.get('accuracy_beyond_constant', before['accuracy']):.3f} -> "
+                     f"{after.get('accuracy_beyond_constant', after['accuracy']):.3f}"]
             for key in keys:
                 b, a = before.get("sampling", {}).get(key), after.get("sampling", {}).get(key)
                 cells.append(f"{b['mean']:.3f} -> {a['mean']:.3f}" if b and a else "-")
@@ -257,6 +275,36 @@ def print_report(results: dict) -> None:
             print(f"{run['side'] + '-seed' + str(run['seed']):>12} | {cells[0]:>15} | {cells[1]:>6} | {cells[2]:>11} | "
                   f"{cells[3]:>15} | " + " | ".join(f"{c:>14}" for c in cells[4:]) + f" | {step:6.1f} | "
                   f"{run['seconds'] / 60:7.1f}")
+
+
+def markdown_report(results: dict) -> str:
+    """The tables of docs/tasks.md and docs/benchmarks.md: per task, each run's greedy accuracy before -> after, the
+    best constant answer's, the accuracy beyond it, pass@k at the temperature, time."""
+    lines = []
+    for task in results["tasks"]:
+        before, ks = task["before"], pass_ks(task["pass_k"])
+        problems = before.get("sampling", {}).get("problems")
+        lines += [f"**{task['name']}** `{json.dumps(task['settings'])}`: {before['num_samples']} held-out problems; the "
+                  f"best constant answer ({before.get('best_constant_answer')!r}) scores "
+                  f"{before.get('best_constant_accuracy', 0.0):.3f}"
+                  + (f"; pass@k: {task['pass_k']} samples of the first {problems} at T = "
+                     f"{results['settings']['temperature']}" if problems else ""), "",
+                  "| run | greedy accuracy | rise | above the best constant | beyond the constant's problems | "
+                  + " | ".join(f"pass@{k}" for k in ks) + " | s/step (median) | minutes (run) |",
+                  "|---" * (7 + len(ks)) + "|"]
+        for run in task["runs"]:
+            after = run["after"]
+            cells = [f"{run['side']}, seed {run['seed']}", f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}",
+                     f"{after['accuracy'] - before['accuracy']:+.3f}",
+                     f"{after['accuracy'] - after.get('best_constant_accuracy', 0.0):+.3f}",
+                     f"{before.get('accuracy_beyond_constant', 0.0):.3f} -> {after.get('accuracy_beyond_constant', 0.0):.3f}"]
+            for k in ks:
+                b, a = before.get("sampling", {}).get(f"pass@{k}"), after.get("sampling", {}).get(f"pass@{k}")
+                cells.append(f"{b['mean']:.3f} -> {a['mean']:.3f}" if b and a else "")
+            cells += [f"{statistics.median([s['time'] for s in run['steps']]):.1f}", f"{run['seconds'] / 60:.1f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def pass_ks(k: int) -> list[int]:
@@ -282,12 +330,13 @@ def plot(results: dict, path: Path) -> None:
         values = [task["before"]["accuracy"]] + [r["after"]["accuracy"] for r in task["runs"]]
         colours = ["0.6"] + [{"trl": "C3", "vllm": "C2"}.get(r["side"], "C0") for r in task["runs"]]
         bars.bar(labels, values, color=colours)
-        bars.axhline(task["before"]["best_constant_accuracy"], color="k", linestyle=":", linewidth=1,
-                     label=f"best constant answer ({task['before']['best_constant_answer']!r})")
+        constant = task["before"].get("best_constant_accuracy", 0.0)
+        bars.axhline(constant, color="k", linestyle=":", linewidth=1,
+                     label=f"best constant answer ({task['before'].get('best_constant_answer')!r})")
         for x, value in enumerate(values):
             bars.text(x, value + 0.01, f"{value:.2f}", ha="center", fontsize=8)
         bars.set(title=f"{task['name']}: held-out greedy accuracy ({task['before']['num_samples']} problems)",
-                 ylim=(0, max(values + [task["before"]["best_constant_accuracy"]]) * 1.25 + 0.02))
+                 ylim=(0, max(values + [constant]) * 1.25 + 0.02))
         bars.legend(fontsize=7, loc="upper left")
         for index, run in enumerate(task["runs"]):
             style = {"trl": dict(color="C3", linestyle="--"), "vllm": dict(color="C2", linestyle=":")}.get(
@@ -326,6 +375,10 @@ def parse_args(argv=None):
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once, each with its share of the cores")
     # the recipe: the preset's values (grpo/cli.py), which these flags change for both sides
     parser.add_argument("--steps", type=int, default=RECIPE["max_steps"], help="GRPO steps of each run")
+    parser.add_argument("--trl-steps", type=int, default=None, help="trl's steps, when fewer than --steps (its step "
+                        "takes about 90 s on one CPU core here)")
+    parser.add_argument("--reuse", action="store_true", help="keep what OUT already holds: a run with its result.json "
+                        "and an evaluation with its summaries are not run again (a benchmark stopped part way goes on)")
     parser.add_argument("--prompts-per-step", type=int, default=RECIPE["prompts_per_step"])
     parser.add_argument("--num-generations", type=int, default=RECIPE["num_generations"])
     parser.add_argument("--micro-batch-size", type=int, default=RECIPE["micro_batch_size"],
@@ -340,11 +393,13 @@ def parse_args(argv=None):
     parser.add_argument("--max-grad-norm", type=float, default=RECIPE["max_grad_norm"])
     parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated before and after")
     parser.add_argument("--pass-k", type=int, default=16, help="samples per held-out problem for pass@k, before training "
-                        "and after the first seed's run and trl's (1: greedy only)")
+                        "and after the first seed's run (1: greedy only)")
     parser.add_argument("--pass-k-heldout", type=int, default=100, help="held-out problems pass@k samples (the first "
                         "of the --heldout ones: 16 samples of 200 problems take 6 minutes on 2 cores)")
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--plot", default=None, help="the figure's path (default OUT/real_tasks.png)")
+    parser.add_argument("--report-only", action="store_true", help="print the table and write OUT/report.md and the "
+                        "figure from OUT/results.json, running nothing")
     parser.add_argument("--child", choices=("ours", "vllm", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--child-task", help=argparse.SUPPRESS)
     parser.add_argument("--child-seed", type=int, help=argparse.SUPPRESS)
@@ -360,6 +415,12 @@ def main(argv=None) -> int:
     if args.child:
         return child(args)
     out = Path(args.out)
+    if args.report_only:  # the table, report.md and the figure again, from OUT/results.json
+        results = json.loads((out / "results.json").read_text())
+        print_report(results)
+        (out / "report.md").write_text(markdown_report(results))
+        plot(results, Path(args.plot) if args.plot else out / "real_tasks.png")
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("child") and k != "argv"},
@@ -378,7 +439,7 @@ def main(argv=None) -> int:
         futures = [pool.submit(run_side, args, side, text, seed, run_dir) for _, text, side, seed, run_dir in planned]
         runs = [future.result() for future in futures]
     for (task, _, side, seed, _), run in zip(planned, runs, strict=True):
-        first = (side == "ours" and seed == args.seeds[0]) or side == "trl"
+        first = side == "ours" and seed == args.seeds[0]
         run["after"] = evaluate(args, run["final"], task["name"], task["settings"],
                                 out / task["name"] / f"eval-{side}-seed{seed}", pass_k=first)
         task["runs"].append(run)
@@ -386,6 +447,7 @@ def main(argv=None) -> int:
     results["seconds"] = time.perf_counter() - started
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print_report(results)
+    (out / "report.md").write_text(markdown_report(results))
     plot(results, Path(args.plot) if args.plot else out / "real_tasks.png")
     print(f"{results['seconds'] / 60:.1f} min in all")
     return 0

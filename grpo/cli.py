@@ -159,16 +159,24 @@ def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None =
     """Parse flags into a validated config: defaults < --preset < --config FILE < explicit flags."""
     args = vars(build_parser(config_cls, description).parse_args(argv))
     values = dict(PRESETS[args.pop("preset")]) if "preset" in args else {}
-    preset_dataset = values.get("dataset")
+    preset = dict(values)
     if "config" in args:
         values.update(load_config_file(args.pop("config")))
     values.update(args)
-    if values.get("dataset") != preset_dataset and "task_settings" not in args:  # the preset's settings are its task's
-        values.pop("task_settings", None)
+    if "task_settings" in preset and values["task_settings"] is preset["task_settings"] \
+            and task_name(values.get("dataset")) != task_name(preset.get("dataset")):
+        values.pop("task_settings")  # a preset's task settings are its task's, not another's
     config = config_cls.from_dict(values, where="settings")
     if getattr(config, "resume", None) == "":  # `--resume` without a folder: this run's own output folder
         config.resume = config.output_dir
     return config.validate()
+
+
+def task_name(dataset: str | None) -> str | None:
+    """The reasoning-gym task a dataset names (`reasoning-gym:chain_sum:500` -> chain_sum), else the dataset."""
+    from data.reasoning_gym import is_source, parse_source
+
+    return parse_source(dataset)[0] if dataset and is_source(dataset) else dataset
 
 
 def resume_command(argv: list[str], output_dir: str, torchrun: bool = False) -> str:
@@ -204,9 +212,13 @@ def cli_reference() -> str:
         prompts = {CALCULATOR_PROMPT: "(data.calculator.SYSTEM_PROMPT)", TASK_SYSTEM_PROMPT: "(data.prompts.TASK_SYSTEM_PROMPT)"}
         shown = {k: prompts.get(v, v) if k == "system_prompt" else v for k, v in preset.items()}
 
-        def text(value):
-            return " ".join(value) if isinstance(value, list) else json.dumps(value) if isinstance(value, dict) else value
-        return " ".join(f"--{k.replace('_', '-')} {text(v)}" for k, v in shown.items())
+        def flag(key, value):
+            name = "--" + key.replace("_", "-")
+            if isinstance(value, bool):  # a switch: --x or --no-x
+                return name if value else f"--no-{name[2:]}"
+            shown = " ".join(value) if isinstance(value, list) else json.dumps(value) if isinstance(value, dict) else value
+            return f"{name} {shown}"
+        return " ".join(flag(k, v) for k, v in shown.items())
     return "\n".join([
         "# Command-line reference",
         "",

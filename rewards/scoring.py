@@ -137,8 +137,8 @@ def score_rows(specs: Sequence[RewardSpec], rows: list[dict], texts: list[str], 
     return score_completions(specs, prompts, completions, columns)
 
 
-# What every call passes beside the rows' columns (score_rows); `environments` with --environment
-SUPPLIED_ARGUMENTS = ("prompts", "completions", "completion_ids", "environments")
+# What every call passes beside the rows' columns (score_rows); `environments` too with --environment
+SUPPLIED_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
 
 def missing_columns(spec: RewardSpec, columns) -> list[str]:
@@ -156,14 +156,16 @@ def missing_columns(spec: RewardSpec, columns) -> list[str]:
     return [name for name in needed if name not in SUPPLIED_ARGUMENTS and name not in columns]
 
 
-def check_reward_columns(specs: Sequence[RewardSpec], rows: list[dict], where: str) -> None:
+def check_reward_columns(specs: Sequence[RewardSpec], rows: list[dict], where: str, supplied=()) -> None:
     """Refuse, before any model loads, a reward that needs a column the rows lack (accuracy_reward without
-    `solution`, correctness without `answer`): it would fail at the first step."""
-    columns = set(rows[0]) - {"prompt"} if rows else set()
-    problems = [f"reward {spec.name!r} needs the column(s) {', '.join(missing)}" for spec in specs
+    `solution`, correctness without `answer`): it would fail at the first step. `supplied`: more arguments the
+    run passes (`environments` with environments). The first row's columns stand for the rows' (rows of one file
+    share them; a row missing one fails at its step, naming the row)."""
+    columns = (set(rows[0]) - {"prompt"} if rows else set()) | set(supplied)
+    problems = [f"reward {spec.name!r} needs the argument(s) {', '.join(missing)}" for spec in specs
                 for missing in [missing_columns(spec, columns)] if missing]
     if problems:
-        raise ValueError(f"{where}: {'; '.join(problems)}, which these rows do not have (their columns: "
+        raise ValueError(f"{where}: {'; '.join(problems)}, which neither the run nor these rows' columns give (the columns: "
                          f"{', '.join(sorted(columns)) or 'none but prompt'}); choose rewards for this data with --reward")
 
 

@@ -168,12 +168,16 @@ def test_real_tasks_benchmark_runs_both_sides(tmp_path, capsys):
     (task,) = results["tasks"]
     assert [(r["side"], len(r["steps"])) for r in task["runs"]] == [("ours", 1), ("trl", 1)]
     assert task["before"]["num_samples"] == 4 and "pass@2" in task["before"]["sampling"]
-    assert all("pass@2" in r["after"]["sampling"] for r in task["runs"])  # the first seed's run and trl's
+    assert [("sampling" in r["after"]) for r in task["runs"]] == [True, False]  # pass@k: the first seed's run
     assert 0 <= task["before"]["best_constant_accuracy"] <= 1 and "accuracy_beyond_constant" in task["before"]
     trl_config = json.loads((out / "basic_arithmetic" / "trl-seed0" / "result.json").read_text())
     assert trl_config["steps"][0]["reward"] >= 0  # the verifier's mean, not the sum with the overlong penalty
     assert all(0 <= r["after"]["accuracy"] <= 1 for r in task["runs"]) and (out / "real_tasks.png").is_file()
     assert "ours-seed0" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert "| ours, seed 0 |" in report and "| trl, seed 0 |" in report and "pass@2" in report
+    (out / "report.md").unlink()
+    assert real_tasks.main(["--out", str(out), "--report-only"]) == 0 and (out / "report.md").read_text() == report
 
 
 def test_mutation_runner_picks_the_tests_that_ran_the_mutated_statement():

@@ -79,13 +79,13 @@ def test_a_reward_whose_column_is_missing_is_refused_before_the_model_loads(tmp_
 
     monkeypatch.setattr(setup, "load_policy", no_model)
     config = GRPOConfig(**TINY, dataset="synthetic:8", reward=["accuracy_reward"], output_dir=str(tmp_path / "a"))
-    with pytest.raises(ValueError, match=r"reward 'accuracy_reward' needs the column\(s\) solution.*their columns: "
+    with pytest.raises(ValueError, match=r"reward 'accuracy_reward' needs the argument\(s\) solution.*the columns: "
                                          r"answer, question"):
         Trainer(config)
     source = tmp_path / "mine.py"  # a user's reward: a parameter without a default is a column it needs
     source.write_text("def by_level(prompts, completions, level, answer, **kwargs):\n    return [0.0] * len(prompts)\n")
     config = GRPOConfig(**TINY, dataset="synthetic:8", reward=[f"{source}:by_level"], output_dir=str(tmp_path / "b"))
-    with pytest.raises(ValueError, match=r"reward 'by_level' needs the column\(s\) level,"):
+    with pytest.raises(ValueError, match=r"reward 'by_level' needs the argument\(s\) level,"):
         Trainer(config)
     source.write_text("def loose(prompts, completions, **kwargs):\n    return [0.0] * len(prompts)\n")
     config = GRPOConfig(**TINY, dataset="synthetic:8", reward=[f"{source}:loose"], output_dir=str(tmp_path / "c"),
@@ -94,11 +94,20 @@ def test_a_reward_whose_column_is_missing_is_refused_before_the_model_loads(tmp_
         Trainer(config)
 
 
+def test_a_refused_reward_leaves_the_run_that_overwrite_would_replace(tmp_path):
+    old = tmp_path / "run"
+    assert train.main(flags({**TINY, "dataset": "synthetic:16", "reward": "tags", "max_steps": 1,
+                             "output_dir": str(old)})) == 0
+    assert train.main([*flags({**TINY, "dataset": "synthetic:16", "reward": "accuracy_reward", "max_steps": 1,
+                               "output_dir": str(old)}), "--overwrite"]) == 1
+    assert (old / "metrics.jsonl").is_file() and (old / "checkpoints").is_dir()  # refused before anything was wiped
+
+
 def test_eval_refuses_a_reward_whose_column_is_missing(tmp_path, capsys):
     argv = ["--model", "tiny", "--dataset", "synthetic:4", "--scorer", "rewards", "--reward", "accuracy_reward",
             "--device", "cpu", "--output-dir", str(tmp_path)]
     assert eval_program.main(argv) == 1
-    assert "needs the column(s) solution" in capsys.readouterr().err
+    assert "needs the argument(s) solution" in capsys.readouterr().err
 
 
 def test_the_run_opens_with_a_short_summary_not_every_setting(tmp_path, capsys):
@@ -123,6 +132,13 @@ def test_the_reasoning_gym_small_preset(tmp_path):
     given = config_from_args(["--preset", "reasoning-gym-small", "--dataset", "reasoning-gym:gcd", "--task-settings",
                               '{"max_value": 50}'])
     assert given.task_settings == {"max_value": 50}
+    same_task = config_from_args(["--preset", "reasoning-gym-small", "--dataset", "reasoning-gym:chain_sum:500"])
+    assert same_task.task_settings == PRESETS["reasoning-gym-small"]["task_settings"]  # another N, the same task
+    # a config file's task settings are its own, with or without a preset
+    file = tmp_path / "run.yaml"
+    file.write_text("dataset: reasoning-gym:gcd\ntask_settings: {max_value: 40}\n")
+    assert config_from_args(["--config", str(file)]).task_settings == {"max_value": 40}
+    assert config_from_args(["--preset", "reasoning-gym-small", "--config", str(file)]).task_settings == {"max_value": 40}
 
 
 # ------------------------------------------------------------------------------------------ the guards themselves
@@ -146,6 +162,11 @@ def test_collapse_warns_once_when_one_answer_outgrows_the_gold_answers(caplog):
     # a task whose gold answer mostly is "1" is not a collapse when the policy says "1" as often
     honest = CollapseWatch()
     assert all(honest.update(step, ["1"] * 30 + ["2", "3"], ["1"] * 28 + ["2"] * 4) is None for step in range(10))
+    # no gold answer known (an environment's rewritten prompt): only a near-total collapse warns
+    unknown = CollapseWatch()
+    assert all(unknown.update(step, ["1"] * 24 + [str(i) for i in range(8)], [None] * 32) is None for step in range(10))
+    assert unknown.update(10, ["1"] * 32, [None] * 32) is None  # the window still holds the 75% steps
+    assert any(unknown.update(step, ["1"] * 32, [None] * 32) for step in range(11, 11 + WINDOW))
     # below the share nothing fires, whatever the golds
     spread = CollapseWatch()
     half = ["1"] * int(32 * (COLLAPSE_SHARE - 0.1)) + [str(i) for i in range(100, 132)]
@@ -215,7 +236,7 @@ def test_prior_summary_finds_the_best_constant_and_the_accuracy_beyond_it():
     correct = [a == g for a, g in zip(answers, golds)]
     summary = prior_summary(answers, golds, correct, lambda c: [g == c for g in golds])
     assert summary["best_constant_answer"] == "1" and summary["best_constant_accuracy"] == 0.6
-    assert summary["answers/most_common"] == "1" and summary["answers/most_common_share"] == 0.6
+    assert summary["answers/most_common"] == "1" and summary["answers/most_common_share"] == pytest.approx(6 / 9)
     assert summary["accuracy_beyond_constant"] == pytest.approx(2 / 4)  # "2" and "5" right among the 4 others
     assert "best_constant_answer" not in prior_summary(answers, [None] * 10, correct, None)
 

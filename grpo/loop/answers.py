@@ -11,7 +11,9 @@ Training (each step, over every rank's completions; `answer_metrics`):
     answers/answered           share of the completions with an answer at all
 and `CollapseWatch`, which warns when, over the last WINDOW steps, one answer is at least COLLAPSE_SHARE of the
 answered completions and at least COLLAPSE_MARGIN above that answer's share among their problems' gold answers
-(a task whose answers really are mostly "1" is not a collapse; a policy that says "1" far more often is).
+(a task whose answers really are mostly "1" is not a collapse; a policy that says "1" far more often is). Where
+no gold answer is known (rows without one; an environment's prompts, which its reset text rewrote), one answer must
+be NO_GOLD_SHARE of them: nothing then says the answer is not simply right.
 
 Evaluation (eval.py; `prior_summary`): the share of the model's most common answer, and the accuracy of the
 best constant answer on the same problems (each candidate scored by the same scorer as the model), with the
@@ -33,7 +35,8 @@ logger = logging.getLogger("grpo")
 WINDOW = 5  # steps the collapse check looks back over
 COLLAPSE_SHARE = 0.5  # one answer given by at least this share of the answered completions ...
 COLLAPSE_MARGIN = 0.25  # ... and by this much more than the gold answers of their problems hold it
-MIN_ANSWERED = 16  # answered completions in the window before it judges
+NO_GOLD_SHARE = 0.9  # ... or, with no gold answer to compare, at least this share
+MIN_ANSWERED = 16  # answered completions in the window (up to WINDOW steps) before it judges
 CONSTANT_CANDIDATES = (20, 5)  # the most common gold answers, and the model's most common answers, tried as constants
 
 
@@ -70,7 +73,8 @@ class CollapseWatch:
         share = count / len(pairs)
         known = [g for _, g in pairs if g is not None]
         gold_share = sum(g == answer for g in known) / len(known) if known else 0.0
-        if share < self.share or share < gold_share + self.margin or answer in self.warned:
+        bar = max(self.share, gold_share + self.margin) if known else max(self.share, NO_GOLD_SHARE)
+        if share < bar or answer in self.warned:
             return None
         self.warned.add(answer)
         where = f", while it is the gold answer of {gold_share:.0%} of them" if known else ""
@@ -89,8 +93,8 @@ def prior_summary(answers: list[str | None], golds: list[str | None], correct: l
     the problems that constant does not solve."""
     given = [a for a in answers if a is not None]
     top = collections.Counter(given).most_common(1)
-    summary = {"answers/most_common": top[0][0] if top else None,
-               "answers/most_common_share": top[0][1] / len(answers) if top else 0.0}
+    summary = {"answers/most_common": top[0][0] if top else None,  # share of the answers given, as in training
+               "answers/most_common_share": top[0][1] / len(given) if top else 0.0}
     known = [g for g in golds if g is not None]
     if not known or score_constant is None:
         return summary

@@ -52,8 +52,8 @@ def keep_informative_groups(first: tuple, sample_round: Callable[[int], tuple], 
     all_texts = [text for part in pool for text in part[2]]
     groups = [offsets[r] + g for r, g in chosen]
     rows = [g * group + j for g in groups for j in range(group)]
-    # the first round's mean reward: the policy's on the step's own prompts, before any group is dropped (the
-    # logged `reward` is the kept groups', which dropping pulls toward the middle)
+    # the first round's mean reward: the policy's on this rank's share of the step's prompts, before any group is
+    # dropped (the logged `reward` is the kept groups', which dropping pulls toward the middle)
     sampled = weighted_rewards(first[0].rewards_per_func, reward_weights).nanmean().item()
     metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/dropped_groups": len(tied) - filled,
                "dynamic_sampling/filled": filled, "dynamic_sampling/sampled_reward": sampled}

@@ -40,7 +40,7 @@ from grpo.loop.disk_full import DiskFullError, writing
 from grpo.loop.distributed import World, gathered, init_world, resolve_mode, wrap_model
 from grpo.loop.dynamic_sampling import FIRST_ROUND, keep_informative_groups
 from grpo.loop.answers import CollapseWatch, answer_metrics, prompt_key
-from grpo.loop.evaluation import evaluate, gold_answer, make_scorer, sample_answer, save_evaluation
+from grpo.loop.evaluation import evaluate, gold_answer, make_scorer, sample_answer, save_evaluation, scorer_kind
 from grpo.algorithm.logprobs import check_plain_output_head
 from grpo.loop.lora import AdaptersOff
 from grpo.algorithm.loss import EntropyControl
@@ -324,6 +324,8 @@ class Trainer:
     def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None,
                  eval_rows=None, tools=None, environment_factory=None):
         setup.use_cpu_huge_pages()  # before the first large tensor (it is read once)
+        if config.reward is None and environment_factory is not None:  # as --environment: its get_reward alone
+            config.reward = []
         self.config = cfg = config.validate()
         self.environments = setup.environments(cfg, environment_factory)  # grpo/loop/environments.py, trl's name
         self.rewards = setup.reward_specs(cfg, reward_functions, self.environments)  # first: a sandbox is logged
@@ -346,9 +348,6 @@ class Trainer:
             logger.warning(note)
         self.run_dir = Path(cfg.output_dir)
         self.resume_from = setup.find_resume_checkpoint(cfg)
-        setup.check_run_dir(self.run_dir, cfg, self.resume_from, replaces=self.global_rank == 0)
-        if torch.distributed.is_initialized():  # no process writes there before rank 0 has replaced an old run
-            torch.distributed.barrier()
 
         # --- data: loaded and checked before any model ---
         source, setting = (str(self.resume_from), "--resume") if self.resume_from else (cfg.model, "--model")
@@ -357,7 +356,12 @@ class Trainer:
         self.tool_set, self.template_kwargs, self.played = setup.tool_set(cfg, self.tokenizer, tools, self.environments)
         self.sample_rollout = sample_rollout if self.played is None else self.played.sample_rollout  # same arguments
         self.train_rows, self.task = setup.task_rows(cfg, train_rows, cfg.train_split, "train")
-        check_reward_columns(self.rewards, self.train_rows, f"{cfg.dataset}[{cfg.train_split}]")  # not at step 1
+        supplied = ("environments",) if self.environments is not None else ()
+        check_reward_columns(self.rewards, self.train_rows, f"{cfg.dataset}[{cfg.train_split}]", supplied)
+        # only now, every setting and the data checked, may an old run in the output folder be replaced
+        setup.check_run_dir(self.run_dir, cfg, self.resume_from, replaces=self.global_rank == 0)
+        if torch.distributed.is_initialized():  # no process writes there before rank 0 has replaced an old run
+            torch.distributed.barrier()
         self.rows_by_prompt = {prompt_key(row["prompt"]): row for row in self.train_rows}  # a completion's problem
         self.collapse = CollapseWatch()
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
@@ -367,6 +371,8 @@ class Trainer:
         if cfg.eval_steps:
             rows, eval_task = setup.task_rows(cfg, eval_rows, cfg.eval_split, "eval")
             self.eval_rows = rows[: cfg.eval_limit]
+            if scorer_kind(cfg.eval_scorer, eval_task) == "rewards":  # not at the first evaluation
+                check_reward_columns(self.rewards, self.eval_rows, f"{cfg.dataset}[{cfg.eval_split}]", supplied)
             self.eval_scorer = make_scorer(cfg.eval_scorer, eval_task, self.rewards, cfg.sandbox_isolation)
 
         # --- models: the policy, its frozen reference, both as the loop calls them (DDP / FSDP2 under torchrun) ---
