@@ -326,7 +326,9 @@ def plot(results: dict, path: Path) -> None:
     figure, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 6.4), squeeze=False)
     for column, task in enumerate(tasks):
         bars, rewards = axes[0][column], axes[1][column]
-        labels = ["before"] + [f"{r['side']} {r['seed']}" for r in task["runs"]]
+        most = max(len(r["steps"]) for r in task["runs"])
+        labels = ["before"] + [f"{r['side']} {r['seed']}" + (f"\n({len(r['steps'])} steps)" if len(r["steps"]) < most
+                                                             else "") for r in task["runs"]]
         values = [task["before"]["accuracy"]] + [r["after"]["accuracy"] for r in task["runs"]]
         colours = ["0.6"] + [{"trl": "C3", "vllm": "C2"}.get(r["side"], "C0") for r in task["runs"]]
         bars.bar(labels, values, color=colours)
