@@ -377,8 +377,8 @@ def parse_args(argv=None):
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once, each with its share of the cores")
     # the recipe: the preset's values (grpo/cli.py), which these flags change for both sides
     parser.add_argument("--steps", type=int, default=RECIPE["max_steps"], help="GRPO steps of each run")
-    parser.add_argument("--trl-steps", type=int, default=None, help="trl's steps, when fewer than --steps (its step "
-                        "takes about 90 s on one CPU core here)")
+    parser.add_argument("--trl-steps", type=int, default=None, help="trl's steps, when fewer than --steps (its steps "
+                        "are slower than ours on a CPU: docs/benchmarks.md)")
     parser.add_argument("--reuse", action="store_true", help="keep what OUT already holds: a run with its result.json "
                         "and an evaluation with its summaries are not run again (a benchmark stopped part way goes on)")
     parser.add_argument("--prompts-per-step", type=int, default=RECIPE["prompts_per_step"])
@@ -397,7 +397,7 @@ def parse_args(argv=None):
     parser.add_argument("--pass-k", type=int, default=16, help="samples per held-out problem for pass@k, before training "
                         "and after the first seed's run (1: greedy only)")
     parser.add_argument("--pass-k-heldout", type=int, default=100, help="held-out problems pass@k samples (the first "
-                        "of the --heldout ones: 16 samples of 200 problems take 6 minutes on 2 cores)")
+                        "of the --heldout ones; sampling costs k times a greedy pass)")
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--plot", default=None, help="the figure's path (default OUT/real_tasks.png)")
     parser.add_argument("--report-only", action="store_true", help="print the table and write OUT/report.md and the "

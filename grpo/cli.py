@@ -38,7 +38,7 @@ PRESETS: dict[str, dict] = {
         system_prompt=CALCULATOR_PROMPT, reward=["correctness:2", "int", "strict_format", "tool_success"],
         max_completion_length=384,
     ),
-    # A real skill on a small model in about 10 minutes of 2 CPU cores: a reasoning-gym task (chain_sum here; name
+    # A real skill on a small model, on a CPU: a reasoning-gym task (chain_sum here; name
     # another with --dataset reasoning-gym:NAME --task-settings ...) on SmolLM2-135M-Instruct, rewarded by the task's
     # verifier (full marks only). A short-answer prompt (not GSM8K's R1 layout), short completions held short by
     # DAPO's overlong penalty and its token-level loss, DAPO's dynamic sampling (every step trains on groups whose
