@@ -25,7 +25,7 @@ from grpo.loop.rollout import GENERATION_BACKENDS
 
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("auto", "vllm", "transformers")
-from grpo.algorithm.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpo.algorithm.loss import IMPORTANCE_SAMPLING_LEVELS
 from grpo.algorithm.off_policy import IMPORTANCE_SAMPLING_MODES
 from grpo.loop.metrics import REPORT_TO
 from grpo.models import OPTIMIZERS, PRECISIONS
@@ -210,13 +210,16 @@ class GRPOConfig(ConfigMixin):
     sandbox_isolation: str = option("available", "rewards that run the model's programs (execution): `available` runs them with the isolation layers this machine gives, the first log line naming any that is missing; `full` refuses to start without every layer (bubblewrap, root, cgroups; docs/tools.md)", choices=ISOLATION_CHOICES)
     overlong_buffer_len: int = option(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
     overlong_penalty_factor: float = option(1.0, "overlong reward shaping: the penalty at the full budget")
+    reward_clip_range: list[float] | None = option(None, "clip the weighted reward into [min, max] before the advantages (and before a KL penalty in the reward), two numbers: --reward-clip-range -1 1; trl's RLOOConfig option; default: no clipping")
+    advantage_estimator: str = option("grpo", "how rewards become advantages (verl's names; grpo/algorithm/estimators.py): grpo (group mean and std, --scale-rewards), rloo (leave-one-out baseline, as trl's RLOOTrainer), reinforce_plus_plus_baseline (group mean, then whitened over the batch's tokens), reinforce_plus_plus (no baseline: returns-to-go whitened over the batch's tokens, one per token), opo (the group's length-weighted mean as baseline); or a plug-in module:function / path/to/file.py:function with the same signature fn(batch) -> advantages (docs/modify.md)")
+    normalize_advantages: bool = option(False, "normalise the estimator's advantages over the batch to mean 0 and std 1 (rows without a signal left out), trl's RLOOConfig option")
     multi_objective_aggregation: str = option("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)
     scale_rewards: str = option("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=SCALE_REWARDS)
     dynamic_sampling: bool = option(False, "DAPO dynamic sampling: drop groups whose rewards all tie and sample more prompts until the step has prompts_per_step informative groups")
     dynamic_sampling_max_rounds: int = option(4, "dynamic sampling: most sampling rounds per step (the first included); when they do not find enough informative groups, tied ones fill the step (counted in dynamic_sampling/filled)")
 
     # --- the loss ---
-    loss_type: str = option("grpo", "the objective and its token aggregation (grpo/algorithm/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios)", choices=LOSS_TYPES, section='the loss')
+    loss_type: str | None = option(None, "the objective and its token aggregation (grpo/algorithm/loss.py): grpo, bnpo, dr_grpo, dapo, luspo (the clipped surrogate), rloo (the clipped surrogate of whole-completion ratios, trl's RLOOTrainer), cispo (clipped detached weights), sapo (soft gate), vespo (Gamma-weighted sequence ratios); or a plug-in module:function / path/to/file.py:function returning the per-token policy term (docs/modify.md). Default: rloo with --advantage-estimator rloo, else grpo", section='the loss')
     num_iterations: int = option(1, "optimizer updates per rollout (old log-probs are computed when > 1)")
     importance_sampling_level: str = option("token", "ratio per token, or one per completion (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
     epsilon: float = option(0.2, "lower clip range: ratio >= 1 - epsilon")
@@ -234,6 +237,7 @@ class GRPOConfig(ConfigMixin):
 
     # --- the reference and the KL penalty ---
     beta: float = option(0.04, "KL coefficient; 0 loads no reference model", section='the reference and the KL penalty')
+    kl_in_reward: bool | None = option(None, "where the KL against the reference goes: in the reward (each completion's reward minus beta * sum_t (log pi_old - log pi_ref), the k1 estimator, as trl's RLOOTrainer, OpenRLHF and verl) or, off, in the loss (GRPO's per-token k3). Default: in the reward with --advantage-estimator rloo, in the loss otherwise")
     use_bias_correction_kl: bool = option(False, "multiply the k3 KL by the importance ratio (trl 1.16's default; ours is the paper's plain k3)")
     sync_ref_model: bool = option(False, "TR-DPO: every --ref-model-sync-steps optimizer updates, ref = alpha * policy + (1 - alpha) * ref (needs beta > 0)")
     ref_model_mixup_alpha: float = option(0.6, "TR-DPO's alpha: the policy's share in the mixed reference")
@@ -381,7 +385,7 @@ class GRPOConfig(ConfigMixin):
         from rewards.registry import parse_reward_specs
 
         self.resolve_defaults(GSM8K_RECIPE_REWARDS)
-        problems = []
+        problems = self._algorithm_problems()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -459,6 +463,35 @@ class GRPOConfig(ConfigMixin):
             problems.append(str(error))
         self.raise_problems(problems)
         return self
+
+    def _algorithm_problems(self) -> list[str]:
+        """The estimator and the objective (built in or plug-ins, each run once on a probe batch, so a wrong signature
+        or output shape stops here), the defaults they bring, and where the KL goes."""
+        from grpo.algorithm.advantages import check_estimator, resolve_estimator
+        from grpo.algorithm.loss import check_objective
+
+        problems = []
+        if self.kl_in_reward and self.beta == 0:
+            problems.append("kl_in_reward needs beta > 0 (the KL penalty's coefficient in the reward)")
+        if self.loss_type is None:
+            self.loss_type = "rloo" if self.advantage_estimator == "rloo" else "grpo"
+        if self.kl_in_reward is None:
+            self.kl_in_reward = self.advantage_estimator == "rloo" and self.beta > 0
+        try:
+            check_estimator(resolve_estimator(self.advantage_estimator), self.advantage_estimator,
+                            self.num_generations, self.kl_in_reward)
+        except ValueError as error:
+            problems.append(str(error))
+        try:
+            check_objective(self.loss_type)
+        except ValueError as error:
+            problems.append(str(error))
+        if self.reward_clip_range is not None and not (
+                len(self.reward_clip_range) == 2 and self.reward_clip_range[0] <= self.reward_clip_range[1]):
+            problems.append(f"reward_clip_range must be two numbers, min <= max, got {self.reward_clip_range}")
+        if self.kl_in_reward and self.use_bias_correction_kl:
+            problems.append("use_bias_correction_kl weighs the loss's k3 KL; with kl_in_reward the KL is in the reward")
+        return problems
 
     def _objective_problems(self) -> list[str]:
         """The checks of the objective's options, generation reuse and DAPO's pieces (trl's where trl has them)."""

@@ -360,7 +360,7 @@ def test_environment_rollout_and_update_match_trl(model_dir, settings, kernels, 
     assert torch.equal(rollout.rewards_per_func, trl_rewards_per_func)
 
     # The update: advantages, log-probs, each micro-batch's loss, the gradient of every optimizer step.
-    torch.testing.assert_close(last.advantages, batch["advantages"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(last.advantages.squeeze(-1), batch["advantages"], rtol=1e-5, atol=1e-6)
     trl_mask = batch["completion_mask"] * batch["tool_mask"]
     assert torch.equal(rollout.loss_mask * kept, trl_mask)
     torch.testing.assert_close(last.ref_logps * trl_mask, batch["ref_per_token_logps"] * trl_mask, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,7 @@ import torch
 
 from grpo.algorithm.loss import EntropyControl, entropy_bonus, high_entropy_mask
 from grpo.algorithm.loss import LOSS_TYPES, LossOptions, aggregate_loss, k3_kl, off_policy_mask, per_token_loss, token_loss
-from grpo.algorithm.loss import loss_statistics, loss_terms, policy_loss_value
+from grpo.algorithm.loss import loss_statistics, loss_terms, policy_loss_value, vespo_phi
 from grpo.config import GRPOConfig
 
 T_MAX = 6
@@ -31,13 +31,15 @@ def _naive_loss(logps, old, ref, adv, mask, *, beta, eps, eps_high, delta, bias_
     for i in range(n):
         length = int(mask[i].sum())
         seq_log_ratio = sum(logps[i, t] - old[i, t] for t in range(length)) / max(length, 1)
+        if loss_type == "rloo":  # the whole completion's probability ratio: the sum, not the mean
+            seq_log_ratio = sum(logps[i, t] - old[i, t] for t in range(length))
         # vespo: w = exp(sum_t log rho_t), phi(w) = e^lam w^k e^(-lam w), k and lam by the sign of A; no gradient
         k, lam = (vespo[0], vespo[1]) if adv[i] >= 0 else (vespo[2], vespo[3])
         log_w = float(sum((logps[i, t] - old[i, t]).detach() for t in range(length)))
         phi = math.exp(lam) * math.exp(log_w) ** k * math.exp(-lam * math.exp(log_w))
         row_sum = 0.0
         for t in range(length):
-            log_ratio = logps[i, t] - old[i, t] if level == "token" else seq_log_ratio
+            log_ratio = logps[i, t] - old[i, t] if level == "token" and loss_type != "rloo" else seq_log_ratio
             rho = torch.exp(log_ratio)
             if loss_type == "cispo":
                 l = -min(rho.item(), eps_high) * adv[i] * logps[i, t]
@@ -61,7 +63,7 @@ def _naive_loss(logps, old, ref, adv, mask, *, beta, eps, eps_high, delta, bias_
         row_sums.append(row_sum)
         token_sum = token_sum + row_sum
         token_count += length
-    if loss_type in ("grpo", "sapo"):
+    if loss_type in ("grpo", "sapo", "rloo"):
         return sum(row_losses) / n / ga
     if loss_type == "luspo":
         return sum(row_sums) / n / ga
@@ -120,8 +122,9 @@ def test_on_policy_gradient_is_reinforce(loss_type):
     stats = loss_statistics(logps, logps.detach(), adv, mask, options=options)
     value = aggregate_loss(loss, mask, loss_type, max_completion_length=T_MAX, num_items_in_batch=mask.sum())
     (grad,) = torch.autograd.grad(value, logps)
-    reinforce = aggregate_loss(-adv[:, None] * logps, mask, loss_type, max_completion_length=T_MAX,
-                               num_items_in_batch=mask.sum())
+    # rloo's ratio is the completion's: d rho_i / d logp_t = rho_i, so each token gets -A (summed per row, mean over rows)
+    reinforce = aggregate_loss(-adv[:, None] * logps, mask, "luspo" if loss_type == "rloo" else loss_type,
+                               max_completion_length=T_MAX, num_items_in_batch=mask.sum())
     (expected,) = torch.autograd.grad(reinforce, logps)
     torch.testing.assert_close(grad, expected, rtol=1e-6, atol=0)
     assert stats.clip_region in (0.0, None) and stats.kl is None
@@ -360,7 +363,7 @@ def test_high_entropy_mask_with_one_real_token_or_none():
 
 # Rows [1, 2, 3] and [4] (the 99s are padding): row means 2 and 4, row sums 6 and 4, 10 over 4 real tokens.
 AGGREGATION_HAND_VALUES = {
-    "grpo": (2 + 4) / 2, "sapo": (2 + 4) / 2,  # mean over rows of each row's token mean
+    "grpo": (2 + 4) / 2, "sapo": (2 + 4) / 2, "rloo": (2 + 4) / 2,  # mean over rows of each row's token mean
     "bnpo": 10 / 4,  # token mean of the micro-batch
     "dr_grpo": 10 / (2 * 5),  # rows * max_completion_length 5
     "luspo": (6 + 4) / 2,  # mean over rows of each row's token sum
@@ -427,7 +430,7 @@ def test_vespo_weight_edges(case):
     terms = loss_terms(logps, old, torch.tensor([[adv]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64),
                        None, LossOptions(loss_type="vespo", **settings),
                        is_weights=None if is_weights is None else torch.tensor([is_weights], dtype=torch.float64))
-    torch.testing.assert_close(terms.phi, torch.tensor([[phi]], dtype=torch.float64), rtol=1e-9, atol=0)
+    torch.testing.assert_close(vespo_phi(terms.inputs), torch.tensor([[phi]], dtype=torch.float64), rtol=1e-9, atol=0)
     # l_t = -phi A logp_t
     torch.testing.assert_close(terms.loss, -phi * adv * logps, rtol=1e-9, atol=0)
 
@@ -441,7 +444,7 @@ def test_vespo_behaviour_weights_join_each_rows_own_ratio():
     terms = loss_terms(logps, logps, torch.tensor([[1.0], [-1.0]]), torch.ones(2, 2), None,
                        LossOptions(loss_type="vespo"), is_weights=is_weights)
     phi = torch.tensor([[4 * math.exp(-3)], [math.exp(1.5) / 64]])
-    torch.testing.assert_close(terms.phi, phi, rtol=1e-5, atol=0)
+    torch.testing.assert_close(vespo_phi(terms.inputs), phi, rtol=1e-5, atol=0)
     # l_t = -phi A logp_t; is_weights enter through phi only (not multiplied in a second time).
     torch.testing.assert_close(terms.loss, -phi * torch.tensor([[1.0], [-1.0]]) * logps, rtol=1e-5, atol=0)
 

@@ -63,10 +63,14 @@ def test_bad_settings_are_named(flags, message):
 
 
 def test_unknown_loss_type_is_named():
-    with pytest.raises(ValueError, match=r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo', 'vespo'\], got 'ppo'"):
+    with pytest.raises(ValueError, match=r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'rloo', "
+                                         r"'cispo', 'sapo', 'vespo'\) or a plug-in module:function / "
+                                         r"path/to/file.py:function, got 'ppo'"):
         GRPOConfig(loss_type="ppo").validate()
-    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'ppo'"
+    with pytest.raises(ValueError, match="got 'ppo'"):  # train.py prints it as one error: line
         config_from_args(["--loss-type", "ppo"])
+    with pytest.raises(ValueError, match=r"advantage_estimator 'gae': not one of \['grpo', 'opo', "):
+        GRPOConfig(advantage_estimator="gae").validate()
 
 
 def test_unusual_objective_combinations_are_warned_about(tmp_path, caplog):

@@ -467,7 +467,7 @@ def assert_same_numbers_as_trl(model_dir, rows, settings, tmp_path, kernels, com
         batch = trl_record["batch"]
 
         # Advantages (weighted rewards with None rows, group/batch/none scaling, or GDPO's per-reward normalisation).
-        torch.testing.assert_close(last.advantages, batch["advantages"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(last.advantages.squeeze(-1), batch["advantages"], rtol=1e-5, atol=1e-6)
         # Masks: the same completion tokens count (truncation masking included).
         width = rollout.completion_ids.shape[1]
         trl_mask = batch["completion_mask"][:, :width]

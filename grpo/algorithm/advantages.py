@@ -1,4 +1,6 @@
-"""Group-relative advantages (outcome supervision, DeepSeekMath arXiv 2402.03300, section 4.1.2).
+"""Advantages: how one step's rewards become the numbers the loss weighs each completion (or token) by.
+
+Part 1, GRPO's group-relative advantages (outcome supervision, DeepSeekMath arXiv 2402.03300, section 4.1.2):
 
     r_i   = sum_k w_k r_ik                      weighted reward (None/NaN entries left out: nansum)
     A_i   = (r_i - mean_group(r)) / (std + 1e-4)  scale_rewards="group": std over the group
@@ -16,9 +18,45 @@ gets advantage 0, and a group whose rewards are all equal gets advantage 0.
 
 Notation: B prompts, G completions per prompt (group), N = B * G rows, K reward functions.
 Rows are grouped as [prompt 0 x G, prompt 1 x G, ...].
+
+Part 2, the advantage estimators (`--advantage-estimator`), GRPO's among them: each turns one step's rewards into
+advantages, one per completion or one per token.
+
+Every estimator, built in or a plug-in (`--advantage-estimator path/to/file.py:fn` or `module:fn`), has one
+signature, documented here and checked when a run starts (`check_estimator`):
+
+    fn(batch: AdvantageBatch) -> advantages                         (N,) one per completion, or (N, T) per token
+                               or (advantages, {metric name: float})   extra values for the step's log line
+
+NaN in the result means "no signal" (a row no reward function could score, a group with one scorable row):
+such rows get advantage 0, after `normalize_advantages` (which leaves them out of its mean and std, as trl).
+Built in, by verl's names (verl/trainer/ppo/core_algos.py, `@register_adv_est`):
+
+    grpo                          (r_i - mean_group(r)) / (std_group(r) + 1e-4)     DeepSeekMath arXiv 2402.03300 4.1.2
+                                  (--scale-rewards, GDPO's --multi-objective-aggregation: part 1)
+    rloo                          r_i - mean_{j != i, scorable} r_j                   RLOO arXiv 2402.14740; trl 1.16's
+                                                                                    RLOOTrainer (scorable siblings)
+    reinforce_plus_plus_baseline  whiten_tokens(r_i - mean_group(r))               REINFORCE++ arXiv 2501.03262, verl
+    reinforce_plus_plus           whiten_tokens(G_it),  G_it = sum_{s >= t} r_is    REINFORCE++ (no baseline), verl:
+                                  (gamma = 1: r_is is the KL penalty per token plus the outcome reward at the last)
+    opo                           r_i - sum_j |o_j| r_j / sum_j |o_j|  (the group's   OPO arXiv 2505.23585, verl
+                                  length-weighted mean: the optimal baseline for a sequence-level REINFORCE)
+
+whiten_tokens(x) = (x - mean) / sqrt(var + 1e-8) with the mean and the unbiased variance over every real token of
+the batch (verl's masked_whiten): a long completion counts once per token.
+
+The KL penalty in the reward (--kl-in-reward; grpo.loop.update.advantage_batch forms it once): the reward minus
+beta times the completion's first-order KL against the reference, summed over its tokens (the "k1" estimator, as
+trl's RLOOTrainer, OpenRLHF and verl put it in the reward), from the log-probs of the policy that sampled:
+    r_i <- r_i - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))
+`batch.kl_penalty` holds beta * k1 per token, for an estimator that spreads it over the tokens (reinforce_plus_plus).
 """
 
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -63,11 +101,8 @@ def group_advantages(
     if scale_rewards != "none":
         advantages = advantages / (std + 1e-4)  # 1e-4 added to the std, as trl
     advantages = torch.nan_to_num(advantages, nan=0.0)  # unscorable rows, and groups with one scorable row
-    stats = {
-        "reward": torch.nanmean(rewards).item(),
-        "reward_std": nanstd(rewards).item() if num_rows > 1 else 0.0,
-        "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item(),
-    }
+    stats = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item() if num_rows > 1 else 0.0,
+             "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
     return advantages, stats
 
 
@@ -115,3 +150,242 @@ def reward_function_stats(rewards_per_func: torch.Tensor, names: list[str]) -> d
         stats[f"rewards/{name}/mean"] = torch.nanmean(values).item()
         stats[f"rewards/{name}/std"] = nanstd(values).item() if values.numel() > 1 else 0.0
     return stats
+
+
+# ============================================================================= the estimators
+
+
+@dataclass(frozen=True)
+class AdvantageBatch:
+    """What an estimator reads: one step's rewards over every rank's rows, grouped by prompt."""
+
+    rewards: torch.Tensor  # (N,) sum_k w_k r_ik, NaN where no function scored; clipped to --reward-clip-range, then
+    #                        minus the KL penalty's sum with --kl-in-reward
+    rewards_per_func: torch.Tensor  # (N, K) each reward function's values, NaN = None
+    weights: torch.Tensor  # (K,) the reward weights
+    group_size: int  # G: rows [g * G, (g + 1) * G) answer the same prompt
+    completion_mask: torch.Tensor  # (N, T) float: 1 on the tokens the loss trains on
+    kl_penalty: torch.Tensor | None = None  # (N, T) beta * (log pi_old - log pi_ref) per token with --kl-in-reward
+    scale_rewards: str = "group"  # grpo's --scale-rewards
+
+
+# ----------------------------------------------------------------------------- the pure functions
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Kool et al. 2019; Ahmadian et al., arXiv 2402.14740): A_i = r_i - mean of the other scorable rewards.
+
+    (N,) rewards, NaN = unscorable -> (N,) advantages; NaN for unscorable rows and for a row with no scorable
+    sibling (0 / 0), as trl 1.16's RLOOTrainer.
+    """
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)  # (B, 1)
+    others = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)  # (B, G): / the scorable siblings
+    return (grouped - others).view(-1)  # (N,)
+
+
+def token_moments(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and the unbiased variance of `values` over the entries where `mask` is 1 (values, mask (N, T))."""
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    variance = (((values - mean) ** 2) * mask).sum() / (count - 1).clamp(min=1)  # / (count - 1): unbiased
+    return mean, variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the entries where mask is 1 (verl's masked_whiten); 0 where mask is 0.
+
+    values, mask (N, T) -> (N, T).
+    """
+    mean, variance = token_moments(values, mask)
+    return (values - mean) * torch.rsqrt(variance + 1e-8) * mask
+
+
+def group_mean_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) r_i - mean_group(r) over the scorable rows (NaN stays NaN); a group of one keeps r_i (verl)."""
+    if group_size == 1:
+        return rewards.clone()
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    return (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
+
+
+def reinforce_plus_plus_baseline_advantages(rewards: torch.Tensor, group_size: int,
+                                            completion_mask: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++-baseline (arXiv 2501.03262; verl's compute_reinforce_plus_plus_baseline_outcome_advantage):
+    A_i = whiten_tokens(r_i - mean_group(r)), each row's value counted once per real token of the batch.
+
+    rewards (N,) (NaN rows are left out of the means and stay NaN); completion_mask (N, T) -> (N,).
+    """
+    centred = group_mean_baseline(rewards, group_size)  # (N,)
+    scorable = ~torch.isnan(centred)  # (N,)
+    mask = completion_mask * scorable[:, None]  # (N, T) the tokens of scorable rows
+    mean, variance = token_moments(torch.nan_to_num(centred)[:, None].expand_as(mask), mask)
+    return (centred - mean) * torch.rsqrt(variance + 1e-8)  # (N,); NaN rows stay NaN
+
+
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, completion_mask: torch.Tensor,
+                                   kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262; verl's compute_reinforce_plus_plus_outcome_advantage, gamma = 1): the
+    return-to-go of token rewards, whitened over every real token of the batch:
+        r_it = -kl_penalty_it (+ the outcome reward at the last token),   G_it = sum_{s >= t} r_is
+             = R_i + sum_{s < t} kl_penalty_is       where R_i = outcome - sum_s kl_penalty_is (`rewards`)
+    rewards (N,) (already minus the penalty's sum), NaN = unscorable; completion_mask (N, T); kl_penalty (N, T)
+    or None -> (N, T), NaN on unscorable rows.
+    """
+    mask = completion_mask * (~torch.isnan(rewards))[:, None]  # (N, T)
+    penalty = torch.zeros_like(mask) if kl_penalty is None else kl_penalty * mask
+    before = torch.cumsum(penalty, dim=1) - penalty  # (N, T): sum_{s < t} kl_penalty_s
+    returns = torch.nan_to_num(rewards)[:, None] + before  # (N, T)
+    return masked_whiten(returns, mask).masked_fill(torch.isnan(rewards)[:, None], float("nan"))
+
+
+def opo_advantages(rewards: torch.Tensor, group_size: int, completion_mask: torch.Tensor) -> torch.Tensor:
+    """OPO (arXiv 2505.23585; verl's compute_opo_outcome_advantage): A_i = r_i - b, with the group's
+    length-weighted mean b = sum_j |o_j| r_j / sum_j |o_j| over its scorable rows.
+
+    rewards (N,), NaN = unscorable; completion_mask (N, T) -> (N,); a group of one keeps r_i (verl).
+    """
+    if group_size == 1:
+        return rewards.clone()
+    lengths = completion_mask.sum(-1).view(-1, group_size)  # (B, G) |o_j|
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    weights = lengths * ~torch.isnan(grouped)  # (B, G): scorable rows only
+    baseline = torch.nansum(weights * grouped, dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True)  # (B, 1)
+    return (grouped - baseline).view(-1)
+
+
+# ----------------------------------------------------------------------------- the built-in estimators
+
+
+def grpo(batch: AdvantageBatch):
+    """GRPO's group-relative advantages (part 1), with its reward statistics."""
+    return group_advantages(batch.rewards, batch.group_size, batch.scale_rewards)
+
+
+def gdpo(batch: AdvantageBatch):
+    """grpo with --multi-objective-aggregation normalize_then_sum (GDPO: each reward normalised in its group; part 1).
+    The reward clip and a KL penalty in the reward do not apply: it reads each function's rewards."""
+    return decoupled_advantages(batch.rewards_per_func, batch.weights, batch.group_size)
+
+
+def rloo(batch: AdvantageBatch):
+    return leave_one_out_advantages(batch.rewards, batch.group_size)
+
+
+def reinforce_plus_plus_baseline(batch: AdvantageBatch):
+    return reinforce_plus_plus_baseline_advantages(batch.rewards, batch.group_size, batch.completion_mask)
+
+
+def reinforce_plus_plus(batch: AdvantageBatch):
+    return reinforce_plus_plus_advantages(batch.rewards, batch.completion_mask, batch.kl_penalty)
+
+
+def opo(batch: AdvantageBatch):
+    return opo_advantages(batch.rewards, batch.group_size, batch.completion_mask)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+    "grpo": grpo, "rloo": rloo, "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
+    "reinforce_plus_plus": reinforce_plus_plus, "opo": opo,
+}
+BUILT_IN_ESTIMATORS = (*ADVANTAGE_ESTIMATORS.values(), gdpo)  # their outputs need no check each step
+
+
+# ----------------------------------------------------------------------------- the seam
+
+
+def resolve_estimator(name: str, multi_objective_aggregation: str = "sum_then_normalize") -> Callable:
+    """A built-in estimator by name (grpo becomes gdpo with normalize_then_sum), or a plug-in `module:function` /
+    `path/to/file.py:function`."""
+    if name == "grpo" and multi_objective_aggregation == "normalize_then_sum":
+        return gdpo
+    if name in ADVANTAGE_ESTIMATORS:
+        return ADVANTAGE_ESTIMATORS[name]
+    if ":" not in name:
+        raise ValueError(f"advantage_estimator {name!r}: not one of {sorted(ADVANTAGE_ESTIMATORS)}, nor "
+                         "module:function or path/to/file.py:function")
+    from rewards.registry import load_function
+
+    return load_function(name, "advantage_estimator")
+
+
+def reward_statistics(batch: AdvantageBatch) -> dict[str, float]:
+    """trl's `reward`, `reward_std` (of the weighted rewards, without the KL penalty) and `frac_reward_zero_std`
+    (the share of groups whose rewards, as the estimator sees them, all tie)."""
+    plain = (batch.rewards_per_func * batch.weights[None, :]).nansum(dim=1)  # (N,)
+    plain = plain.masked_fill(torch.isnan(batch.rewards_per_func).all(dim=1), float("nan"))
+    spread = nanstd(batch.rewards.view(-1, batch.group_size), dim=1) if batch.group_size > 1 else \
+        torch.zeros(batch.rewards.shape[0] // batch.group_size)  # (B,)
+    return {"reward": torch.nanmean(plain).item(), "reward_std": nanstd(plain).item() if plain.numel() > 1 else 0.0,
+            "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()}
+
+
+def estimate_advantages(estimator: Callable, batch: AdvantageBatch,
+                        normalize: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """(N, 1) or (N, T) advantages and the step's reward statistics: the estimator's output checked, normalised over
+    the batch when `normalize` (trl's normalize_advantages: mean 0, std 1 over the rows with a signal), and 0
+    where there is no signal (NaN) or no reward function scored the row."""
+    advantages, metrics = output if isinstance(output := estimator(batch), tuple) else (output, {})  # metrics optional
+    if estimator not in BUILT_IN_ESTIMATORS:  # a plug-in's output, checked every step
+        check_advantages(advantages, batch, getattr(estimator, "__name__", repr(estimator)))
+    if normalize:
+        advantages = normalized(advantages, batch.completion_mask)
+    # 0 where no reward function scored the row (its weighted reward is NaN), on each of its tokens; (N, 1) or (N, T)
+    advantages = torch.nan_to_num(advantages.view(len(batch.rewards), -1).masked_fill(torch.isnan(batch.rewards)[:, None], 0.0))
+    return advantages, metrics if "reward" in metrics else {**reward_statistics(batch), **metrics}
+
+
+def normalized(advantages: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """trl's normalize_advantages: (A - mean) / (std + 1e-4) over the values with a signal (not NaN), the unbiased
+    std; per-token advantages (N, T) over the real tokens (completion_mask) of the rows with a signal."""
+    values = advantages if advantages.dim() == 1 else advantages.masked_fill(completion_mask == 0, float("nan"))
+    return (advantages - torch.nanmean(values)) / (nanstd(values) + 1e-4)
+
+
+def check_advantages(advantages, batch: AdvantageBatch, name: str) -> None:
+    """One error naming the estimator when its output is not (N,) or (N, T) floats, or holds an infinity."""
+    expected = [(batch.rewards.shape[0],), tuple(batch.completion_mask.shape)]
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in expected:
+        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"advantage_estimator {name!r} returned {got}; expected a tensor of shape (N,) = {expected[0]} "
+                         f"or (N, T) = {expected[1]} (grpo/algorithm/advantages.py)")
+    if not advantages.is_floating_point() or torch.isinf(advantages).any():
+        raise ValueError(f"advantage_estimator {name!r} returned {advantages.dtype} values with an infinity or not "
+                         "floats; NaN marks a row without a signal (it gets 0)")
+
+
+def probe_batch(group_size: int = 4, num_groups: int = 2, width: int = 5, kl: bool = False) -> AdvantageBatch:
+    """A small step's rewards (one unscorable row, completions of different lengths), for checking an estimator."""
+    generator = torch.Generator().manual_seed(0)
+    rows = group_size * num_groups
+    per_func = torch.rand(rows, 2, generator=generator)  # (N, K)
+    per_func[0] = float("nan")  # a row no function scored
+    weights = torch.tensor([1.0, 0.5])
+    rewards = (per_func * weights).nansum(1).masked_fill(torch.isnan(per_func).all(1), float("nan"))
+    lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, T)
+    penalty = 0.01 * torch.rand(rows, width, generator=generator) * mask if kl else None
+    return AdvantageBatch(rewards, per_func, weights, group_size, mask, penalty)
+
+
+def check_estimator(estimator: Callable, name: str, group_size: int = 4, kl: bool = False) -> None:
+    """The start-of-run check of an estimator: one parameter (the AdvantageBatch), and on a probe batch an output
+    of shape (N,) or (N, T). Raises ValueError naming it."""
+    try:
+        parameters = [p for p in inspect.signature(estimator).parameters.values()
+                      if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        parameters = [None]
+    if len(parameters) != 1:
+        raise ValueError(f"advantage_estimator {name!r} must take one argument, the AdvantageBatch "
+                         f"(fn(batch) -> advantages; grpo/algorithm/advantages.py), but it takes {len(parameters)}")
+    batch = probe_batch(max(group_size, 2), kl=kl)
+    try:
+        output = estimator(batch)
+        check_advantages(output[0] if isinstance(output, tuple) else output, batch, name)
+        estimate_advantages(estimator, batch)
+    except ValueError:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported with the estimator's name
+        raise ValueError(f"advantage_estimator {name!r} raised {type(error).__name__} on a probe batch of "
+                         f"{batch.rewards.shape[0]} rows: {error}") from error

@@ -2,12 +2,15 @@
 
 A micro-batch's loss is built from four separate choices (trl 1.16's flag names and meanings):
 
-1. The per-token policy objective p_t, chosen by `loss_type`. With the importance ratio
+1. The per-token policy objective p_t, chosen by `loss_type`: a function of `PolicyInputs` (OBJECTIVES), the same
+   signature a plug-in has (`--loss-type path/to/file.py:fn`, docs/modify.md). With the importance ratio
        rho_t = exp(logp_t - logp_old_t)             ("token" level), or
        rho_i = exp(mean_t (logp_t - logp_old_t))    (one per completion, "sequence": GSPO arXiv 2507.18071),
    grpo, bnpo, dr_grpo, dapo, luspo   p = -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A)   (PPO arXiv 1707.06347,
                                       DeepSeekMath arXiv 2402.03300 eq. 3); `delta` caps the unclipped rho
                                       (two-sided clipping, INTELLECT-2 arXiv 2505.07291)
+   rloo    the same with rho_i = exp(sum_t (logp_t - logp_old_t)), the completion's probability ratio, one per
+           completion (trl 1.16's RLOOTrainer; RLOO arXiv 2402.14740)
    cispo   p = -sg(min(rho, eps_high)) A logp_t                  (MiniMax-M1 arXiv 2506.13585: the weight is clipped
                                                                    and detached, every token keeps a gradient)
    sapo    p = -(4 / tau) sigmoid(tau (rho - 1)) A,  tau = tau_pos if A > 0 else tau_neg   (SAPO arXiv 2511.20347)
@@ -27,12 +30,14 @@ A micro-batch's loss is built from four separate choices (trl 1.16's flag names 
    times rho when `use_bias_correction_kl` (trl 1.16's default; before the `delta` cap, as trl).
 4. The aggregation (`loss_type`) of one micro-batch, so that summing the micro-batches of one optimizer step
    gives the step's loss (see `aggregate_loss`):
-    grpo, sapo     mean over rows of (sum_t l m / sum_t m),  / num_micro_batches
+    grpo, sapo,    mean over rows of (sum_t l m / sum_t m),  / num_micro_batches   (rloo: l is one per row)
+    rloo
     bnpo           sum l m / sum m over the micro-batch,      / num_micro_batches
     dr_grpo        sum l m / (rows * max_completion_length),  / num_micro_batches   (Dr. GRPO arXiv 2503.20783)
     luspo          mean over rows of sum_t l m,               / num_micro_batches   (LUSPO arXiv 2602.05261)
     dapo, cispo,   sum l m / (completion tokens of the optimizer step)              (DAPO arXiv 2503.14476)
     vespo
+   A plug-in objective names the built-in loss type whose aggregation it takes (its `aggregation`; default dapo).
 An entropy bonus - coef * mean_t H_t (over the tokens the masks keep, / num_micro_batches) is added last
 (grpo.entropy). `LossOptions` carries these settings; grpo.loss_stats computes what is logged.
 Notation: n rows in the micro-batch, T completion tokens; m the completion mask; sg() stops the gradient.
@@ -41,22 +46,25 @@ Notation: n rows in the micro-batch, T completion tokens; m the completion mask;
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 
 
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO clipped surrogate
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "rloo")  # the PPO clipped surrogate
 LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def check_loss_type(loss_type: str) -> None:
-    """The one check of a loss_type name (LossOptions and aggregate_loss, which also takes a bare name)."""
+    """The one check of a built-in loss_type name (aggregate_loss takes one as its aggregation)."""
     if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES} or a plug-in module:function / "
+                         f"path/to/file.py:function, got {loss_type!r}")
 
 
 @dataclass(frozen=True)
@@ -79,12 +87,23 @@ class LossOptions:
     vespo_lambda_neg: float = 2.0  # vespo's lambda for A < 0
     top_entropy_quantile: float = 1.0  # keep the policy term on the top quantile of tokens by entropy; 1: all
     off_policy_mask_threshold: float | None = None  # drop A < 0 completions this far off-policy; None: off
+    # Resolved from loss_type (resolve_objective): the policy term, the aggregation's name, the ratio's level.
+    objective: Callable = field(init=False, repr=False, compare=False)
+    aggregation: str = field(init=False)  # a built-in loss type whose aggregation applies (aggregate_loss)
+    ratio_level: str = field(init=False)  # "token", "sequence" (mean log-ratio) or "sequence_sum" (rloo)
+    ratio_cap: float = field(init=False)  # delta for the clipped objectives, else inf: the rho the statistics read
 
     def __post_init__(self):
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                              f"got {self.importance_sampling_level!r}")
-        check_loss_type(self.loss_type)
+        objective, aggregation = resolve_objective(self.loss_type)
+        object.__setattr__(self, "objective", objective)
+        object.__setattr__(self, "aggregation", aggregation)
+        object.__setattr__(self, "ratio_level", "sequence_sum" if self.loss_type == "rloo" else
+                           self.importance_sampling_level)
+        capped = self.delta is not None and self.loss_type in CLIPPED_LOSS_TYPES
+        object.__setattr__(self, "ratio_cap", self.delta if capped else math.inf)
 
     @property
     def clip_high(self) -> float:
@@ -97,7 +116,9 @@ class LossOptions:
 
     @classmethod
     def from_config(cls, config) -> "LossOptions":
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+        """The loss's settings of a GRPOConfig; beta is the loss's KL coefficient, 0 when the KL is in the reward."""
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.init}
+        return cls(**{**values, "beta": 0.0 if getattr(config, "kl_in_reward", False) else config.beta})
 
 
 # ----------------------------------------------------------------------------- token entropy ("80/20", Skywork-OR1)
@@ -188,11 +209,15 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 def log_importance_weights(
     logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str
 ) -> torch.Tensor:
-    """log rho: (n, T) per token, or (n, 1) per sequence (the masked mean of the token log-ratios)."""
+    """log rho: (n, T) per token, or (n, 1) per sequence: the masked mean of the token log-ratios (GSPO's
+    "sequence"), or their sum, the log-ratio of the whole completion's probabilities ("sequence_sum": trl's
+    RLOOTrainer)."""
     log_ratio = logps - old_logps  # (n, T)
+    if level == "token":
+        return log_ratio
     if level == "sequence":
         return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (n, 1)
-    return log_ratio  # "token" (LossOptions checked the name)
+    return (log_ratio * mask).sum(-1, keepdim=True)  # (n, 1) "sequence_sum" (LossOptions checked the names)
 
 
 @torch.no_grad()
@@ -229,34 +254,113 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, old_logps: to
     return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
-def _objective(logps, log_ratio, token_log_ratio, advantages, mask, options: LossOptions, is_weights=None):
-    """The policy term p (n, T) or (n, 1) and what its statistics need: (p, rho after the cap, vespo's phi or None).
+class PolicyInputs(NamedTuple):
+    """What a policy objective reads (built in or a plug-in: `--loss-type path/to/file.py:fn`, docs/modify.md)."""
 
-    The clipped copy is taken before `delta` caps rho; the cap applies to the unclipped branch only (trl 1.16).
-    """
-    ratio = torch.exp(log_ratio)  # (n, T) or (n, 1)
-    if options.loss_type in CLIPPED_LOSS_TYPES:
-        clipped_ratio = torch.clamp(ratio, 1 - options.epsilon, 1 + options.clip_high)
-        if options.delta is not None:
-            ratio = torch.clamp(ratio, max=options.delta)  # two-sided clipping: cap the unclipped branch too
-        return -torch.min(ratio * advantages, clipped_ratio * advantages), ratio, None
-    if options.loss_type == "cispo":
-        weight = torch.clamp(ratio, max=options.clip_high).detach()  # the weight is clipped, never the gradient
-        return -weight * advantages * logps, ratio, None
-    if options.loss_type == "sapo":
-        tau = torch.where(advantages > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
-        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, ratio, None
-    phi = vespo_weights(advantages, token_log_ratio, mask, options, is_weights)  # vespo (LossOptions checked the name): (n, 1)
-    return -phi * advantages * logps, ratio, phi
+    logps: torch.Tensor  # (n, T) log pi_theta of the sampled tokens, with grad
+    old_logps: torch.Tensor  # (n, T) log pi_old, detached (logps.detach() on-policy: rho = 1)
+    log_ratio: torch.Tensor  # (n, T) log rho per token, or (n, 1) per completion (options.ratio_level)
+    advantages: torch.Tensor  # (n, 1), or (n, T) from an estimator that gives one per token
+    mask: torch.Tensor  # (n, T) float: 1 on the tokens the loss trains on
+    options: "LossOptions"  # epsilon, clip_high, delta, the sapo / vespo settings
+    is_weights: torch.Tensor | None = None  # (n, T) or (n, 1) w = pi_old / pi_b, or None
+
+
+def clipped_objective(x: PolicyInputs) -> torch.Tensor:
+    """PPO's clipped surrogate -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A); `delta` caps the unclipped rho
+    (taken after the clipped copy, as trl 1.16). grpo, bnpo, dr_grpo, dapo, luspo, rloo."""
+    ratio = torch.exp(x.log_ratio)  # (n, T) or (n, 1)
+    clipped_ratio = torch.clamp(ratio, 1 - x.options.epsilon, 1 + x.options.clip_high)
+    if x.options.delta is not None:
+        ratio = torch.clamp(ratio, max=x.options.delta)  # two-sided clipping: cap the unclipped branch too
+    return -torch.min(ratio * x.advantages, clipped_ratio * x.advantages)
+
+
+def cispo_objective(x: PolicyInputs) -> torch.Tensor:
+    """CISPO: -sg(min(rho, eps_high)) A logp (the weight is clipped and detached, never the gradient)."""
+    weight = torch.clamp(torch.exp(x.log_ratio), max=x.options.clip_high).detach()
+    return -weight * x.advantages * x.logps
+
+
+def sapo_objective(x: PolicyInputs) -> torch.Tensor:
+    """SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau by the sign of A."""
+    tau = torch.where(x.advantages > 0, x.options.sapo_temperature_pos, x.options.sapo_temperature_neg)
+    return -torch.sigmoid(tau * (torch.exp(x.log_ratio) - 1)) * 4 / tau * x.advantages
+
+
+def vespo_objective(x: PolicyInputs) -> torch.Tensor:
+    """VESPO: -sg(phi(w_i)) A logp with the Gamma weight of the sequence ratio (vespo_weights)."""
+    return -vespo_phi(x) * x.advantages * x.logps
+
+
+def vespo_phi(x: PolicyInputs) -> torch.Tensor:
+    return vespo_weights(x.advantages, x.logps - x.old_logps, x.mask, x.options, x.is_weights)  # (n, 1)
+
+
+OBJECTIVES = {**dict.fromkeys(CLIPPED_LOSS_TYPES, clipped_objective), "cispo": cispo_objective,
+              "sapo": sapo_objective, "vespo": vespo_objective}
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_objective(loss_type: str) -> tuple[Callable, str]:
+    """(policy objective, aggregation) of a loss_type: a built-in name, or a plug-in `module:function` /
+    `path/to/file.py:function` taking PolicyInputs, whose `aggregation` attribute names the built-in loss type
+    whose aggregation it takes (default "dapo": every token of the update weighs the same)."""
+    if loss_type in LOSS_TYPES:
+        return OBJECTIVES[loss_type], loss_type
+    if ":" not in loss_type:
+        check_loss_type(loss_type)
+    from rewards.registry import load_function
+
+    objective = load_function(loss_type, "loss_type")
+    aggregation = getattr(objective, "aggregation", "dapo")
+    if aggregation not in LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r}: its `aggregation` must be a built-in loss type whose aggregation it "
+                         f"takes, one of {LOSS_TYPES}, got {aggregation!r}")
+    return objective, aggregation
+
+
+def check_objective(loss_type: str) -> None:
+    """The start-of-run check of a loss_type: a built-in name, or a plug-in taking one argument (PolicyInputs) whose
+    output on a probe micro-batch is (n, T) or (n, 1), finite and differentiable. Raises ValueError naming it."""
+    objective, _ = resolve_objective(loss_type)
+    if objective in OBJECTIVES.values():
+        return
+    try:
+        parameters = [p for p in inspect.signature(objective).parameters.values()
+                      if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        parameters = [None]
+    if len(parameters) != 1:
+        raise ValueError(f"loss_type {loss_type!r} must take one argument, the PolicyInputs (fn(x) -> per-token policy "
+                         f"term; grpo/algorithm/loss.py), but it takes {len(parameters)}")
+    generator = torch.Generator().manual_seed(0)
+    logps = (-torch.rand(4, 5, generator=generator)).requires_grad_()  # (n, T)
+    old = logps.detach() - 0.01 * torch.rand(4, 5, generator=generator)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 4 + [0.0], [1.0] + [0.0] * 4])
+    advantages = torch.tensor([[1.0], [-0.5], [0.25], [0.0]])  # (n, 1)
+    inputs = PolicyInputs(logps, old, log_importance_weights(logps, old, mask, "token"), advantages, mask,
+                          LossOptions())
+    try:
+        term = objective(inputs)
+    except Exception as error:  # noqa: BLE001 - reported with the objective's name
+        raise ValueError(f"loss_type {loss_type!r} raised {type(error).__name__} on a probe micro-batch of 4 rows x 5 "
+                         f"tokens: {error}") from error
+    if not isinstance(term, torch.Tensor) or tuple(term.shape) not in ((4, 5), (4, 1)):
+        got = tuple(term.shape) if isinstance(term, torch.Tensor) else type(term).__name__
+        raise ValueError(f"loss_type {loss_type!r} returned {got} on a probe micro-batch of 4 rows x 5 tokens; expected "
+                         "the per-token policy term, (n, T) = (4, 5), or one per completion, (n, 1) = (4, 1)")
+    if not term.requires_grad or not torch.isfinite(term).all():
+        raise ValueError(f"loss_type {loss_type!r} returned a term that is not finite or has no gradient through "
+                         "x.logps (the policy's log-probs)")
 
 
 class LossTerms(NamedTuple):
     """A micro-batch's per-token loss and the terms its logged statistics read (computed once, by loss_terms)."""
 
     loss: torch.Tensor  # (n, T) or (n, 1): l = p * masks + beta kl, differentiable
-    ratio: torch.Tensor  # (n, T) or (n, 1): rho after the `delta` cap
+    inputs: PolicyInputs  # what the objective read (the statistics read rho from it)
     kl: torch.Tensor | None  # (n, T) when beta != 0
-    phi: torch.Tensor | None  # (n, 1) vespo's weights
     entropy_mask: torch.Tensor | None  # (n, T) when top_entropy_quantile < 1
 
 
@@ -264,12 +368,11 @@ def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptio
                behaviour_logps=None, is_weights=None) -> LossTerms:
     """l = p * masks * w + beta kl (differentiable), with rho, kl, phi and the entropy mask for the statistics.
 
-    logps (n, T) with grad; old_logps (n, T); advantages (n, 1); mask (n, T) float; ref_logps (n, T) or None.
+    logps (n, T) with grad; old_logps (n, T); advantages (n, 1) or (n, T); mask (n, T) float; ref_logps (n, T) or None.
     behaviour_logps (n, T): what sampled (the off-policy mask then measures from them, as trl); is_weights
     (n, T) or (n, 1): w = pi_old / pi_b (grpo.algorithm.off_policy.behaviour_weights); None: no correction.
     """
-    token_log_ratio = logps - old_logps  # (n, T)
-    log_ratio = log_importance_weights(logps, old_logps, mask, options.importance_sampling_level)
+    log_ratio = log_importance_weights(logps, old_logps, mask, options.ratio_level)
     kl = None
     if options.beta != 0.0:
         if ref_logps is None:
@@ -277,7 +380,8 @@ def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptio
         kl = k3_kl(logps, ref_logps)  # (n, T)
         if options.use_bias_correction_kl:
             kl = kl * torch.exp(log_ratio)  # trl 1.16: importance-sampling correction (not detached, not capped)
-    loss, ratio, phi = _objective(logps, log_ratio, token_log_ratio, advantages, mask, options, is_weights)
+    inputs = PolicyInputs(logps, old_logps, log_ratio, advantages, mask, options, is_weights)
+    loss = options.objective(inputs)  # p: (n, T) or (n, 1)
     if options.off_policy_mask_threshold is not None:  # from the policy that sampled: the old one, or pi_b
         sampled = old_logps if behaviour_logps is None else behaviour_logps
         loss = loss * off_policy_mask(advantages, logps, sampled, mask, options.off_policy_mask_threshold)
@@ -291,7 +395,7 @@ def loss_terms(logps, old_logps, advantages, mask, ref_logps, options: LossOptio
         loss = loss * is_weights  # after the masks, before the KL (trl 1.16)
     if kl is not None:
         loss = loss + options.beta * kl  # after clipping and masks
-    return LossTerms(loss, ratio, kl, phi, entropy_mask)
+    return LossTerms(loss, inputs, kl, entropy_mask)
 
 
 def token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
@@ -333,8 +437,8 @@ def aggregate_loss(
     """Reduce the per-token loss of one micro-batch to the scalar whose gradient is accumulated.
 
     Summing the returned values over the `num_micro_batches` micro-batches of a step gives:
-      grpo, sapo, dr_grpo, luspo  exactly the full-batch loss when the micro-batches have equal row counts
-                                  (the trainer enforces this);
+      grpo, sapo, rloo, dr_grpo,  exactly the full-batch loss when the micro-batches have equal row counts
+      luspo                       (the trainer enforces this);
       dapo, cispo, vespo          exactly the full-batch token mean (`num_items_in_batch` = real completion
                                   tokens of the optimizer step), whatever the micro-batches hold;
       bnpo                        the mean of the micro-batches' token means: the full-batch token mean only
@@ -343,7 +447,7 @@ def aggregate_loss(
     """
     check_loss_type(loss_type)
     mask = mask.to(loss.dtype)
-    if loss_type in ("grpo", "sapo"):
+    if loss_type in ("grpo", "sapo", "rloo"):
         # Each row's token mean (1/|o_i|), then the mean over rows; / micro-batches for accumulation.
         per_row = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (n,)
         return per_row.mean() / num_micro_batches
@@ -418,7 +522,8 @@ def loss_statistics(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     """terms_statistics of the terms of detached log-probs: for a loss computed elsewhere (a fused kernel).
     advantages (n,); the other arguments as per_token_loss takes them."""
     mask = mask.to(logps.dtype)
-    terms = loss_terms(logps, old_logps, advantages[:, None], mask, ref_logps, options, entropy)
+    terms = loss_terms(logps, old_logps, advantages[:, None] if advantages.dim() == 1 else advantages, mask, ref_logps,
+                       options, entropy)
     return terms_statistics(terms, advantages, mask, options, entropy)
 
 
@@ -431,13 +536,14 @@ def terms_statistics(terms: LossTerms, advantages: torch.Tensor, mask: torch.Ten
     A token counts as clipped low when rho < 1 - epsilon with A < 0 (the clip removes its gradient), high
     when rho > 1 + epsilon_high with A > 0; rho after the `delta` cap, as trl. entropy_sum / entropy_count
     are over the tokens the entropy bonus acts on (the completion mask, times the entropy mask if any).
-    advantages (n,); mask (n, T) float; entropy (n, T) or None.
+    advantages (n,) or (n, T) (the terms hold them as the objective read them); mask (n, T) float; entropy
+    (n, T) or None.
     """
-    advantages = advantages[:, None]  # (n, 1)
-    ratio, kl = terms.ratio.detach(), None if terms.kl is None else terms.kl.detach()
+    advantages, kl = terms.inputs.advantages, None if terms.kl is None else terms.kl.detach()  # (n, 1) or (n, T)
+    ratio = torch.exp(terms.inputs.log_ratio.detach()).clamp(max=options.ratio_cap)  # (n, T) or (n, 1)
     stats = LossStats(kl=None if kl is None else _masked_mean(kl, mask), clip_low=None, clip_high=None,
                       clip_region=None, entropy=None if entropy is None else _masked_mean(entropy.detach(), mask),
-                      tokens=mask.sum().item(), rows=float(mask.shape[0]), per_row=ratio.shape[-1] == 1)
+                      tokens=mask.sum().item(), rows=float(mask.shape[0]), per_row=ratio.shape[-1] == advantages.shape[-1] == 1)
     if options.loss_type in CLIPPED_LOSS_TYPES:
         is_low = (ratio < 1 - options.epsilon) & (advantages < 0)
         is_high = (ratio > 1 + options.clip_high) & (advantages > 0)
@@ -447,7 +553,7 @@ def terms_statistics(terms: LossTerms, advantages: torch.Tensor, mask: torch.Ten
     elif options.loss_type == "cispo":
         stats.cispo_clip = _masked_mean(((ratio > options.clip_high) & (advantages > 0)).float(), mask)
     elif options.loss_type == "vespo":
-        stats.vespo_phi = _masked_mean(terms.phi, mask)
+        stats.vespo_phi = _masked_mean(vespo_phi(terms.inputs), mask)
     if entropy is not None:
         acting = mask if terms.entropy_mask is None else mask * terms.entropy_mask
         stats.entropy_sum, stats.entropy_count = (entropy.detach() * acting).sum().item(), acting.sum().item()
@@ -455,5 +561,6 @@ def terms_statistics(terms: LossTerms, advantages: torch.Tensor, mask: torch.Ten
 
 
 def policy_loss_value(aggregated: float, loss_type: str, num_micro_batches: int) -> float:
-    """trl's logged `policy_loss`: the micro-batch's aggregated loss before the division for accumulation."""
+    """trl's logged `policy_loss`: the micro-batch's aggregated loss before the division for accumulation
+    (`loss_type`: the aggregation's name, LossOptions.aggregation)."""
     return aggregated if loss_type in ("dapo", "cispo", "vespo") else aggregated * num_micro_batches

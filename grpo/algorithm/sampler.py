@@ -256,12 +256,6 @@ def finish_sample(prompt_ids, prompt_mask, completion_ids, lengths, done, logpro
     """The GroupSample of a decode loop that ran `steps` steps: (N, T_max) buffers trimmed to the longest row,
     the completion mask from each row's length (up to and including its EOS), truncated = no EOS drawn."""
     completion_mask = (torch.arange(steps, device=lengths.device)[None, :] < lengths[:, None]).long()  # (N, T)
-    return GroupSample(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids[:, :steps],
-        completion_mask=completion_mask,
-        truncated=~done,
-        num_generated_tokens=int(completion_mask.sum()),
-        logprobs=None if logprobs is None else logprobs[:, :steps],
-    )
+    return GroupSample(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids[:, :steps],
+                       completion_mask=completion_mask, truncated=~done, num_generated_tokens=int(completion_mask.sum()),
+                       logprobs=None if logprobs is None else logprobs[:, :steps])

@@ -125,7 +125,7 @@ def _fused_update_loss(model, ids, attention_mask, loss_mask, advantages, old_lo
     from grpo.algorithm.loss import aggregation_weights, loss_statistics
 
     with torch.autocast(loss_mask.device.type, enabled=False):
-        weights = aggregation_weights(loss_mask, options.loss_type, **aggregation)  # (n, T)
+        weights = aggregation_weights(loss_mask, options.aggregation, **aggregation)  # (n, T)
     completion_mask = attention_mask[:, -loss_mask.shape[1]:]  # (n, T) the tokens the model reads
     loss, logps, entropy = fused_completion_loss(model, ids, attention_mask, completion_mask, advantages, old_logps,
                                                  ref_logps, weights, options, is_weights=is_weights, **kernel_args)
@@ -151,7 +151,7 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     fp32_head (cast_lm_head_to_fp32): the kernels run the output projection in the autocast dtype; the plain
     log-probs run it in fp32. sharded (FSDP2) or gradient_checkpointing: no shared-prompt passes.
     """
-    from grpo.algorithm.loss import LossOptions
+    from grpo.algorithm.loss import LOSS_TYPES, LossOptions
 
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
@@ -161,7 +161,7 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     choice = KernelChoice(fast_sampler=True, fast_logprobs=True, fused_loss=True, update_logprobs=True,
                           length_grouping=True, length_sorted_passes=True)
     grouping_dependent = _holding(
-        (options.loss_type == "bnpo", "bnpo divides each micro-batch's loss by that micro-batch's token count"),
+        (options.aggregation == "bnpo", "bnpo divides each micro-batch's loss by that micro-batch's token count"),
         (options.top_entropy_quantile < 1.0, "the entropy mask's quantile is taken over each micro-batch"),
         (entropy_bonus, "the entropy bonus is a mean over each micro-batch's tokens"),
     )
@@ -170,7 +170,8 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         choice.reasons["length_grouping"] = "; ".join(grouping_dependent) + ": regrouping would change the loss, so " \
             "the update keeps the random micro-batches"
     coupled = _holding(
-        (options.importance_sampling_level != "token", "sequence-level ratios couple a completion's tokens"),
+        (options.ratio_level != "token", "sequence-level ratios couple a completion's tokens"),
+        (options.loss_type not in LOSS_TYPES, "a plug-in objective reads the (n, T) tensors"),
         (options.loss_type == "vespo", "vespo weighs each token by its completion's ratio"),
         (options.off_policy_mask_threshold is not None, "the off-policy mask reads a completion's mean log-ratio"),
         (options.top_entropy_quantile < 1.0, "the entropy mask needs every token's entropy before the loss"),

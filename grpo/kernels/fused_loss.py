@@ -199,7 +199,7 @@ def fused_completion_loss(model, input_ids, attention_mask, completion_mask, adv
         raise ValueError("the fused loss needs token-level ratios; sequence-level ratios take the plain path")
     keep = completion_mask.bool()  # (n, T): the fused pass sees the real tokens only, in this order
     token_weights = weights[keep]  # (M,)
-    token_advantages = advantages[:, None].expand(keep.shape)[keep]  # (M,)
+    token_advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand(keep.shape)[keep]  # (M,)
     old = None if old_logps is None else old_logps[keep]  # (M,)
     ref = None if ref_logps is None else ref_logps[keep]  # (M,)
     behaviour = None if is_weights is None else is_weights.expand(keep.shape)[keep]  # (M,)

@@ -73,9 +73,12 @@ class World:
         return self.sum(1.0 if flag else 0.0) > 0
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's (n, ...) tensor along dim 0, in rank order (equal n on every rank)."""
+        """Concatenate every rank's (n, ...) tensor along dim 0, in rank order (equal n on every rank; an (n, T)
+        tensor is padded with zeros on the right to the widest rank's T)."""
         if self.size == 1:
             return tensor
+        if tensor.dim() == 2:
+            tensor = torch.nn.functional.pad(tensor, (0, int(self.max(tensor.shape[1])) - tensor.shape[1]))
         parts = [torch.empty_like(tensor, device=self.device) for _ in range(self.size)]
         dist.all_gather(parts, tensor.to(self.device).contiguous(), group=self.group)
         return torch.cat(parts).to(tensor.device)

@@ -9,8 +9,8 @@ seconds, not after loading a model.
 from __future__ import annotations
 
 import contextlib
-
 import copy
+import dataclasses
 import functools
 import logging
 import math
@@ -23,6 +23,7 @@ import torch
 from data import add_prompts, load_task_rows
 from grpo.loop.checkpoint import REFERENCE, latest_checkpoint
 from grpo.loop.lora import add_lora
+from grpo.algorithm.advantages import resolve_estimator
 from grpo.algorithm.loss import LossOptions
 from grpo.algorithm.sampler import sample_groups
 from grpo.loop.update import make_scheduler, plain_step_functions
@@ -30,6 +31,7 @@ from grpo.loop.environments import EnvironmentRollouts, Environments, load_envir
 from grpo.loop.tools import ToolSet, check_template_renders_tools, load_tools
 from grpo.models import cast_head_to_fp32, disable_dropout, load_model, make_optimizer
 from rewards import RewardSpec, parse_reward_specs
+from rewards.reward_model import with_processing_classes
 from rewards.sandbox import check_isolation
 from rewards.shaping import overlong_penalty
 
@@ -51,11 +53,15 @@ def environments(config, environment_factory=None) -> Environments | None:
     return Environments.from_factory(environment_factory, config.environment_timeout)
 
 
-def reward_specs(config, reward_functions=None, environments: Environments | None = None) -> list[RewardSpec]:
+def reward_specs(config, reward_functions=None, environments: Environments | None = None,
+                 reward_processing_classes=None) -> list[RewardSpec]:
     """--reward (or the functions given from Python), each environment class's get_reward (weight 1, named after the
     class, as trl), plus DAPO's overlong shaping as one more reward; for rewards that run the model's programs, the
-    sandbox's isolation is logged (or, short of --sandbox-isolation full, refused)."""
-    specs = parse_reward_specs(reward_functions if reward_functions is not None else config.reward)
+    sandbox's isolation is logged (or, short of --sandbox-isolation full, refused). Reward models are described, not
+    loaded (rewards/reward_model.py); `reward_processing_classes` (trl's) gives them tokenizers."""
+    model_options = dict(trust_remote_code=config.trust_remote_code, chat_template_kwargs=config.chat_template_kwargs)
+    specs = parse_reward_specs(reward_functions if reward_functions is not None else config.reward, **model_options)
+    specs = with_processing_classes(specs, reward_processing_classes)  # aligned with the functions given, as trl
     if environments is not None:
         specs += [RewardSpec(name, fn, 1.0) for name, fn in environments.reward_functions()]
         names = [spec.name for spec in specs]
@@ -223,10 +229,11 @@ def step_functions(config, device, policy, distributed: str, entropy_bonus: bool
     `--kernels plain`: grpo/'s own functions, no KernelChoice, and grpo/kernels/ is never imported; `auto`:
     grpo.kernels.select_kernels decides, once, which kernels apply (and logs why the others do not)."""
     options = LossOptions.from_config(config)
+    estimator = resolve_estimator(config.advantage_estimator, config.multi_objective_aggregation)  # or the plug-in's
     if config.kernels == "plain":
         functions = plain_step_functions(options, config.temperature, config.logprob_chunk_size,
                                          config.cast_lm_head_to_fp32)
-        return functions, sample_groups, None
+        return dataclasses.replace(functions, advantage_estimator=estimator), sample_groups, None
     from grpo.kernels import select_kernels
 
     choice = select_kernels(config.kernels, device, options, policy, entropy_bonus=entropy_bonus,
@@ -237,7 +244,8 @@ def step_functions(config, device, policy, distributed: str, entropy_bonus: bool
         choice.prepare_model(policy)
     functions = choice.step_functions(options, config.temperature, config.logprob_chunk_size,
                                       config.cast_lm_head_to_fp32)
-    return functions, choice.sampler(config.max_prompt_length), choice
+    return (dataclasses.replace(functions, advantage_estimator=estimator), choice.sampler(config.max_prompt_length),
+            choice)
 
 
 def autocast(device: torch.device, precision: str):

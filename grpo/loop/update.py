@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from grpo.algorithm.advantages import decoupled_advantages, group_advantages, weighted_rewards
+from grpo.algorithm.advantages import AdvantageBatch, estimate_advantages, grpo, weighted_rewards
 from grpo.loop.distributed import World, accumulating, full_tensor
 from grpo.algorithm.logprobs import completion_logprobs
 from grpo.algorithm.loss import (EntropyControl, LossOptions, LossStats, aggregate_loss, entropy_bonus, loss_terms,
@@ -82,12 +82,13 @@ class StepFunctions:
     """What the update calls to get log-probs, a micro-batch's loss and the micro-batches (chosen once)."""
 
     logprobs: Callable  # (model, ids, attention_mask, completion_mask) -> ((n, T) logps, None); no grad passes
-    update_loss: Callable  # (model, ids, attention_mask, loss_mask, advantages, old, ref, aggregation,
+    update_loss: Callable  # (model, ids, attention_mask, loss_mask, advantages (n, 1) or (n, T), old, ref, aggregation,
     #                        entropy_coef, behaviour, is_weights) -> (loss, LossStats); old None when on-policy;
     #                        entropy_coef None: no bonus; behaviour / is_weights None: no correction
     #                        (grpo.algorithm.off_policy); the completion is attention_mask's last T columns
     batches: Callable  # (lengths (N,), micro_batch_size) -> [rows]: the reference / old passes' micro-batches
     update_batches: Callable  # (rows (N/k,), lengths (N,), micro_batch_size) -> [rows]: one update's micro-batches
+    advantage_estimator: Callable = grpo  # (AdvantageBatch) -> (N,) or (N, T) advantages (grpo.algorithm.advantages)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class UpdateResult:
     """An update's metrics and intermediate values (this rank's rows)."""
 
     metrics: dict  # trl's names, over every rank
-    advantages: torch.Tensor  # (N,)
+    advantages: torch.Tensor  # (N, 1), or (N, T) from an estimator that gives one per token
     ref_logps: torch.Tensor | None  # (N, T) when beta != 0
     old_logps: torch.Tensor | None  # (N, T) when the rollout feeds more than one update or is corrected
     is_weights: torch.Tensor | None = None  # (N, T) or (N, 1): w = pi_old / pi_b, when the correction applies
@@ -127,12 +128,12 @@ def logprob_loss(logprobs: Callable, options: LossOptions) -> Callable:
         logps, entropy = logprobs(model, ids, attention_mask, completion_mask, with_entropy=True)  # (n, T)
         old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
         mask = loss_mask.to(logps.dtype)  # (n, T)
-        terms = loss_terms(logps, old, advantages[:, None], mask, ref_logps, options, entropy, behaviour_logps, is_weights)
-        loss = aggregate_loss(terms.loss, mask, options.loss_type, **aggregation)
+        terms = loss_terms(logps, old, advantages, mask, ref_logps, options, entropy, behaviour_logps, is_weights)
+        loss = aggregate_loss(terms.loss, mask, options.aggregation, **aggregation)
         stats = terms_statistics(terms, advantages, mask, options, entropy)
         if entropy_coef is not None:  # loss - coef * mean entropy over the tokens the policy loss keeps
             num_micro = aggregation["num_micro_batches"]
-            stats.policy_loss = policy_loss_value(loss.item(), options.loss_type, num_micro)
+            stats.policy_loss = policy_loss_value(loss.item(), options.aggregation, num_micro)
             acting = mask if terms.entropy_mask is None else mask * terms.entropy_mask
             loss = loss - entropy_coef * entropy_bonus(entropy, acting, num_micro)
         return loss, stats
@@ -159,12 +160,18 @@ def micro_batch(tensors, rows):
     return ids, attention_mask, loss_mask[:, :completion_len]  # (n, T')
 
 
-def advantages_of(rewards_per_func: torch.Tensor, weights: torch.Tensor, config) -> tuple[torch.Tensor, dict]:
-    """(N,) advantages and the reward statistics of (N, K) rewards, by multi_objective_aggregation."""
-    if config.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward normalised in its group
-        return decoupled_advantages(rewards_per_func, weights, config.num_generations)
-    rewards = weighted_rewards(rewards_per_func, weights)  # (N,)
-    return group_advantages(rewards, config.num_generations, config.scale_rewards)
+def advantage_batch(rollout: Rollout, loss_mask: torch.Tensor, old_logps, ref_logps, weights: torch.Tensor, config,
+                    world: World) -> AdvantageBatch:
+    """The estimator's inputs over every rank's rows (on the CPU, padded to the widest rank's T): the weighted
+    rewards, clipped to reward_clip_range, then with kl_in_reward minus the KL penalty, beta times the first-order
+    KL of the policy that sampled against the reference, summed over the completion's tokens (trl's RLOOTrainer):
+        r_i <- clip(sum_k w_k r_ik) - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))"""
+    per_func = world.gather_rows(rollout.rewards_per_func)  # (N_all, K)
+    rewards = weighted_rewards(per_func, weights).clamp(*config.reward_clip_range or (-math.inf, math.inf))  # (N_all,)
+    # k1 per token, times beta; gather_rows pads each rank's T to the widest
+    penalty = world.gather_rows(config.beta * (old_logps - ref_logps) * loss_mask).cpu() if config.kl_in_reward else None
+    return AdvantageBatch(rewards if penalty is None else rewards - penalty.sum(-1), per_func, weights, config.num_generations,
+                          world.gather_rows(loss_mask.float()).cpu(), penalty, config.scale_rewards)  # mask (N_all, T_max)
 
 
 @torch.no_grad()
@@ -289,18 +296,21 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
     tensors = (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
                completion_mask, loss_mask)
 
-    # --- advantages: over every rank's rows, as one process would compute them ---
-    all_rewards = world.gather_rows(rollout.rewards_per_func)  # (N_all, K)
-    weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)  # (K,)
-    all_advantages, reward_stats = advantages_of(all_rewards, weights, config)  # (N_all,)
-    advantages = world.local_rows(all_advantages).to(device)  # (N,)
-
     # --- reference and old log-probs, without grad ---
     passes = partial(no_grad_logprobs, tensors=tensors, logprobs=functions.logprobs, batches=functions.batches,
                      micro_batch_size=config.micro_batch_size, autocast=models.autocast)
     ref_logps = passes(models.reference_call) if config.beta != 0.0 else None
-    # old log-probs when some update runs after the policy moved, or when w = pi_old / pi_b needs them
-    old_logps = passes(models.policy_call) if config.num_iterations * num_updates > 1 or config.corrects_behaviour else None
+    # old log-probs when some update runs after the policy moved, when w = pi_old / pi_b needs them, or the KL
+    # penalty in the reward (of the policy that sampled)
+    old_logps = passes(models.policy_call) if config.num_iterations * num_updates > 1 or config.corrects_behaviour or config.kl_in_reward else None  # noqa: E501
+
+    # --- advantages: over every rank's rows, as one process would compute them ---
+    weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)  # (K,)
+    batch = advantage_batch(rollout, loss_mask, old_logps, ref_logps, weights, config, world)
+    all_advantages, reward_stats = estimate_advantages(functions.advantage_estimator, batch, config.normalize_advantages)
+    advantages = world.local_rows(all_advantages).to(device)  # (N, 1), or (N, T_max) from a per-token estimator
+    if batch.kl_penalty is not None:  # trl's `kl`: the mean k1 per token of the penalty in the reward
+        reward_stats["kl"] = batch.kl_penalty.sum().item() / config.beta / max(batch.completion_mask.sum().item(), 1.0)
     behaviour, is_weights, sampling_stats = (behaviour_correction(rollout, old_logps, loss_mask, config, world)
                                              if config.corrects_behaviour else (None, None, {}))
 
@@ -321,13 +331,12 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
             for index, rows in enumerate(functions.update_batches(update_rows, lengths, config.micro_batch_size)):
                 rows = rows.to(device)
                 ids, attention_mask, mask = micro_batch(tensors, rows)
-                ref, old, sampled, weights = (None if per_row is None else per_row[rows, : mask.shape[1]]  # (n, T')
-                                              for per_row in (ref_logps, old_logps, behaviour, is_weights))
+                advantage, ref, old, sampled, weights = (None if per_row is None else per_row[rows, : mask.shape[1]]
+                                                         for per_row in (advantages, ref_logps, old_logps, behaviour, is_weights))
                 with accumulating(models.policy_call, last=index == num_micro - 1):  # DDP: one all-reduce
                     with models.autocast:
-                        loss, stats = models.policy_call(functions.update_loss, ids, attention_mask, mask,
-                                                         advantages[rows], old, ref, aggregation, coef, sampled,
-                                                         weights)
+                        loss, stats = models.policy_call(functions.update_loss, ids, attention_mask, mask, advantage, old,
+                                                         ref, aggregation, coef, sampled, weights)  # (n, 1) or (n, T')
                     finite = finite and bool(torch.isfinite(loss))
                     loss.backward()  # also when not finite: every rank takes part in each gradient sync
                 losses.append(loss.item())
@@ -339,7 +348,7 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
             result.step_losses.append(world.sum(sum(losses)) / world.size)  # the loss whose gradient was applied
             result.micro_batch_losses += losses
 
-    result.metrics = {**reward_stats, **sampling_stats, **step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, result,
+    result.metrics = {**reward_stats, **sampling_stats, **step_metrics(world, rollout, loss_mask, batch.rewards_per_func, all_advantages, result,
                                                      [spec.name for spec in reward_specs],
                                                      scheduler.get_last_lr()[0], state.skipped_updates)}
     return result
