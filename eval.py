@@ -124,9 +124,10 @@ def main(argv=None) -> int:
         return 2
     from data import DataError, load_task_rows
     from grpo.loop.evaluation import default_pass_key, make_scorer, scorer_kind
-    from grpo.models import ModelError
+    from grpo.models import ModelError, resolve_device
     from grpo.loop.setup import environments as load_environments, reward_specs as reward_specs_of
     from rewards import RewardError
+    from rewards.reward_model import load_reward_models
     from rewards.scoring import check_reward_columns
 
     try:
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
         if scorer_kind(scorer_name, task) == "rewards" and not environments:  # refused here, not mid-evaluation
             check_reward_columns(reward_specs, rows, f"{config.dataset}[{config.split}]")
         scorer = make_scorer(scorer_name, task, reward_specs, config.sandbox_isolation)
+        if scorer_kind(scorer_name, task) == "rewards":  # a --reward model scores on the evaluation's device
+            load_reward_models(reward_specs, resolve_device(config.device))
         pass_key = config.pass_key or default_pass_key(scorer_name, task, reward_specs)
         if config.num_samples > 1 and pass_key is None:
             raise ValueError(f"--scorer {config.scorer} with --num-samples: name the score that makes a sample correct "

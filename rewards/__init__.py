@@ -18,6 +18,7 @@ from rewards.gsm8k import (
 )
 from rewards.registry import (
     REWARD_FUNCTIONS,
+    RewardModel,
     RewardSpec,
     completion_text,
     describe_rewards,
@@ -30,6 +31,7 @@ __all__ = [
     "GSM8K_REWARDS",
     "REWARD_FUNCTIONS",
     "RewardError",
+    "RewardModel",
     "RewardSpec",
     "completion_text",
     "correctness",

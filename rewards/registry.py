@@ -1,4 +1,5 @@
-"""Choosing rewards by name (`correctness:2`), `module:function` or `path/to/file.py:function`, with weights.
+"""Choosing rewards by name (`correctness:2`), `module:function` or `path/to/file.py:function`, or reward models
+(`./my-rm`, `model:ORG/NAME`, rewards/reward_model.py), each with an optional weight.
 
 rewards.scoring calls them; this module turns the settings into `RewardSpec`s and says what ran.
 """
@@ -15,6 +16,7 @@ from rewards.gsm8k import GSM8K_REWARDS
 from rewards.scoring import RewardFn, RewardSpec, completion_text
 from rewards.code import CODE_REWARDS
 from rewards.math_answers import MATH_REWARDS
+from rewards.reward_model import RewardModel, check_model_folder
 from rewards.reasoning_gym import TASK_REWARDS
 from rewards.tools import TOOL_REWARDS
 from rewards.toy import TOY_REWARDS
@@ -49,30 +51,49 @@ def load_function(reference: str, what: str = "reward") -> Callable:
     return function
 
 
-def _parse_spec(spec: str) -> RewardSpec:
-    """`name`, `name:weight`, `module:function[:weight]` or `file.py:function[:weight]` -> a RewardSpec."""
-    text, weight = spec.strip(), 1.0
+MODEL_PREFIX = "model:"  # `model:ORG/NAME` or `model:PATH`: a reward model (a hub id could pass for a reward's name)
+
+
+def _split_weight(spec: str, text: str) -> tuple[str, float]:
+    """`text` without its `:weight` suffix, and the weight (1.0 without one)."""
     head, _, last = text.rpartition(":")
-    if head and (head in REWARD_FUNCTIONS or ":" in head or not last.isidentifier()):  # the last part is a weight
-        try:
-            weight = float(last)
-        except ValueError:
-            raise ValueError(f"reward {spec!r}: weight {last!r} is not a number") from None
-        text = head
+    is_model_id = head + ":" == MODEL_PREFIX  # model:org/rm (the id, no weight)
+    if not head or is_model_id or not (head in REWARD_FUNCTIONS or ":" in head or not last.isidentifier()):
+        return text, 1.0
+    try:
+        weight = float(last)
+    except ValueError:
+        raise ValueError(f"reward {spec!r}: weight {last!r} is not a number") from None
     if not math.isfinite(weight):
         raise ValueError(f"reward {spec!r}: weight must be finite")
+    return head, weight
+
+
+def _parse_spec(spec: str, model_options: dict) -> RewardSpec:
+    """`name`, `module:function`, `file.py:function`, a reward model folder or `model:ID`, each with an optional
+    `:weight` -> a RewardSpec. A reward model is only described here (rewards.reward_model loads it later)."""
+    text, weight = _split_weight(spec, spec.strip())
     if text in REWARD_FUNCTIONS:
         return RewardSpec(text, REWARD_FUNCTIONS[text], weight)
+    if text.startswith(MODEL_PREFIX):
+        model = RewardModel(text[len(MODEL_PREFIX):], **model_options)
+        return RewardSpec(model.name, model, weight)
+    if Path(text).expanduser().is_dir():  # a folder given as it is: it must be a model's
+        check_model_folder(text, f"reward {spec!r}")
+        model = RewardModel(text, **model_options)
+        return RewardSpec(model.name, model, weight)
     if ":" in text:
         function = load_function(text)
         return RewardSpec(function.__name__, function, weight)
     raise ValueError(f"unknown reward {text!r}; known rewards: {', '.join(sorted(REWARD_FUNCTIONS))}, "
-                     "or give module:function or path/to/file.py:function")
+                     "or give module:function or path/to/file.py:function, or a reward model: a local folder "
+                     "(path/to/rm) or model:ORG/NAME")
 
 
-def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[RewardSpec]:
-    """Turn `["correctness:2", "int", "my_rewards.py:score", my_fn]` into RewardSpecs; unknown names list the
-    known ones."""
+def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec], **model_options) -> list[RewardSpec]:
+    """Turn `["correctness:2", "int", "my_rewards.py:score", "./my-rm:0.5", my_fn]` into RewardSpecs; unknown names
+    list the known ones. `model_options`: RewardModel's keyword arguments for the reward models named by a string
+    (trust_remote_code, chat_template_kwargs, ...)."""
     parsed = []
     for spec in specs:
         if isinstance(spec, RewardSpec):
@@ -80,7 +101,7 @@ def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[Rew
         elif callable(spec):
             parsed.append(RewardSpec(getattr(spec, "__name__", "reward"), spec))
         elif isinstance(spec, str):
-            parsed.append(_parse_spec(spec))
+            parsed.append(_parse_spec(spec, model_options))
         else:
             raise TypeError(f"a reward must be a name, a function or a RewardSpec, got {type(spec).__name__}")
     names = [spec.name for spec in parsed]
@@ -91,11 +112,19 @@ def parse_reward_specs(specs: Sequence[str | RewardFn | RewardSpec]) -> list[Rew
 
 
 def describe_rewards(specs: Sequence[RewardSpec]) -> list[dict]:
-    """What ran, for run_config.json: each function's name, weight and where its code lives."""
-    return [{"name": spec.name, "weight": spec.weight,
-             "function": f"{getattr(spec.fn, '__module__', '?')}:{getattr(spec.fn, '__qualname__', spec.name)}"}
-            for spec in specs]
+    """What ran, for run_config.json: each function's name, weight and where its code lives (a reward model: the
+    folder or hub id it loads, or the class of the model it was given)."""
+    records = []
+    for spec in specs:
+        record = {"name": spec.name, "weight": spec.weight,
+                  "function": f"{getattr(spec.fn, '__module__', '?')}:{getattr(spec.fn, '__qualname__', spec.name)}"}
+        if isinstance(spec.fn, RewardModel):
+            source = spec.fn.source
+            record.update(function="rewards.reward_model:RewardModel",
+                          model=source if isinstance(source, str) else type(source).__name__)
+        records.append(record)
+    return records
 
 
-__all__ = ["REWARD_FUNCTIONS", "RewardSpec", "completion_text", "describe_rewards", "load_function",
-           "parse_reward_specs"]
+__all__ = ["MODEL_PREFIX", "REWARD_FUNCTIONS", "RewardModel", "RewardSpec", "completion_text", "describe_rewards",
+           "load_function", "parse_reward_specs"]

@@ -51,6 +51,7 @@ from grpo.loop.threads import CpuThreads
 from grpo.loop.rollout import Rollout, RowUniforms, make_generation_backend, sample_rollout, seeded, step_prompts
 from grpo.algorithm.sampler import SamplingParams, sample_groups
 from grpo.loop.update import Models, StepState, TrainingError, UpdateResult, train_on_rollout
+from rewards.reward_model import load_reward_models
 from rewards.scoring import check_reward_columns
 
 logger = logging.getLogger("grpo")
@@ -322,13 +323,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up (grpo.loop.setup)
     def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None,
-                 eval_rows=None, tools=None, environment_factory=None):
+                 eval_rows=None, tools=None, environment_factory=None, reward_processing_classes=None):
         setup.use_cpu_huge_pages()  # before the first large tensor (it is read once)
         if config.reward is None and environment_factory is not None:  # as --environment: its get_reward alone
             config.reward = []
         self.config = cfg = config.validate()
         self.environments = setup.environments(cfg, environment_factory)  # grpo/loop/environments.py, trl's name
-        self.rewards = setup.reward_specs(cfg, reward_functions, self.environments)  # first: a sandbox is logged
+        self.rewards = setup.reward_specs(cfg, reward_functions, self.environments,  # first: a sandbox is logged
+                                          reward_processing_classes)
         # --- processes: world size one unless launched by torchrun (grpo.loop.distributed) ---
         self.world = init_world(cfg.device, cfg.distributed_timeout, cfg.distributed)
         self.global_rank, self.generators = self.world.rank, []  # generators: ranks that only generate
@@ -383,6 +385,7 @@ class Trainer:
         check_plain_output_head(policy.config)  # before any sampling, not at the first update
         reference = None if self.generating else setup.load_reference(
             cfg, device, precision, self.tokenizer, policy, self.resume_from, policy_given=policy_given)
+        load_reward_models(self.rewards, device)  # rewards/reward_model.py: a --reward model, on the run's device
         if cfg.gradient_checkpointing:
             setup.use_gradient_checkpointing(policy)
         policy.train()
