@@ -33,11 +33,12 @@ READER_ORDER = {
     "grpo/algorithm/sampler.py": "`sample_groups`: each prompt prefilled once, G completions decoded with a KV cache",
     "rewards/scoring.py": "each reward function called safely: (N, K) rewards",
     "rewards/toy.py": "the smoke preset's reward (`tags`)",
-    "grpo/loop/update.py": "`train_on_rollout`: advantages, reference log-probs, micro-batches -> loss -> backward, "
-                           "clip, AdamW, LR",
-    "grpo/algorithm/advantages.py": "weighted rewards, group-relative advantages, reward statistics",
+    "grpo/loop/update.py": "`train_on_rollout`: reference log-probs, the estimator's batch, micro-batches -> loss -> "
+                           "backward, clip, AdamW, LR",
+    "grpo/algorithm/advantages.py": "weighted rewards, the estimator seam, group-relative advantages (grpo)",
     "grpo/algorithm/logprobs.py": "per-token log-probs and entropies, chunked output projection",
-    "grpo/algorithm/loss.py": "the per-token objective, masks and k3 KL, the aggregation, the logged statistics",
+    "grpo/algorithm/loss.py": "the per-token objective (`clipped_objective`), masks and k3 KL, the aggregation, the "
+                              "logged statistics",
     "grpo/loop/distributed.py": "the collectives (identities at world size one), the model call",
     "grpo/loop/metrics.py": "the step's metrics (trl's names) and its line in metrics.jsonl",
     "grpo/config.py": "`corrects_behaviour`: whether the update corrects for the policy that sampled (off-policy)",

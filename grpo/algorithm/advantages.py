@@ -54,6 +54,7 @@ trl's RLOOTrainer, OpenRLHF and verl put it in the reward), from the log-probs o
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable
@@ -294,6 +295,7 @@ BUILT_IN_ESTIMATORS = (*ADVANTAGE_ESTIMATORS.values(), gdpo)  # their outputs ne
 # ----------------------------------------------------------------------------- the seam
 
 
+@functools.lru_cache(maxsize=None)  # a plug-in's file runs once
 def resolve_estimator(name: str, multi_objective_aggregation: str = "sum_then_normalize") -> Callable:
     """A built-in estimator by name (grpo becomes gdpo with normalize_then_sum), or a plug-in `module:function` /
     `path/to/file.py:function`."""

@@ -63,7 +63,7 @@ class EvalConfig(ConfigMixin):
     environment: list[str] = option([], "multi-turn environments, module:Class or file.py:Class each (the same as training's --environment); their get_reward scores are reported with the --reward ones")
     environment_timeout: float = option(10.0, "seconds an environment's reset, tool call or get_reward may take (as training)")
     scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
-    reward: list[str] | None = option(None, "reward functions for --scorer rewards (names, module:function or file.py:function); default: the data's own, as train.py's (task_solved for reasoning-gym:NAME, the environment's get_reward alone with --environment, else correctness)")
+    reward: list[str] | None = option(None, "reward functions for --scorer rewards (names, module:function or file.py:function, or a reward model: its folder or model:ORG/NAME); default: the data's own, as train.py's (task_solved for reasoning-gym:NAME, the environment's get_reward alone with --environment, else correctness)")
     sandbox_isolation: str = option("available", "a scorer or reward that runs the model's programs: `available` runs them with the isolation layers this machine gives (a warning names any that is missing), `full` refuses to start without every layer (as train.py's)", choices=ISOLATION_CHOICES)
     max_prompt_length: int = option(512, "prompt tokens kept (truncated from the left)")
     max_completion_length: int = option(512, "completion token budget")

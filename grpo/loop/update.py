@@ -1,8 +1,11 @@
-"""One GRPO update: a rollout's advantages and reference log-probs, then num_iterations x k optimizer updates.
+"""One GRPO update: a rollout's reference log-probs and advantages, then num_iterations x k optimizer updates.
 
-    advantages  (N,) group-relative, scaled, over every rank's rows      grpo.algorithm.advantages (DeepSeekMath 4.1.2)
     ref / old   (N, T) log-probs without grad, micro-batch by micro-batch  functions.logprobs
-                (ref if beta != 0; old if the rollout feeds more than one update or is corrected, else rho = 1)
+                (ref if beta != 0; old if the rollout feeds more than one update, is corrected or the KL is in
+                the reward, else rho = 1)
+    advantages  (N, 1) over every rank's rows (or (N, T) per token): the  advantage_batch, then
+                estimator (functions.advantage_estimator: grpo's group-   grpo.algorithm.advantages (DeepSeekMath
+                relative ones by default) on the weighted rewards         4.1.2; --advantage-estimator)
     behaviour   w = pi_old / pi_b from the rollout's sampler log-probs,   grpo.algorithm.off_policy
                 when the correction applies (GRPOConfig.corrects_behaviour)
     update      for each of num_iterations x k updates, over its slice of the rows:
