@@ -135,6 +135,23 @@ def test_auto_means_fsdp_under_torchrun_and_dapo_counts_global_tokens(single, tm
     _compare_steps(expected, ranks)
 
 
+@pytest.mark.parametrize("estimator", [
+    dict(advantage_estimator="rloo"),  # the KL in the reward (rloo's default), the rloo loss
+    dict(advantage_estimator="rloo", kl_in_reward=False, normalize_advantages=True),  # a batch-wide mean and std
+    dict(advantage_estimator="reinforce_plus_plus", kl_in_reward=True, loss_type="dapo"),  # per-token advantages
+], ids=["rloo", "rloo-normalized", "reinforce_plus_plus"])
+def test_estimators_under_two_ranks_compute_what_one_process_computes(tmp_path, estimator):
+    # The estimators see every rank's rows (the masks and the KL penalty padded to the widest rank's completions), so
+    # a batch-wide whitening or normalisation and the per-token returns are the single process's. (normalize with the
+    # KL in the reward is left out: the ranks' log-prob passes batch rows differently, and dividing by the small std
+    # of the tiny model's advantages turns that fp32 rounding of the penalty, ~1e-7, into ~2e-6.)
+    one = launch(tmp_path / "one", 1, max_steps=2, **estimator)[1][0]
+    _, ranks = launch(tmp_path / "two", 2, distributed="ddp", max_steps=2, **estimator)
+    assert one["steps"][1]["advantages"].abs().max() > 0
+    assert one["steps"][1]["metrics"].get("kl", 1.0) != 0  # the policy moved from the reference: a penalty
+    _compare_steps(one, ranks)
+
+
 def test_lora_under_ddp_computes_what_one_process_computes(tmp_path):
     pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[peft]'")
     lora = dict(use_peft=True, lora_r=4, lora_alpha=8)
