@@ -357,6 +357,19 @@ class GRPOConfig(ConfigMixin):
                          "1 + epsilon_high): a value below 1 caps even on-policy ratios; ScaleRL uses 5.0")
         if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
             notes.append("normalize_then_sum normalises per reward and over the batch itself: --scale-rewards is unused")
+        if self.loss_type == "rloo" and self.importance_sampling_level != "token":
+            notes.append("loss_type='rloo' forms its own ratio, the whole completion's: --importance-sampling-level is "
+                         "unused")
+        if self.advantage_estimator != "grpo" and (self.scale_rewards != "group" or
+                                                   self.multi_objective_aggregation != "sum_then_normalize"):
+            notes.append(f"--scale-rewards and --multi-objective-aggregation are grpo's: advantage_estimator="
+                         f"{self.advantage_estimator!r} reads the weighted rewards as they are")
+        if self.multi_objective_aggregation == "normalize_then_sum" and (self.kl_in_reward or self.reward_clip_range):
+            notes.append("normalize_then_sum normalises each reward function's values: --reward-clip-range and a KL "
+                         "penalty in the reward do not apply to them")
+        if self.advantage_estimator == "rloo" and self.loss_type != "rloo":
+            notes.append(f"advantage_estimator='rloo' with loss_type={self.loss_type!r}: trl's RLOOTrainer takes the "
+                         "whole completion's ratio (loss_type='rloo', the default with rloo)")
         return notes
 
     def _off_policy_problems(self) -> list[str]:
@@ -491,6 +504,9 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"reward_clip_range must be two numbers, min <= max, got {self.reward_clip_range}")
         if self.kl_in_reward and self.use_bias_correction_kl:
             problems.append("use_bias_correction_kl weighs the loss's k3 KL; with kl_in_reward the KL is in the reward")
+        if self.loss_type == "vespo" and self.advantage_estimator == "reinforce_plus_plus":
+            problems.append("loss_type='vespo' weighs each completion by the sign of its advantage; "
+                            "reinforce_plus_plus gives one advantage per token")
         return problems
 
     def _objective_problems(self) -> list[str]:

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.loop.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from grpo.cli import config_from_args
+from grpo.algorithm.loss import LossOptions
 from grpo.config import GRPOConfig
 from grpo.loop.metrics import read_jsonl
 from grpo.models import ModelError, load_model, load_tokenizer
@@ -84,6 +85,38 @@ def test_unusual_objective_combinations_are_warned_about(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="grpo"):
         Trainer(make_config(tmp_path, loss_type="luspo"))
     assert "luspo" in caplog.text
+
+
+def test_estimator_and_kl_combinations_are_checked():
+    # The defaults an estimator brings, and what they leave: rloo is trl's RLOOTrainer (its loss, the KL in the reward).
+    config = GRPOConfig(advantage_estimator="rloo").validate()
+    assert (config.loss_type, config.kl_in_reward) == ("rloo", True)
+    assert GRPOConfig(advantage_estimator="rloo", beta=0.0).validate().kl_in_reward is False  # no KL, nowhere
+    assert (GRPOConfig().validate().loss_type, GRPOConfig().validate().kl_in_reward) == ("grpo", False)
+    assert LossOptions.from_config(GRPOConfig(kl_in_reward=True).validate()).beta == 0.0  # not in the loss as well
+    assert LossOptions.from_config(GRPOConfig().validate()).beta == 0.04
+    refused = {
+        "kl_in_reward needs beta > 0": dict(kl_in_reward=True, beta=0.0),
+        "use_bias_correction_kl weighs the loss's k3 KL": dict(kl_in_reward=True, use_bias_correction_kl=True),
+        r"reward_clip_range must be two numbers, min <= max, got \[1.0, 0.0\]": dict(reward_clip_range=[1.0, 0.0]),
+        r"reward_clip_range must be two numbers, min <= max, got \[1.0\]": dict(reward_clip_range=[1.0]),
+        "reinforce_plus_plus gives one advantage per token": dict(loss_type="vespo",
+                                                                  advantage_estimator="reinforce_plus_plus"),
+    }
+    for message, settings in refused.items():
+        with pytest.raises(ValueError, match=message):
+            GRPOConfig(**settings).validate()
+    advice = {
+        "--importance-sampling-level is unused": dict(advantage_estimator="rloo", importance_sampling_level="sequence"),
+        "--scale-rewards and --multi-objective-aggregation are grpo's": dict(advantage_estimator="opo",
+                                                                             scale_rewards="batch"),
+        "--reward-clip-range and a KL penalty in the reward do not apply": dict(
+            multi_objective_aggregation="normalize_then_sum", reward_clip_range=[0.0, 1.0]),
+        "trl's RLOOTrainer takes the whole completion's ratio": dict(advantage_estimator="rloo", loss_type="dapo"),
+    }
+    for message, settings in advice.items():
+        assert any(message in note for note in GRPOConfig(**settings).validate().advice()), message
+    assert GRPOConfig(advantage_estimator="rloo").validate().advice() == []
 
 
 def test_resume_folder_without_checkpoint(tmp_path):
