@@ -7,6 +7,7 @@ rewards.scoring calls them; this module turns the settings into `RewardSpec`s an
 from __future__ import annotations
 
 import importlib
+import inspect
 import importlib.util
 import math
 from collections.abc import Callable, Sequence
@@ -67,6 +68,17 @@ def _split_weight(spec: str, text: str) -> tuple[str, float]:
     if not math.isfinite(weight):
         raise ValueError(f"reward {spec!r}: weight must be finite")
     return head, weight
+
+
+def required_arguments(function: Callable) -> int | None:
+    """How many arguments a plug-in needs: its parameters without a default, *args and **kwargs aside; None when its
+    signature cannot be read."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return sum(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in parameters)
 
 
 def _parse_spec(spec: str, model_options: dict) -> RewardSpec:

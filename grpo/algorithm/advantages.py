@@ -55,7 +55,6 @@ trl's RLOOTrainer, OpenRLHF and verl put it in the reward), from the log-probs o
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -373,14 +372,11 @@ def probe_batch(group_size: int = 4, num_groups: int = 2, width: int = 5, kl: bo
 def check_estimator(estimator: Callable, name: str, group_size: int = 4, kl: bool = False) -> None:
     """The start-of-run check of an estimator: one parameter (the AdvantageBatch), and on a probe batch an output
     of shape (N,) or (N, T). Raises ValueError naming it."""
-    try:
-        parameters = [p for p in inspect.signature(estimator).parameters.values()
-                      if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    except (TypeError, ValueError):
-        parameters = [None]
-    if len(parameters) != 1:
-        raise ValueError(f"advantage_estimator {name!r} must take one argument, the AdvantageBatch "
-                         f"(fn(batch) -> advantages; grpo/algorithm/advantages.py), but it takes {len(parameters)}")
+    from rewards.registry import required_arguments
+
+    if required_arguments(estimator) not in (1, None):
+        raise ValueError(f"advantage_estimator {name!r} must take one argument, the AdvantageBatch (fn(batch) -> "
+                         f"advantages; grpo/algorithm/advantages.py), but it takes {required_arguments(estimator)}")
     batch = probe_batch(max(group_size, 2), kl=kl)
     try:
         output = estimator(batch)

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -326,14 +325,11 @@ def check_objective(loss_type: str) -> None:
     objective, _ = resolve_objective(loss_type)
     if objective in OBJECTIVES.values():
         return
-    try:
-        parameters = [p for p in inspect.signature(objective).parameters.values()
-                      if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    except (TypeError, ValueError):
-        parameters = [None]
-    if len(parameters) != 1:
+    from rewards.registry import required_arguments
+
+    if required_arguments(objective) not in (1, None):
         raise ValueError(f"loss_type {loss_type!r} must take one argument, the PolicyInputs (fn(x) -> per-token policy "
-                         f"term; grpo/algorithm/loss.py), but it takes {len(parameters)}")
+                         f"term; grpo/algorithm/loss.py), but it takes {required_arguments(objective)}")
     generator = torch.Generator().manual_seed(0)
     logps = (-torch.rand(4, 5, generator=generator)).requires_grad_()  # (n, T)
     old = logps.detach() - 0.01 * torch.rand(4, 5, generator=generator)
