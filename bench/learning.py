@@ -3,6 +3,7 @@
     python bench/learning.py                                   # one seed, the default loss
     python bench/learning.py --loss-type dapo --beta 0
     python bench/learning.py --seeds 0 1 2 --loss-types grpo dapo --plot docs/learning.png   # the grid
+    python bench/learning.py --seeds 0 1 2 --advantage-estimators grpo rloo reinforce_plus_plus_baseline opo
 
 What it does, each step a command you can rerun on its own (they are printed):
 1. Warm start. A random-init Qwen2 (`tiny`: the tiny tokenizer's 460-token vocabulary, hidden 64, 2 layers,
@@ -176,9 +177,15 @@ def warm_start(args, seed: int, folder: Path) -> tuple[Path, set[str]]:
     return model_dir, {row["question"] for row in rows}
 
 
-def grpo_flags(args, loss_type: str, beta: float, seed: int) -> list[str]:
-    """The train.py flags of step 2 (everything else is train.py's default)."""
-    return ["--loss-type", loss_type, "--beta", str(beta), "--seed", str(seed),
+def loss_of(loss_type: str | None, estimator: str) -> str:
+    """The loss type a run trains with: the one asked for, else train.py's default for the estimator."""
+    return loss_type or ("rloo" if estimator == "rloo" else "grpo")
+
+
+def grpo_flags(args, loss_type: str | None, beta: float, seed: int, estimator: str = "grpo") -> list[str]:
+    """The train.py flags of step 2 (everything else is train.py's default; an unset loss type is the estimator's)."""
+    return [*(["--loss-type", loss_type] if loss_type else []), "--advantage-estimator", estimator,
+            "--beta", str(beta), "--seed", str(seed),
             "--max-steps", str(args.grpo_steps), "--prompts-per-step", str(args.prompts_per_step),
             "--num-generations", str(args.num_generations), "--micro-batch-size", str(args.micro_batch_size),
             "--max-prompt-length", "128", "--max-completion-length", str(args.max_completion_length),
@@ -189,21 +196,24 @@ def grpo_flags(args, loss_type: str, beta: float, seed: int) -> list[str]:
             "--device", "cpu", "--precision", "fp32", "--overwrite"]
 
 
-def run_one(args, seed: int, loss_type: str, beta: float, model_dir: Path, task: Path, folder: Path) -> dict:
-    """Steps 2 and 3 for one loss: GRPO from the warm start, then eval.py on the warm start and the result."""
+def run_one(args, seed: int, loss_type: str | None, beta: float, model_dir: Path, task: Path, folder: Path,
+            estimator: str = "grpo") -> dict:
+    """Steps 2 and 3 for one loss and estimator: GRPO from the warm start, then eval.py on the warm start and the
+    result."""
     import eval as eval_cli
     import train as train_cli
 
-    run_dir = folder / f"grpo-{loss_type}-beta{beta:g}"
+    label = loss_of(loss_type, estimator)
+    run_dir = folder / (f"grpo-{label}-beta{beta:g}" + ("" if estimator == "grpo" else f"-{estimator}"))
     run_command(train_cli, ["--model", str(model_dir), "--dataset", str(task), "--output-dir", str(run_dir),
-                            *grpo_flags(args, loss_type, beta, seed)])
+                            *grpo_flags(args, loss_type, beta, seed, estimator)])
     final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     eval_dir = run_dir / "heldout_eval"
     run_command(eval_cli, ["--model", str(model_dir), "--compare", str(final), "--dataset", str(task), "--split", "test",
                            "--max-completion-length", str(args.max_completion_length), "--batch-size", "100",
                            "--device", "cpu", "--output-dir", str(eval_dir)])
     heldout = read_jsonl(task / "test.jsonl")
-    result = {"seed": seed, "loss_type": loss_type, "beta": beta, "run_dir": str(run_dir)}
+    result = {"seed": seed, "loss_type": label, "estimator": estimator, "beta": beta, "run_dir": str(run_dir)}
     for label, path in (("before", model_dir), ("after", final)):
         stem = eval_cli.output_stem(str(path))
         summary = json.loads((eval_dir / f"{stem}.summary.json").read_text())
@@ -215,12 +225,12 @@ def run_one(args, seed: int, loss_type: str, beta: float, model_dir: Path, task:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'seed':>4} {'loss':>6} {'beta':>5} | {'strict':>13} {'lift':>6} | {'lenient':>13} | {'format':>13} | "
+    print(f"\n{'seed':>4} {'estimator':>28} {'loss':>6} {'beta':>5} | {'strict':>13} {'lift':>6} | {'lenient':>13} | {'format':>13} | "
           + " ".join(f"{kind:>13}" for kind in KINDS))
     for r in results:
         b, a = r["before"], r["after"]
         cells = " ".join(f"{b['strict_by_kind'][k]:5.2f} -> {a['strict_by_kind'][k]:4.2f}" for k in KINDS)
-        print(f"{r['seed']:>4} {r['loss_type']:>6} {r['beta']:>5g} | {b['strict_accuracy']:5.3f} -> {a['strict_accuracy']:5.3f}"
+        print(f"{r['seed']:>4} {r.get('estimator', 'grpo'):>28} {r['loss_type']:>6} {r['beta']:>5g} | {b['strict_accuracy']:5.3f} -> {a['strict_accuracy']:5.3f}"
               f" {r['lift']:+6.3f} | {b['lenient_accuracy']:5.3f} -> {a['lenient_accuracy']:5.3f} | "
               f"{b['format_compliance']:5.3f} -> {a['format_compliance']:5.3f} | {cells}")
 
@@ -237,7 +247,7 @@ def plot_results(results: list[dict], output: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     colours = {}
     for r in results:
-        label = f"{r['loss_type']} beta={r['beta']:g}"
+        label = f"{r['loss_type']} beta={r['beta']:g}" + ("" if r.get("estimator", "grpo") == "grpo" else f" {r['estimator']}")
         colour = colours.setdefault(label, f"C{len(colours)}")
         records = read_metrics(r["run_dir"])
         steps, values = series(records, "eval/strict_accuracy")
@@ -263,7 +273,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/learning", help="experiment folder (one subfolder per seed)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds: warm start, task and GRPO")
-    parser.add_argument("--loss-types", nargs="+", default=["grpo"], help="GRPO loss types, each a run")
+    parser.add_argument("--loss-types", nargs="+", default=[None], help="GRPO loss types, each a run (default: train.py's "
+                        "for the estimator: rloo with rloo, else grpo)")
+    parser.add_argument("--advantage-estimators", nargs="+", default=["grpo"],
+                        help="advantage estimators (train.py's --advantage-estimator), each a run with each loss type")
     parser.add_argument("--loss-type", dest="loss_types", nargs=1, help="one loss type (as train.py)")
     parser.add_argument("--beta", type=float, default=None, help="KL coefficient (default 0.04; dapo: 0, as DAPO)")
     parser.add_argument("--shape", default="tiny", help="grpo/tiny_model.py shape of the warm-started model")
@@ -297,10 +310,11 @@ def run_experiment(args) -> list[dict]:
         model_dir, seen = warm_start(args, seed, folder)
         task = folder / "task"
         print(f"task: {json.dumps(make_task(task, seed, args.train_rows, args.heldout, seen, args.scale, args.kinds))}")
-        for loss_type in args.loss_types:
-            beta = args.beta if args.beta is not None else (0.0 if loss_type == "dapo" else 0.04)
-            results.append(run_one(args, seed, loss_type, beta, model_dir, task, folder))
-            print_table(results[-1:])
+        for estimator in args.advantage_estimators:
+            for loss_type in args.loss_types:
+                beta = args.beta if args.beta is not None else (0.0 if loss_type == "dapo" else 0.04)
+                results.append(run_one(args, seed, loss_type, beta, model_dir, task, folder, estimator))
+                print_table(results[-1:])
     return results
 
 

@@ -367,6 +367,9 @@ class GRPOConfig(ConfigMixin):
         if self.multi_objective_aggregation == "normalize_then_sum" and (self.kl_in_reward or self.reward_clip_range):
             notes.append("normalize_then_sum normalises each reward function's values: --reward-clip-range and a KL "
                          "penalty in the reward do not apply to them")
+        if self.normalize_advantages and self.advantage_estimator == "grpo":
+            notes.append("normalize_advantages rescales grpo's already scaled advantages, counting the 0 of its rows "
+                         "without a signal (--scale-rewards batch is grpo's batch-wide scale)")
         if self.advantage_estimator == "rloo" and self.loss_type != "rloo":
             notes.append(f"advantage_estimator='rloo' with loss_type={self.loss_type!r}: trl's RLOOTrainer takes the "
                          "whole completion's ratio (loss_type='rloo', the default with rloo)")

@@ -113,6 +113,7 @@ def test_estimator_and_kl_combinations_are_checked():
         "--reward-clip-range and a KL penalty in the reward do not apply": dict(
             multi_objective_aggregation="normalize_then_sum", reward_clip_range=[0.0, 1.0]),
         "trl's RLOOTrainer takes the whole completion's ratio": dict(advantage_estimator="rloo", loss_type="dapo"),
+        "normalize_advantages rescales grpo's already scaled advantages": dict(normalize_advantages=True),
     }
     for message, settings in advice.items():
         assert any(message in note for note in GRPOConfig(**settings).validate().advice()), message

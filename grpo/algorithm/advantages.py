@@ -28,8 +28,11 @@ signature, documented here and checked when a run starts (`check_estimator`):
     fn(batch: AdvantageBatch) -> advantages                         (N,) one per completion, or (N, T) per token
                                or (advantages, {metric name: float})   extra values for the step's log line
 
-NaN in the result means "no signal" (a row no reward function could score, a group with one scorable row):
-such rows get advantage 0, after `normalize_advantages` (which leaves them out of its mean and std, as trl).
+NaN in the result means "no signal": such rows get advantage 0, after `normalize_advantages` (which leaves them out
+of its mean and std, as trl), and so does every row no reward function could score. What each built-in gives a group
+with one scorable row: rloo NaN (no sibling, as trl); grpo 0 (counted by normalize_advantages); opo 0;
+reinforce_plus_plus_baseline 0 before the batch-wide whitening, which shifts every row alike (tied groups too, as
+verl).
 Built in, by verl's names (verl/trainer/ppo/core_algos.py, `@register_adv_est`):
 
     grpo                          (r_i - mean_group(r)) / (std_group(r) + 1e-4)     DeepSeekMath arXiv 2402.03300 4.1.2
@@ -167,6 +170,9 @@ class AdvantageBatch:
     completion_mask: torch.Tensor  # (N, T) float: 1 on the tokens the loss trains on
     kl_penalty: torch.Tensor | None = None  # (N, T) beta * (log pi_old - log pi_ref) per token with --kl-in-reward
     scale_rewards: str = "group"  # grpo's --scale-rewards
+    plain_rewards: torch.Tensor | None = None  # (N,) sum_k w_k r_ik before the clip and the KL penalty, when they
+    #                                            changed it (None: `rewards` is that sum); the logged `reward`
+    beta: float = 0.0  # the KL penalty's coefficient (the logged `kl` is the penalty's mean k1 per token)
 
 
 # ----------------------------------------------------------------------------- the pure functions
@@ -288,7 +294,6 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "grpo": grpo, "rloo": rloo, "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
     "reinforce_plus_plus": reinforce_plus_plus, "opo": opo,
 }
-BUILT_IN_ESTIMATORS = (*ADVANTAGE_ESTIMATORS.values(), gdpo)  # their outputs need no check each step
 
 
 # ----------------------------------------------------------------------------- the seam
@@ -307,18 +312,36 @@ def resolve_estimator(name: str, multi_objective_aggregation: str = "sum_then_no
                          "module:function or path/to/file.py:function")
     from rewards.registry import load_function
 
-    return load_function(name, "advantage_estimator")
+    return checked(load_function(name, "advantage_estimator"), name)
+
+
+class EstimatorOutputError(ValueError):
+    """An estimator's output is not advantages of the batch's shape (check_advantages)."""
+
+
+def checked(estimator: Callable, name: str) -> Callable:
+    """A plug-in estimator whose output is checked at every call (check_advantages), as it was at start."""
+
+    @functools.wraps(estimator)  # its name and signature (check_estimator reads them)
+    def checked_estimator(batch: AdvantageBatch):
+        output = estimator(batch)
+        check_advantages(output[0] if isinstance(output, tuple) else output, batch, name)
+        return output
+
+    return checked_estimator
 
 
 def reward_statistics(batch: AdvantageBatch) -> dict[str, float]:
-    """trl's `reward`, `reward_std` (of the weighted rewards, without the KL penalty) and `frac_reward_zero_std`
-    (the share of groups whose rewards, as the estimator sees them, all tie)."""
-    plain = (batch.rewards_per_func * batch.weights[None, :]).nansum(dim=1)  # (N,)
-    plain = plain.masked_fill(torch.isnan(batch.rewards_per_func).all(dim=1), float("nan"))
+    """trl's `reward`, `reward_std` (of the weighted rewards, without the clip and the KL penalty),
+    `frac_reward_zero_std` (the share of groups whose rewards, as the estimator sees them, all tie) and, with the KL
+    in the reward, `kl`."""
+    plain = weighted_rewards(batch.rewards_per_func, batch.weights)  # (N,) without the clip and the KL penalty
     spread = nanstd(batch.rewards.view(-1, batch.group_size), dim=1) if batch.group_size > 1 else \
         torch.zeros(batch.rewards.shape[0] // batch.group_size)  # (B,)
+    kl = {} if batch.kl_penalty is None or batch.beta == 0 else {  # trl's `kl`: the penalty's mean k1 per token
+        "kl": batch.kl_penalty.sum().item() / batch.beta / max(batch.completion_mask.sum().item(), 1.0)}
     return {"reward": torch.nanmean(plain).item(), "reward_std": nanstd(plain).item() if plain.numel() > 1 else 0.0,
-            "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()}
+            "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item(), **kl}
 
 
 def estimate_advantages(estimator: Callable, batch: AdvantageBatch,
@@ -327,13 +350,12 @@ def estimate_advantages(estimator: Callable, batch: AdvantageBatch,
     the batch when `normalize` (trl's normalize_advantages: mean 0, std 1 over the rows with a signal), and 0
     where there is no signal (NaN) or no reward function scored the row."""
     advantages, metrics = output if isinstance(output := estimator(batch), tuple) else (output, {})  # metrics optional
-    if estimator not in BUILT_IN_ESTIMATORS:  # a plug-in's output, checked every step
-        check_advantages(advantages, batch, getattr(estimator, "__name__", repr(estimator)))
     if normalize:
         advantages = normalized(advantages, batch.completion_mask)
     # 0 where no reward function scored the row (its weighted reward is NaN), on each of its tokens; (N, 1) or (N, T)
     advantages = torch.nan_to_num(advantages.view(len(batch.rewards), -1).masked_fill(torch.isnan(batch.rewards)[:, None], 0.0))
-    return advantages, metrics if "reward" in metrics else {**reward_statistics(batch), **metrics}
+    # the estimator's own statistics (grpo's, as trl logs them) when it read the plain weighted rewards
+    return advantages, metrics if "reward" in metrics and batch.plain_rewards is None else {**metrics, **reward_statistics(batch)}
 
 
 def normalized(advantages: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -348,10 +370,10 @@ def check_advantages(advantages, batch: AdvantageBatch, name: str) -> None:
     expected = [(batch.rewards.shape[0],), tuple(batch.completion_mask.shape)]
     if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in expected:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
-        raise ValueError(f"advantage_estimator {name!r} returned {got}; expected a tensor of shape (N,) = {expected[0]} "
+        raise EstimatorOutputError(f"advantage_estimator {name!r} returned {got}; expected a tensor of shape (N,) = {expected[0]} "
                          f"or (N, T) = {expected[1]} (grpo/algorithm/advantages.py)")
     if not advantages.is_floating_point() or torch.isinf(advantages).any():
-        raise ValueError(f"advantage_estimator {name!r} returned {advantages.dtype} values with an infinity or not "
+        raise EstimatorOutputError(f"advantage_estimator {name!r} returned {advantages.dtype} values with an infinity or not "
                          "floats; NaN marks a row without a signal (it gets 0)")
 
 
@@ -380,10 +402,13 @@ def check_estimator(estimator: Callable, name: str, group_size: int = 4, kl: boo
     batch = probe_batch(max(group_size, 2), kl=kl)
     try:
         output = estimator(batch)
-        check_advantages(output[0] if isinstance(output, tuple) else output, batch, name)
-        estimate_advantages(estimator, batch)
-    except ValueError:
+    except EstimatorOutputError:
         raise
     except Exception as error:  # noqa: BLE001 - reported with the estimator's name
         raise ValueError(f"advantage_estimator {name!r} raised {type(error).__name__} on a probe batch of "
                          f"{batch.rewards.shape[0]} rows: {error}") from error
+    if isinstance(output, tuple) and (len(output) != 2 or not isinstance(output[1], dict) or not all(
+            isinstance(key, str) and isinstance(value, (int, float)) for key, value in output[1].items())):
+        raise ValueError(f"advantage_estimator {name!r} returned a tuple: it must be (advantages, {{name: number}}), "
+                         f"got {type(output[1]).__name__ if len(output) == 2 else f'{len(output)} items'}")
+    check_advantages(output[0] if isinstance(output, tuple) else output, batch, name)

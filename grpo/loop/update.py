@@ -170,11 +170,13 @@ def advantage_batch(rollout: Rollout, loss_mask: torch.Tensor, old_logps, ref_lo
     KL of the policy that sampled against the reference, summed over the completion's tokens (trl's RLOOTrainer):
         r_i <- clip(sum_k w_k r_ik) - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))"""
     per_func = world.gather_rows(rollout.rewards_per_func)  # (N_all, K)
-    rewards = weighted_rewards(per_func, weights).clamp(*config.reward_clip_range or (-math.inf, math.inf))  # (N_all,)
+    plain = weighted_rewards(per_func, weights)  # (N_all,)
+    rewards = plain.clamp(*config.reward_clip_range) if config.reward_clip_range else plain  # NaN (unscorable) stays
     # k1 per token, times beta; gather_rows pads each rank's T to the widest
     penalty = world.gather_rows(config.beta * (old_logps - ref_logps) * loss_mask).cpu() if config.kl_in_reward else None
     return AdvantageBatch(rewards if penalty is None else rewards - penalty.sum(-1), per_func, weights, config.num_generations,
-                          world.gather_rows(loss_mask.float()).cpu(), penalty, config.scale_rewards)  # mask (N_all, T_max)
+                          world.gather_rows(loss_mask.float()).cpu(), penalty, config.scale_rewards,  # (N_all, T_max)
+                          None if rewards is plain and penalty is None else plain, config.beta)
 
 
 @torch.no_grad()
@@ -312,8 +314,6 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
     batch = advantage_batch(rollout, loss_mask, old_logps, ref_logps, weights, config, world)
     all_advantages, reward_stats = estimate_advantages(functions.advantage_estimator, batch, config.normalize_advantages)
     advantages = world.local_rows(all_advantages).to(device)  # (N, 1), or (N, T_max) from a per-token estimator
-    if batch.kl_penalty is not None:  # trl's `kl`: the mean k1 per token of the penalty in the reward
-        reward_stats["kl"] = batch.kl_penalty.sum().item() / config.beta / max(batch.completion_mask.sum().item(), 1.0)
     behaviour, is_weights, sampling_stats = (behaviour_correction(rollout, old_logps, loss_mask, config, world)
                                              if config.corrects_behaviour else (None, None, {}))
 
