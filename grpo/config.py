@@ -211,7 +211,7 @@ class GRPOConfig(ConfigMixin):
     overlong_buffer_len: int = option(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
     overlong_penalty_factor: float = option(1.0, "overlong reward shaping: the penalty at the full budget")
     reward_clip_range: list[float] | None = option(None, "clip the weighted reward into [min, max] before the advantages (and before a KL penalty in the reward), two numbers: --reward-clip-range -1 1; trl's RLOOConfig option; default: no clipping")
-    advantage_estimator: str = option("grpo", "how rewards become advantages (verl's names; grpo/algorithm/estimators.py): grpo (group mean and std, --scale-rewards), rloo (leave-one-out baseline, as trl's RLOOTrainer), reinforce_plus_plus_baseline (group mean, then whitened over the batch's tokens), reinforce_plus_plus (no baseline: returns-to-go whitened over the batch's tokens, one per token), opo (the group's length-weighted mean as baseline); or a plug-in module:function / path/to/file.py:function with the same signature fn(batch) -> advantages (docs/modify.md)")
+    advantage_estimator: str = option("grpo", "how rewards become advantages (verl's names; grpo/algorithm/advantages.py): grpo (group mean and std, --scale-rewards), rloo (leave-one-out baseline, as trl's RLOOTrainer), reinforce_plus_plus_baseline (group mean, then whitened over the batch's tokens), reinforce_plus_plus (no baseline: returns-to-go whitened over the batch's tokens, one per token), opo (the group's length-weighted mean as baseline); or a plug-in module:function / path/to/file.py:function with the same signature fn(batch) -> advantages (docs/modify.md)")
     normalize_advantages: bool = option(False, "normalise the estimator's advantages over the batch to mean 0 and std 1 (rows without a signal left out), trl's RLOOConfig option")
     multi_objective_aggregation: str = option("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)
     scale_rewards: str = option("group", "advantage scaling: group std, batch std, or none (Dr. GRPO)", choices=SCALE_REWARDS)
@@ -364,9 +364,9 @@ class GRPOConfig(ConfigMixin):
                                                    self.multi_objective_aggregation != "sum_then_normalize"):
             notes.append(f"--scale-rewards and --multi-objective-aggregation are grpo's: advantage_estimator="
                          f"{self.advantage_estimator!r} reads the weighted rewards as they are")
-        if self.multi_objective_aggregation == "normalize_then_sum" and (self.kl_in_reward or self.reward_clip_range):
-            notes.append("normalize_then_sum normalises each reward function's values: --reward-clip-range and a KL "
-                         "penalty in the reward do not apply to them")
+        if self.dynamic_sampling and (self.kl_in_reward or self.advantage_estimator not in ("grpo", "rloo", "opo")):
+            notes.append("dynamic sampling drops groups whose rewards tie; with the KL in the reward, or "
+                         f"advantage_estimator={self.advantage_estimator!r}, a tied group's advantages need not be 0")
         if self.normalize_advantages and self.advantage_estimator == "grpo":
             notes.append("normalize_advantages rescales grpo's already scaled advantages, counting the 0 of its rows "
                          "without a signal (--scale-rewards batch is grpo's batch-wide scale)")
@@ -493,23 +493,37 @@ class GRPOConfig(ConfigMixin):
             self.loss_type = "rloo" if self.advantage_estimator == "rloo" else "grpo"
         if self.kl_in_reward is None:
             self.kl_in_reward = self.advantage_estimator == "rloo" and self.beta > 0
+        from rewards.registry import parse_reward_specs
+
+        try:  # the probe batch has the run's reward weights (K columns), group size and KL setting
+            weights = [spec.weight for spec in parse_reward_specs(self.reward)] or None
+        except (ValueError, TypeError):
+            weights = None  # reported by validate
         try:
-            check_estimator(resolve_estimator(self.advantage_estimator), self.advantage_estimator,
-                            self.num_generations, self.kl_in_reward)
+            dims = check_estimator(resolve_estimator(self.advantage_estimator, self.multi_objective_aggregation),
+                                   self.advantage_estimator, self.num_generations, self.kl_in_reward, weights)
         except ValueError as error:
             problems.append(str(error))
+            dims = 1
         try:
-            check_objective(self.loss_type)
+            from grpo.algorithm.loss import LossOptions
+
+            check_objective(self.loss_type, LossOptions.from_config(self))
         except ValueError as error:
             problems.append(str(error))
-        if self.reward_clip_range is not None and not (
-                len(self.reward_clip_range) == 2 and self.reward_clip_range[0] <= self.reward_clip_range[1]):
-            problems.append(f"reward_clip_range must be two numbers, min <= max, got {self.reward_clip_range}")
+        clip = self.reward_clip_range
+        if clip is not None and not (len(clip) == 2 and clip[0] < clip[1]):
+            problems.append(f"reward_clip_range must be two numbers, min < max, got {clip}")
         if self.kl_in_reward and self.use_bias_correction_kl:
             problems.append("use_bias_correction_kl weighs the loss's k3 KL; with kl_in_reward the KL is in the reward")
-        if self.loss_type == "vespo" and self.advantage_estimator == "reinforce_plus_plus":
-            problems.append("loss_type='vespo' weighs each completion by the sign of its advantage; "
-                            "reinforce_plus_plus gives one advantage per token")
+        if self.loss_type == "vespo" and dims == 2:
+            problems.append(f"loss_type='vespo' weighs each completion by the sign of its advantage; advantage_estimator="
+                            f"{self.advantage_estimator!r} gives one advantage per token")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator == "grpo" and (
+                self.kl_in_reward or clip):
+            problems.append("normalize_then_sum (GDPO) normalises each reward function's own values: a KL penalty in "
+                            "the reward or --reward-clip-range would not reach them; use --no-kl-in-reward (the KL in "
+                            "the loss) and no clip")
         return problems
 
     def _objective_problems(self) -> list[str]:

@@ -10,6 +10,7 @@ import importlib
 import inspect
 import importlib.util
 import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -37,9 +38,11 @@ def load_function(reference: str, what: str = "reward") -> Callable:
             raise ValueError(f"{what} {reference!r}: no such file {path}")
         spec = importlib.util.spec_from_file_location(f"user_{what}_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # as an import does: dataclasses and pickle look the module up there
         try:
             spec.loader.exec_module(module)
         except Exception as error:  # noqa: BLE001 - reported with the file that failed
+            sys.modules.pop(spec.name, None)
             raise ValueError(f"{what} {reference!r}: importing {path} raised {type(error).__name__}: {error}") from error
     else:
         try:
@@ -71,11 +74,13 @@ def _split_weight(spec: str, text: str) -> tuple[str, float]:
 
 
 def required_arguments(function: Callable) -> int | None:
-    """How many arguments a plug-in needs: its parameters without a default, *args and **kwargs aside; None when its
-    signature cannot be read."""
+    """How many arguments a plug-in needs: its parameters without a default, **kwargs aside; None when its signature
+    cannot be read or takes *args (any number)."""
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
         return None
     return sum(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                for p in parameters)

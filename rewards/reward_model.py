@@ -114,6 +114,9 @@ class RewardModel:
         check_sequence_classifier(self.model, self.name)
         if self.tokenizer is None:
             self.tokenizer = self._load_tokenizer()
+        if len(self.tokenizer) <= 1:  # transformers builds an empty tokenizer from a folder without tokenizer files
+            raise ValueError(f"reward model {self.name!r}: its tokenizer has {len(self.tokenizer)} token(s); save the "
+                             "model's tokenizer in its folder, or pass one (trl's reward_processing_classes)")
         if self.tokenizer.pad_token_id is None:  # trl: pad with EOS
             self.tokenizer.pad_token = self.tokenizer.eos_token
         # the score is read at the last token that is not padding: the model must know which id pads (trl)

@@ -244,6 +244,9 @@ def assert_stats(stats: dict[str, float], expected: dict[str, float]):
     """`reward` and `reward_std` to 1e-12; `frac_reward_zero_std` exactly, as the float32 number nearest the fraction:
     the product takes the mean of a float32 0/1 tensor, as trl (`is_std_zero.float().mean().item()`)."""
     frac = torch.tensor(expected["frac_reward_zero_std"], dtype=torch.float32).item()  # conversion only
+    stats = dict(stats)
+    abs_mean = stats.pop("advantages/abs_mean", None)  # per-token advantages: pinned where the advantages are
+    assert abs_mean is None or abs_mean >= 0
     assert stats == pytest.approx({**expected, "frac_reward_zero_std": frac}, rel=1e-12, abs=1e-12)
     assert stats["frac_reward_zero_std"] == frac
 
@@ -568,6 +571,9 @@ def test_a_plug_in_per_token_gets_zero_on_every_token_of_an_unscorable_row():
 
     advantages, stats = estimate_advantages(plug_in, case.batch())
     assert_close(advantages, [[0.0 if is_nan(r) else 2.0] * case.width for r in case.rewards])
+    # logged over the real tokens (not the padding): 2 on the scorable rows' tokens, 0 on the unscorable rows'
+    real = [(0.0 if is_nan(r) else 2.0) for r, row_mask in zip(case.rewards, case.mask) for m in row_mask if m]
+    assert stats["advantages/abs_mean"] == pytest.approx(sum(real) / len(real), rel=1e-12)
     assert_stats(stats, ref_reward_statistics(case.plain, case.rewards, 4))
 
 

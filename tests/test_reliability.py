@@ -98,10 +98,15 @@ def test_estimator_and_kl_combinations_are_checked():
     refused = {
         "kl_in_reward needs beta > 0": dict(kl_in_reward=True, beta=0.0),
         "use_bias_correction_kl weighs the loss's k3 KL": dict(kl_in_reward=True, use_bias_correction_kl=True),
-        r"reward_clip_range must be two numbers, min <= max, got \[1.0, 0.0\]": dict(reward_clip_range=[1.0, 0.0]),
-        r"reward_clip_range must be two numbers, min <= max, got \[1.0\]": dict(reward_clip_range=[1.0]),
-        "reinforce_plus_plus gives one advantage per token": dict(loss_type="vespo",
-                                                                  advantage_estimator="reinforce_plus_plus"),
+        r"reward_clip_range must be two numbers, min < max, got \[1.0, 0.0\]": dict(reward_clip_range=[1.0, 0.0]),
+        r"reward_clip_range must be two numbers, min < max, got \[1.0\]": dict(reward_clip_range=[1.0]),
+        "reinforce_plus_plus' gives one advantage per token": dict(loss_type="vespo",
+                                                                   advantage_estimator="reinforce_plus_plus"),
+        r"reward_clip_range must be two numbers, min < max, got \[1.0, 1.0\]": dict(reward_clip_range=[1.0, 1.0]),
+        "a KL penalty in the reward or --reward-clip-range would not reach them": dict(
+            multi_objective_aggregation="normalize_then_sum", kl_in_reward=True),
+        "would not reach them; use --no-kl-in-reward": dict(multi_objective_aggregation="normalize_then_sum",
+                                                            reward_clip_range=[0.0, 1.0]),
     }
     for message, settings in refused.items():
         with pytest.raises(ValueError, match=message):
@@ -110,8 +115,6 @@ def test_estimator_and_kl_combinations_are_checked():
         "--importance-sampling-level is unused": dict(advantage_estimator="rloo", importance_sampling_level="sequence"),
         "--scale-rewards and --multi-objective-aggregation are grpo's": dict(advantage_estimator="opo",
                                                                              scale_rewards="batch"),
-        "--reward-clip-range and a KL penalty in the reward do not apply": dict(
-            multi_objective_aggregation="normalize_then_sum", reward_clip_range=[0.0, 1.0]),
         "trl's RLOOTrainer takes the whole completion's ratio": dict(advantage_estimator="rloo", loss_type="dapo"),
         "normalize_advantages rescales grpo's already scaled advantages": dict(normalize_advantages=True),
     }

@@ -302,3 +302,15 @@ def test_eval_py_scores_with_a_reward_model(rm_dir, tmp_path):
         assert record["reward"] == pytest.approx(2 * record["rewards/my-rm"] + record["rewards/tags"], rel=1e-6)
     summary = json.loads((tmp_path / "tiny.summary.json").read_text())
     assert summary["rewards/my-rm"] == pytest.approx(sum(r["rewards/my-rm"] for r in records) / 2, rel=1e-6)
+
+
+def test_a_folder_without_tokenizer_files_is_refused_by_name(rm_dir, tmp_path):
+    # transformers builds a one-token tokenizer from a folder that holds none: refused at load, before any scoring.
+    import shutil
+
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(rm_dir / name, folder / name)
+    with pytest.raises(ValueError, match=r"reward model 'no-tokenizer': its tokenizer has 1 token\(s\)"):
+        RewardModel(str(folder)).load()

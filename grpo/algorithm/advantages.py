@@ -57,6 +57,7 @@ trl's RLOOTrainer, OpenRLHF and verl put it in the reward), from the log-probs o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -320,28 +321,33 @@ class EstimatorOutputError(ValueError):
 
 
 def checked(estimator: Callable, name: str) -> Callable:
-    """A plug-in estimator whose output is checked at every call (check_advantages), as it was at start."""
+    """A plug-in estimator that reads a copy of the batch (what it changes in place reaches nothing else) and whose
+    output is checked at every call (check_advantages), as it was at start."""
 
     @functools.wraps(estimator)  # its name and signature (check_estimator reads them)
     def checked_estimator(batch: AdvantageBatch):
-        output = estimator(batch)
+        output = estimator(dataclasses.replace(batch, **{f.name: getattr(batch, f.name).clone()
+                                                         for f in dataclasses.fields(batch)
+                                                         if isinstance(getattr(batch, f.name), torch.Tensor)}))
         check_advantages(output[0] if isinstance(output, tuple) else output, batch, name)
         return output
 
     return checked_estimator
 
 
-def reward_statistics(batch: AdvantageBatch) -> dict[str, float]:
+def reward_statistics(batch: AdvantageBatch, advantages: torch.Tensor | None = None) -> dict[str, float]:
     """trl's `reward`, `reward_std` (of the weighted rewards, without the clip and the KL penalty),
-    `frac_reward_zero_std` (the share of groups whose rewards, as the estimator sees them, all tie) and, with the KL
-    in the reward, `kl`."""
+    `frac_reward_zero_std` (the share of groups whose rewards, as the estimator sees them, all tie), with the KL
+    in the reward `kl`, and for per-token advantages (N, T) `advantages/abs_mean` over the real tokens."""
     plain = weighted_rewards(batch.rewards_per_func, batch.weights)  # (N,) without the clip and the KL penalty
     spread = nanstd(batch.rewards.view(-1, batch.group_size), dim=1) if batch.group_size > 1 else \
         torch.zeros(batch.rewards.shape[0] // batch.group_size)  # (B,)
-    kl = {} if batch.kl_penalty is None or batch.beta == 0 else {  # trl's `kl`: the penalty's mean k1 per token
+    extra = {} if batch.kl_penalty is None or batch.beta == 0 else {  # trl's `kl`: the penalty's mean k1 per token
         "kl": batch.kl_penalty.sum().item() / batch.beta / max(batch.completion_mask.sum().item(), 1.0)}
+    if advantages is not None and advantages.shape[1] > 1:  # (N, T): the real tokens' mean, not the padding's
+        extra["advantages/abs_mean"] = advantages[batch.completion_mask.bool()].abs().mean().item()
     return {"reward": torch.nanmean(plain).item(), "reward_std": nanstd(plain).item() if plain.numel() > 1 else 0.0,
-            "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item(), **kl}
+            "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean().item(), **extra}
 
 
 def estimate_advantages(estimator: Callable, batch: AdvantageBatch,
@@ -355,7 +361,7 @@ def estimate_advantages(estimator: Callable, batch: AdvantageBatch,
     # 0 where no reward function scored the row (its weighted reward is NaN), on each of its tokens; (N, 1) or (N, T)
     advantages = torch.nan_to_num(advantages.view(len(batch.rewards), -1).masked_fill(torch.isnan(batch.rewards)[:, None], 0.0))
     # the estimator's own statistics (grpo's, as trl logs them) when it read the plain weighted rewards
-    return advantages, metrics if "reward" in metrics and batch.plain_rewards is None else {**metrics, **reward_statistics(batch)}
+    return advantages, metrics if "reward" in metrics and batch.plain_rewards is None else {**metrics, **reward_statistics(batch, advantages)}
 
 
 def normalized(advantages: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -377,29 +383,34 @@ def check_advantages(advantages, batch: AdvantageBatch, name: str) -> None:
                          "floats; NaN marks a row without a signal (it gets 0)")
 
 
-def probe_batch(group_size: int = 4, num_groups: int = 2, width: int = 5, kl: bool = False) -> AdvantageBatch:
-    """A small step's rewards (one unscorable row, completions of different lengths), for checking an estimator."""
+def probe_batch(group_size: int = 4, num_groups: int = 2, width: int = 5, kl: bool = False,
+                weights: list[float] | None = None, beta: float = 0.04) -> AdvantageBatch:
+    """A small step's rewards (one unscorable row, completions of different lengths) with the run's group size, reward
+    weights (K of them) and KL setting, for checking an estimator."""
     generator = torch.Generator().manual_seed(0)
     rows = group_size * num_groups
-    per_func = torch.rand(rows, 2, generator=generator)  # (N, K)
+    weights = torch.tensor(weights or [1.0, 0.5], dtype=torch.float32)  # (K,)
+    per_func = torch.rand(rows, len(weights), generator=generator)  # (N, K)
     per_func[0] = float("nan")  # a row no function scored
-    weights = torch.tensor([1.0, 0.5])
-    rewards = (per_func * weights).nansum(1).masked_fill(torch.isnan(per_func).all(1), float("nan"))
+    rewards = weighted_rewards(per_func, weights)
     lengths = torch.randint(1, width + 1, (rows,), generator=generator)
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # (N, T)
-    penalty = 0.01 * torch.rand(rows, width, generator=generator) * mask if kl else None
-    return AdvantageBatch(rewards, per_func, weights, group_size, mask, penalty)
+    penalty = beta * 0.01 * torch.rand(rows, width, generator=generator) * mask if kl else None
+    return AdvantageBatch(rewards if penalty is None else rewards - penalty.sum(-1), per_func, weights, group_size,
+                          mask, penalty, plain_rewards=None if penalty is None else rewards, beta=beta if kl else 0.0)
 
 
-def check_estimator(estimator: Callable, name: str, group_size: int = 4, kl: bool = False) -> None:
+def check_estimator(estimator: Callable, name: str, group_size: int = 4, kl: bool = False,
+                    weights: list[float] | None = None) -> int:
     """The start-of-run check of an estimator: one parameter (the AdvantageBatch), and on a probe batch an output
-    of shape (N,) or (N, T). Raises ValueError naming it."""
+    of shape (N,) or (N, T), with the run's group size, reward weights and KL setting. Returns the output's number of
+    dimensions (2: one advantage per token); raises ValueError naming it."""
     from rewards.registry import required_arguments
 
     if required_arguments(estimator) not in (1, None):
         raise ValueError(f"advantage_estimator {name!r} must take one argument, the AdvantageBatch (fn(batch) -> "
                          f"advantages; grpo/algorithm/advantages.py), but it takes {required_arguments(estimator)}")
-    batch = probe_batch(max(group_size, 2), kl=kl)
+    batch = probe_batch(max(group_size, 1), kl=kl, weights=weights)
     try:
         output = estimator(batch)
     except EstimatorOutputError:
@@ -411,4 +422,6 @@ def check_estimator(estimator: Callable, name: str, group_size: int = 4, kl: boo
             isinstance(key, str) and isinstance(value, (int, float)) for key, value in output[1].items())):
         raise ValueError(f"advantage_estimator {name!r} returned a tuple: it must be (advantages, {{name: number}}), "
                          f"got {type(output[1]).__name__ if len(output) == 2 else f'{len(output)} items'}")
-    check_advantages(output[0] if isinstance(output, tuple) else output, batch, name)
+    advantages = output[0] if isinstance(output, tuple) else output
+    check_advantages(advantages, batch, name)
+    return advantages.dim()

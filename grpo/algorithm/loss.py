@@ -316,15 +316,34 @@ def resolve_objective(loss_type: str) -> tuple[Callable, str]:
     if aggregation not in LOSS_TYPES:
         raise ValueError(f"loss_type {loss_type!r}: its `aggregation` must be a built-in loss type whose aggregation it "
                          f"takes, one of {LOSS_TYPES}, got {aggregation!r}")
-    return objective, aggregation
+    return checked_objective(objective, loss_type), aggregation
 
 
-def check_objective(loss_type: str) -> None:
+def checked_objective(objective: Callable, loss_type: str) -> Callable:
+    """A plug-in objective whose term is checked at every call: (n, T) or (n, 1) of the micro-batch."""
+
+    @functools.wraps(objective)  # its name and signature (check_objective reads them)
+    def checked(x: PolicyInputs) -> torch.Tensor:
+        term = objective(x)
+        rows, tokens = x.logps.shape
+        if not isinstance(term, torch.Tensor) or tuple(term.shape) not in ((rows, tokens), (rows, 1)):
+            got = tuple(term.shape) if isinstance(term, torch.Tensor) else type(term).__name__
+            raise ValueError(f"loss_type {loss_type!r} returned {got} on a micro-batch of {rows} rows x {tokens} tokens; "
+                             f"expected the per-token policy term, (n, T) = {(rows, tokens)}, or one per completion, "
+                             f"(n, 1) = {(rows, 1)}")
+        return term
+
+    return checked
+
+
+def check_objective(loss_type: str, options: "LossOptions | None" = None) -> None:
     """The start-of-run check of a loss_type: a built-in name, or a plug-in taking one argument (PolicyInputs) whose
-    output on a probe micro-batch is (n, T) or (n, 1), finite and differentiable. Raises ValueError naming it."""
+    output on a probe micro-batch (with the run's `options`) is (n, T) or (n, 1), finite and differentiable. Raises
+    ValueError naming it."""
     objective, _ = resolve_objective(loss_type)
     if objective in OBJECTIVES.values():
         return
+    objective = objective.__wrapped__  # the plug-in itself: its own errors are reported below
     from rewards.registry import required_arguments
 
     if required_arguments(objective) not in (1, None):
@@ -335,8 +354,9 @@ def check_objective(loss_type: str) -> None:
     old = logps.detach() - 0.01 * torch.rand(4, 5, generator=generator)
     mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 4 + [0.0], [1.0] + [0.0] * 4])
     advantages = torch.tensor([[1.0], [-0.5], [0.25], [0.0]])  # (n, 1)
-    inputs = PolicyInputs(logps, old, log_importance_weights(logps, old, mask, "token"), advantages, mask,
-                          LossOptions())
+    options = options or LossOptions(loss_type=loss_type)
+    inputs = PolicyInputs(logps, old, log_importance_weights(logps, old, mask, options.ratio_level), advantages, mask,
+                          options)
     try:
         term = objective(inputs)
     except Exception as error:  # noqa: BLE001 - reported with the objective's name

@@ -24,9 +24,10 @@ FIRST_ROUND = "dynamic_sampling/first_round"  # the step's metrics carry round 0
 
 
 def keep_informative_groups(first: tuple, sample_round: Callable[[int], tuple], wanted: int, group: int,
-                            reward_weights, max_rounds: int, pad_token_id: int, step: int):
+                            reward_weights, max_rounds: int, pad_token_id: int, step: int, clip_range=None):
     """`wanted` groups, informative ones first in the order they were sampled, from round 0 (`first`) and as
-    many further rounds `sample_round(r)` as needed. Each round is (rollout, prompts, texts).
+    many further rounds `sample_round(r)` as needed. Each round is (rollout, prompts, texts). `clip_range`: the
+    weighted rewards are clipped there first (--reward-clip-range), as the advantages see them.
 
     Returns (rollout, prompts, texts, metrics of the rounds)."""
     pool = [first]
@@ -34,6 +35,7 @@ def keep_informative_groups(first: tuple, sample_round: Callable[[int], tuple], 
     rounds = 0
     while True:
         rewards = weighted_rewards(pool[rounds][0].rewards_per_func, reward_weights)  # (N,)
+        rewards = rewards.clamp(*clip_range) if clip_range else rewards  # as the estimator sees them
         for index, is_tied in enumerate(tied_groups(rewards, group).tolist()):
             (tied if is_tied else informative).append((rounds, index))
         rounds += 1

@@ -185,7 +185,7 @@ class Trainer:
         weights = torch.tensor([spec.weight for spec in self.rewards], dtype=torch.float32)
         rollout, prompts, texts, metrics = keep_informative_groups(
             first, another_round, self.prompts_per_generation // world.size, cfg.num_generations, weights,
-            cfg.dynamic_sampling_max_rounds, self.tokenizer.pad_token_id, step)
+            cfg.dynamic_sampling_max_rounds, self.tokenizer.pad_token_id, step, cfg.reward_clip_range)
         # the policy's own rewards and answers are round 0's (the step's prompts, no group dropped yet)
         means = first[0].rewards_per_func.nanmean(0).tolist()  # (K,)
         metrics.update({f"dynamic_sampling/sampled_rewards/{spec.name}": m for spec, m in zip(self.rewards, means)})
