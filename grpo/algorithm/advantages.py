@@ -276,18 +276,22 @@ def gdpo(batch: AdvantageBatch):
 
 
 def rloo(batch: AdvantageBatch):
+    """trl 1.16's RLOOTrainer: the leave-one-out baseline over the scorable siblings (leave_one_out_advantages)."""
     return leave_one_out_advantages(batch.rewards, batch.group_size)
 
 
 def reinforce_plus_plus_baseline(batch: AdvantageBatch):
+    """verl's reinforce_plus_plus_baseline: the group mean, then whitened over the batch's tokens."""
     return reinforce_plus_plus_baseline_advantages(batch.rewards, batch.group_size, batch.completion_mask)
 
 
 def reinforce_plus_plus(batch: AdvantageBatch):
+    """verl's reinforce_plus_plus: returns-to-go of the token rewards, whitened over the batch's tokens; (N, T)."""
     return reinforce_plus_plus_advantages(batch.rewards, batch.completion_mask, batch.kl_penalty)
 
 
 def opo(batch: AdvantageBatch):
+    """verl's opo: the group's length-weighted mean reward as the baseline."""
     return opo_advantages(batch.rewards, batch.group_size, batch.completion_mask)
 
 
@@ -352,9 +356,9 @@ def reward_statistics(batch: AdvantageBatch, advantages: torch.Tensor | None = N
 
 def estimate_advantages(estimator: Callable, batch: AdvantageBatch,
                         normalize: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
-    """(N, 1) or (N, T) advantages and the step's reward statistics: the estimator's output checked, normalised over
-    the batch when `normalize` (trl's normalize_advantages: mean 0, std 1 over the rows with a signal), and 0
-    where there is no signal (NaN) or no reward function scored the row."""
+    """(N, 1) or (N, T) advantages and the step's reward statistics: the estimator's output (a plug-in's checked by
+    its wrapper, `checked`), normalised over the batch when `normalize` (trl's normalize_advantages: mean 0, std 1
+    over the rows with a signal), and 0 where there is no signal (NaN) or no reward function scored the row."""
     advantages, metrics = output if isinstance(output := estimator(batch), tuple) else (output, {})  # metrics optional
     if normalize:
         advantages = normalized(advantages, batch.completion_mask)
