@@ -101,7 +101,8 @@ class UpdateResult:
     metrics: dict  # trl's names, over every rank
     advantages: torch.Tensor  # (N, 1), or (N, T) from an estimator that gives one per token
     ref_logps: torch.Tensor | None  # (N, T) when beta != 0
-    old_logps: torch.Tensor | None  # (N, T) when the rollout feeds more than one update or is corrected
+    old_logps: torch.Tensor | None  # (N, T) when the rollout feeds more than one update, is corrected, or the KL
+    #                                 is in the reward
     is_weights: torch.Tensor | None = None  # (N, T) or (N, 1): w = pi_old / pi_b, when the correction applies
     micro_batch_losses: list[float] = field(default_factory=list)  # in the order they ran
     micro_batch_stats: list[LossStats] = field(default_factory=list)
