@@ -324,16 +324,21 @@ def checked_objective(objective: Callable, loss_type: str) -> Callable:
 
     @functools.wraps(objective)  # its name and signature (check_objective reads them)
     def checked(x: PolicyInputs) -> torch.Tensor:
-        term = objective(x)
-        rows, tokens = x.logps.shape
-        if not isinstance(term, torch.Tensor) or tuple(term.shape) not in ((rows, tokens), (rows, 1)):
-            got = tuple(term.shape) if isinstance(term, torch.Tensor) else type(term).__name__
-            raise ValueError(f"loss_type {loss_type!r} returned {got} on a micro-batch of {rows} rows x {tokens} tokens; "
-                             f"expected the per-token policy term, (n, T) = {(rows, tokens)}, or one per completion, "
-                             f"(n, 1) = {(rows, 1)}")
-        return term
+        return check_term(objective(x), x.logps.shape, loss_type)
 
     return checked
+
+
+def check_term(term, shape: torch.Size, loss_type: str, where: str = "a micro-batch") -> torch.Tensor:
+    """`term` when it is the policy term of a micro-batch of `shape` (n, T): (n, T) or (n, 1); else one error naming
+    the loss type."""
+    rows, tokens = shape
+    if not isinstance(term, torch.Tensor) or tuple(term.shape) not in ((rows, tokens), (rows, 1)):
+        got = tuple(term.shape) if isinstance(term, torch.Tensor) else type(term).__name__
+        raise ValueError(f"loss_type {loss_type!r} returned {got} on {where} of {rows} rows x {tokens} tokens; "
+                         f"expected the per-token policy term, (n, T) = {(rows, tokens)}, or one per completion, "
+                         f"(n, 1) = {(rows, 1)}")
+    return term
 
 
 def check_objective(loss_type: str, options: "LossOptions | None" = None) -> None:
@@ -362,10 +367,7 @@ def check_objective(loss_type: str, options: "LossOptions | None" = None) -> Non
     except Exception as error:  # noqa: BLE001 - reported with the objective's name
         raise ValueError(f"loss_type {loss_type!r} raised {type(error).__name__} on a probe micro-batch of 4 rows x 5 "
                          f"tokens: {error}") from error
-    if not isinstance(term, torch.Tensor) or tuple(term.shape) not in ((4, 5), (4, 1)):
-        got = tuple(term.shape) if isinstance(term, torch.Tensor) else type(term).__name__
-        raise ValueError(f"loss_type {loss_type!r} returned {got} on a probe micro-batch of 4 rows x 5 tokens; expected "
-                         "the per-token policy term, (n, T) = (4, 5), or one per completion, (n, 1) = (4, 1)")
+    check_term(term, logps.shape, loss_type, "a probe micro-batch")
     if not term.requires_grad or not torch.isfinite(term).all():
         raise ValueError(f"loss_type {loss_type!r} returned a term that is not finite or has no gradient through "
                          "x.logps (the policy's log-probs)")

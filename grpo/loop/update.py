@@ -170,7 +170,7 @@ def advantage_batch(rollout: Rollout, loss_mask: torch.Tensor, old_logps, ref_lo
     rewards, clipped to reward_clip_range, then with kl_in_reward minus the KL penalty, beta times the first-order
     KL of the policy that sampled against the reference, summed over the completion's tokens (trl's RLOOTrainer):
         r_i <- clip(sum_k w_k r_ik) - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))"""
-    per_func = world.gather_rows(rollout.rewards_per_func).clone()  # (N_all, K) the estimator's copy
+    per_func = world.gather_rows(rollout.rewards_per_func)  # (N_all, K); a plug-in estimator gets a copy of the batch
     plain = weighted_rewards(per_func, weights)  # (N_all,)
     rewards = plain.clamp(*config.reward_clip_range) if config.reward_clip_range else plain  # NaN (unscorable) stays
     # k1 per token, times beta; gather_rows pads each rank's T to the widest
@@ -353,7 +353,7 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
             result.micro_batch_losses += losses
 
     # the estimator's statistics last: a per-token estimator's advantages/abs_mean is over the real tokens
-    result.metrics = {**sampling_stats, **step_metrics(world, rollout, loss_mask, world.gather_rows(rollout.rewards_per_func), all_advantages, result,
+    result.metrics = {**sampling_stats, **step_metrics(world, rollout, loss_mask, batch.rewards_per_func, all_advantages, result,
                                                      [spec.name for spec in reward_specs],
                                                      scheduler.get_last_lr()[0], state.skipped_updates), **reward_stats}
     return result
