@@ -81,7 +81,10 @@ class BackgroundRollouts:
 
     def __init__(self, collect, make_backend, policy: torch.nn.Module, start: int, total: int, lag: int):
         self.collect, self.start, self.total, self.lag = collect, start, total, lag
-        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+        # the copy keeps the policy's requires_grad flags (sampling runs without grad either way): torch's matmul
+        # chooses its path by them, and on some CPUs (MKL on AMD EPYC) a product of fewer than 4 rows rounds
+        # differently on a strided input than on a contiguous one, so the copy would sample what the policy would not
+        self.model = copy.deepcopy(policy).eval()
         self.backend = make_backend(self.model)
         self.weights: dict[int, tuple[int, dict]] = {}  # steps done -> (policy version, weights)
         self.ready: dict[int, tuple] = {}  # step -> (collected, policy version)
