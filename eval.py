@@ -19,10 +19,11 @@ import json
 import logging
 import re
 import sys
+from textwrap import shorten
 from pathlib import Path
 
-from grpo.cli import config_from_args
-from grpo.loop.evaluation import EvalConfig
+from grpo.cli import make_config, settings_from_args
+from grpo.loop.evaluation import EvalConfig, run_settings, unused_settings
 
 
 def output_stem(name: str) -> str:
@@ -117,14 +118,21 @@ def prior_line(summary: dict) -> str:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = config_from_args(argv, EvalConfig, description=__doc__)
+    try:  # a trained run's own settings for every evaluation setting not given here
+        given = settings_from_args(argv, EvalConfig, description=__doc__)
+        values, taken, record = run_settings(given)
+        config = make_config(values, EvalConfig, given=given)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if record is not None:
+        print(f"evaluating {config.model} as it was trained: settings from {record} (not given here): "
+              + (", ".join(f"{name}={shorten(repr(value), 70)}" for name, value in taken.items())
+                 or "none differ from eval.py's"))
     from data import DataError, load_task_rows
     from grpo.loop.evaluation import default_pass_key, make_scorer, scorer_kind
     from grpo.models import ModelError, resolve_device
+    from grpo.plugins import PluginError
     from grpo.loop.setup import environments as load_environments, reward_specs as reward_specs_of
     from rewards import RewardError
     from rewards.reward_model import load_reward_models
@@ -134,6 +142,7 @@ def main(argv=None) -> int:
         rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt,
                                     config.one_shot, config.task_settings, config.task_seed, config.answer_extraction,
                                     config.trust_task_verifier)
+        config.raise_problems(unused_settings(config, task))  # a flag that would do nothing is refused, not ignored
         rows = rows[: config.limit] if config.limit else rows
         environments = load_environments(config)  # their get_reward scores join the rewards, as in training
         reward_specs = reward_specs_of(config, environments=environments)
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
                              "with --pass-key")
         summaries = [evaluate_model(config, name, rows, scorer, task, pass_key, reward_specs, environments)
                      for name in [config.model, config.compare] if name]
-    except (ValueError, DataError, ModelError, RewardError) as error:
+    except (ValueError, DataError, ModelError, RewardError, PluginError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     keys = [key for key in summaries[0] if key not in ("model", "dataset", "split", "num_samples", "sampling")

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     from data import DataError
     from grpo.models import ModelError
     from grpo.loop.trainer import DiskFullError, Trainer, TrainingError
+    from grpo.plugins import PluginError
     from rewards import RewardError
 
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 prints
@@ -57,12 +58,13 @@ def main(argv=None) -> int:
                               trainer.models.distributed, trainer.models.device, trainer.precision))
         result = trainer.train()
         trainer.close()
-    except DiskFullError as error:  # nothing is lost: the run goes on from its last good checkpoint
-        flags = sys.argv[1:] if argv is None else argv
+    except TrainingError as error:  # mid-run (a full disk, a plug-in's or a reward's fault, too many bad steps):
+        flags = sys.argv[1:] if argv is None else argv  # nothing is lost, the run goes on from its last checkpoint
         command = resume_command(flags, config.output_dir, torchrun="RANK" in os.environ)
-        print(f"error: {error} Free some space, then resume with: {command}", file=sys.stderr)
+        advice = "Free some space, then resume" if isinstance(error, DiskFullError) else "Once fixed, resume"
+        print(f"error: {error} {advice} with: {command}", file=sys.stderr)
         return 1
-    except (ValueError, DataError, ModelError, RewardError, TrainingError) as error:
+    except (ValueError, DataError, ModelError, RewardError, PluginError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if not main_process:

@@ -62,6 +62,11 @@ def parse_source(source: str) -> tuple[str, int]:
     return name, int(size_text) if size_text else DEFAULT_SIZE
 
 
+def task_name(dataset: str | None) -> str | None:
+    """The reasoning-gym task a dataset names (`reasoning-gym:chain_sum:500` -> chain_sum), else the dataset."""
+    return parse_source(dataset)[0] if dataset and is_source(dataset) else dataset
+
+
 def _package():
     try:
         import reasoning_gym

@@ -11,14 +11,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shlex
 import types
 import typing
 from pathlib import Path
 
+import yaml
+
 from data.calculator import SYSTEM_PROMPT as CALCULATOR_PROMPT
 from data.prompts import TASK_SYSTEM_PROMPT
-from grpo.config import GRPOConfig, sections
+from data.reasoning_gym import task_name
+from grpo.config import MAY_CHANGE_ON_RESUME, GRPOConfig, sections
 from grpo.loop.evaluation import EvalConfig
 
 PRESETS: dict[str, dict] = {
@@ -57,14 +61,17 @@ PRESETS: dict[str, dict] = {
 
 
 def _flag_type(annotation):
-    """(python type, is_list) for a field annotation such as `float | None` or `list[str]`."""
+    """(python type, nargs) for a field annotation such as `float | None` (nargs None), `list[str]` ("*") or
+    `tuple[float, float]` (2)."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
         return _flag_type(inner)
     if origin is list:
-        return typing.get_args(annotation)[0], True
-    return annotation, False
+        return typing.get_args(annotation)[0], "*"
+    if origin is tuple:
+        return typing.get_args(annotation)[0], len(typing.get_args(annotation))
+    return annotation, None
 
 
 def _optional(kind):
@@ -90,6 +97,8 @@ def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argpa
     """An argparse parser with one flag per config field (`--micro-batch-size` for `micro_batch_size`)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      argument_default=argparse.SUPPRESS)
+    # a value such as -1e3 is a number, not a flag (argparse's own pattern knows -1 and -.5 only)
+    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$")
     if config_cls is GRPOConfig:
         parser.add_argument("--preset", choices=sorted(PRESETS), help="a named set of settings (e.g. smoke: tiny model, CPU, ~1 min)")
     parser.add_argument("--config", help="a YAML or JSON file whose keys are the field names; flags override it")
@@ -103,7 +112,7 @@ def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argpa
 
 def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
     """The flag of one config field: its type, choices, default and help from the field."""
-    kind, is_list = _flag_type(hints[f.name])
+    kind, nargs = _flag_type(hints[f.name])
     flag = "--" + f.name.replace("_", "-")
     # trl's spellings of the same setting, with dashes or underscores (--vllm-importance-sampling-mode)
     aliases = [f"--{spelling}" for alias in f.metadata.get("aliases", ())
@@ -119,9 +128,12 @@ def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
         parser.add_argument(flag, nargs="?", const="", help=help_text)
     elif kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-    elif is_list:
+    elif nargs == "*":
         # the flag alone: an empty list; given again, it adds to the list (--environment a:A --environment b:B)
         parser.add_argument(flag, nargs="*", action="extend", type=kind, help=help_text)
+    elif nargs is not None:  # a fixed number of values: --reward-clip-range -1 1
+        parser.add_argument(flag, nargs=nargs, type=kind, metavar=tuple(("MIN", "MAX") if nargs == 2 else ()) or None,
+                            help=help_text)
     elif kind is dict:  # `none` clears it, as for the other optional flags
         parser.add_argument(flag, type=_optional(json_object), help=help_text)
     else:
@@ -139,44 +151,66 @@ class _Aliased:
         return self.parser.add_argument(flag, *self.aliases, dest=self.name, **kwargs)
 
 
-def load_config_file(path: str) -> dict:
+class _YAMLLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's numbers: 5e-6 and 1e3 are floats (YAML 1.1 wants a dot: 5.0e-6, and
+    reads 5e-6 as a string; trl recipes write both)."""
+
+
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$|^[-+]?\d+\.\d*$|^[-+]?\.\d+$|^[-+]?\.(inf|Inf|INF)$"
+               r"|^\.(nan|NaN|NAN)$"),
+    list("-+0123456789."))
+
+
+def load_config_file(path: str, config_cls=None) -> dict:
+    """The settings of a YAML or JSON file (keys are the field names; dashes are read as underscores), each read as
+    its field's type when `config_cls` is given (grpo.config_types): a wrong key or value is refused, naming the
+    file, the setting and the type."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--config {path}: no such file")
     text = file.read_text()
-    if file.suffix in (".yaml", ".yml"):
-        import yaml
-
-        values = yaml.safe_load(text) or {}
-    else:
-        values = json.loads(text)
+    try:
+        values = yaml.load(text, Loader=_YAMLLoader) if file.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as error:
+        raise ValueError(f"--config {path}: not valid {'YAML' if file.suffix in ('.yaml', '.yml') else 'JSON'} "
+                         f"({str(error).splitlines()[0]})") from None
+    values = {} if values is None else values
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: expected a mapping of field names to values")
-    return {key.replace("-", "_"): value for key, value in values.items()}
+    values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    return values if config_cls is None else config_cls.read(values, where=f"--config {path}")
 
 
-def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None = None) -> GRPOConfig:
-    """Parse flags into a validated config: defaults < --preset < --config FILE < explicit flags."""
+def settings_from_args(argv=None, config_cls=GRPOConfig, description: str | None = None) -> dict:
+    """The settings a command line gives, field name -> value, not yet checked: --preset < --config FILE < explicit
+    flags (a field's default is not among them)."""
     args = vars(build_parser(config_cls, description).parse_args(argv))
     values = dict(PRESETS[args.pop("preset")]) if "preset" in args else {}
     preset = dict(values)
     if "config" in args:
-        values.update(load_config_file(args.pop("config")))
+        values.update(load_config_file(args.pop("config"), config_cls))
     values.update(args)
     if "task_settings" in preset and values["task_settings"] is preset["task_settings"] \
             and task_name(values.get("dataset")) != task_name(preset.get("dataset")):
         values.pop("task_settings")  # a preset's task settings are its task's, not another's
+    return values
+
+
+def make_config(values: dict, config_cls=GRPOConfig, given=None):
+    """The validated config of `values` (settings_from_args'); its `given` names the settings the user gave (default:
+    every key of `values`), so that eval.py can refuse a given one that does nothing."""
     config = config_cls.from_dict(values, where="settings")
     if getattr(config, "resume", None) == "":  # `--resume` without a folder: this run's own output folder
         config.resume = config.output_dir
+    config.given = frozenset(values if given is None else given)
     return config.validate()
 
 
-def task_name(dataset: str | None) -> str | None:
-    """The reasoning-gym task a dataset names (`reasoning-gym:chain_sum:500` -> chain_sum), else the dataset."""
-    from data.reasoning_gym import is_source, parse_source
-
-    return parse_source(dataset)[0] if dataset and is_source(dataset) else dataset
+def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None = None) -> GRPOConfig:
+    """Parse flags into a validated config: defaults < --preset < --config FILE < explicit flags."""
+    return make_config(settings_from_args(argv, config_cls, description), config_cls)
 
 
 def resume_command(argv: list[str], output_dir: str, torchrun: bool = False) -> str:
@@ -232,6 +266,13 @@ def cli_reference() -> str:
         "## train.py",
         "",
         *table(GRPOConfig),
+        "### settings that may change on --resume",
+        "",
+        "A resumed run goes on as it started: a change to any other setting is refused, listing each change old -> "
+        "new, unless `--resume-with-changed-settings` (then each change is logged and kept in run_config.json's "
+        "`changed_on_resume`). These may change on --resume: "
+        + ", ".join(f"`--{name.replace('_', '-')}`" for name in sorted(MAY_CHANGE_ON_RESUME)) + ".",
+        "",
         "## eval.py",
         "",
         *table(EvalConfig),

@@ -12,11 +12,15 @@ disjoint slices, num_iterations times (trl's generation reuse).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.prompts import SYSTEM_PROMPT
+
+from grpo.config_types import read_fields, type_problems
 
 from grpo.algorithm.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from grpo.loop.distributed import DISTRIBUTED_CHOICES
@@ -37,6 +41,22 @@ from rewards.sandbox import ISOLATION_CHOICES
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KERNEL_CHOICES = ("auto", "plain")  # --kernels: grpo/kernels/ where each applies, or none
 GSM8K_RECIPE_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
+
+
+# The settings a resumed run may change (--resume): how long it runs, what it logs, saves and evaluates, how long it
+# waits, and the hardware and kernels it runs on. A change to any other setting (what defines the run: the model, the
+# data, the rewards and their weights, the batch sizes, sampling, the estimator, the loss, the KL and where it goes,
+# the optimizer, the seed, ...) is refused, each change listed old -> new, unless --resume-with-changed-settings
+# (grpo.loop.setup.resume_changes; docs/cli.md lists these).
+MAY_CHANGE_ON_RESUME = frozenset({
+    "max_steps", "epochs", "trust_remote_code", "environment_timeout", "vllm_gpu_memory_utilization",
+    "vllm_kv_cache_gib", "vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "vllm_model_impl", "sandbox_isolation", "generation_processes", "max_bad_steps", "save_merged", "device",
+    "precision", "gradient_checkpointing", "logprob_chunk_size", "kernels", "distributed", "fsdp_cpu_offload",
+    "distributed_timeout", "adapt_cpu_threads", "output_dir", "overwrite", "resume", "resume_with_changed_settings",
+    "logging_steps", "log_completions_steps", "report_to", "save_steps", "save_total_limit", "eval_steps",
+    "eval_limit", "eval_batch_size", "eval_max_completion_length", "eval_scorer", "eval_split",
+})
 
 
 def option(default, help: str, **kwargs):
@@ -61,11 +81,21 @@ class ConfigMixin:
     """What the config dataclasses of train.py and eval.py share: a dict round-trip that names unknown
     keys, and one way to report every invalid setting at once."""
 
+    given: typing.ClassVar[frozenset] = frozenset()  # the settings a command line gave (grpo.cli.make_config)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict, where: str = "config"):
+    def from_dict(cls, values: dict, where: str = "settings"):
+        """The config of `values` (field name -> value, trl's spellings too), each read as its field's type
+        (grpo.config_types); an unknown key or a value of the wrong type is refused, naming it."""
+        return cls(**cls.read(values, where))
+
+    @classmethod
+    def read(cls, values: dict, where: str = "settings") -> dict:
+        """`values` under the fields' names (trl's spellings renamed), each read as its field's type; an unknown key
+        (with the closest name) or a value of the wrong type is refused in one ValueError that starts with `where`."""
         values = dict(values)
         for f in dataclasses.fields(cls):  # trl's spellings (option(aliases=...)) under our names
             for alias in f.metadata.get("aliases", ()):
@@ -73,11 +103,14 @@ class ConfigMixin:
                     if f.name in values and values[f.name] != values[alias]:
                         raise ValueError(f"{where}: {alias} and {f.name} are the same setting, given twice")
                     values[f.name] = values.pop(alias)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are the flag names with underscores")
-        return cls(**values)
+            named = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, known, n=1))
+                     else key for key in unknown]
+            raise ValueError(f"{where}: unknown setting(s) {', '.join(named)}; the settings are the flag names with "
+                             "underscores (docs/cli.md)")
+        return read_fields(cls, values, where)
 
     @staticmethod
     def path_problems(model: str, output_dir: str, chat_template: str | None = None) -> list[str]:
@@ -210,7 +243,7 @@ class GRPOConfig(ConfigMixin):
     sandbox_isolation: str = option("available", "rewards that run the model's programs (execution): `available` runs them with the isolation layers this machine gives, the first log line naming any that is missing; `full` refuses to start without every layer (bubblewrap, root, cgroups; docs/tools.md)", choices=ISOLATION_CHOICES)
     overlong_buffer_len: int = option(0, "DAPO overlong reward shaping: a linear penalty from 0 to -overlong_penalty_factor over the last N tokens of the budget (a reward named `overlong`); 0 = off")
     overlong_penalty_factor: float = option(1.0, "overlong reward shaping: the penalty at the full budget")
-    reward_clip_range: list[float] | None = option(None, "clip the weighted reward into [min, max] before the advantages (and before a KL penalty in the reward), two numbers: --reward-clip-range -1 1; trl's RLOOConfig option; default: no clipping")
+    reward_clip_range: tuple[float, float] | None = option(None, "clip the weighted reward into [min, max] before the advantages (and before a KL penalty in the reward), two numbers: --reward-clip-range -1 1; trl's RLOOConfig option; default: no clipping")
     advantage_estimator: str = option("grpo", "how rewards become advantages (verl's names; grpo/algorithm/advantages.py): grpo (group mean and std, --scale-rewards), rloo (leave-one-out baseline, as trl's RLOOTrainer), reinforce_plus_plus_baseline (group mean, then whitened over the batch's tokens), reinforce_plus_plus (no baseline: returns-to-go whitened over the batch's tokens, one per token), opo (the group's length-weighted mean as baseline); or a plug-in module:function / path/to/file.py:function with the same signature fn(batch) -> advantages (docs/modify.md)")
     normalize_advantages: bool = option(False, "normalise the estimator's advantages over the batch to mean 0 and std 1 (rows without a signal left out), trl's RLOOConfig option")
     multi_objective_aggregation: str = option("sum_then_normalize", "several rewards: sum with weights, then normalise (as --scale-rewards says); or normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum normalised over the batch)", choices=MULTI_OBJECTIVE_AGGREGATIONS)
@@ -297,6 +330,7 @@ class GRPOConfig(ConfigMixin):
     output_dir: str = option("runs/grpo", "run folder: metrics.jsonl, samples.jsonl, checkpoints/, eval/", section='the run: output, logging, checkpoints, evaluation')
     overwrite: bool = option(False, "allow writing into an output folder that holds another run")
     resume: str | None = option(None, "continue a run: a run folder or a checkpoint folder; `--resume` alone means --output-dir")
+    resume_with_changed_settings: bool = option(False, "with --resume: go on with settings that differ from the checkpoint's run_config.json (each change is logged and kept in run_config.json); off: a change to what defines the run (model, data, rewards and weights, batch sizes, sampling, estimator, loss, KL, optimizer, seed, ...) is refused, listing each change old -> new. The settings that may change freely are listed in docs/cli.md")
     logging_steps: int = option(1, "console line every N steps (metrics.jsonl gets every step)")
     log_completions_steps: int = option(10, "append sample completions with rewards to samples.jsonl every N steps (0 = off)")
     report_to: str = option("none", "extra metrics back end: tensorboard (RUN_DIR/tensorboard) or wandb (offline into RUN_DIR/wandb unless an API key is configured; WANDB_MODE and WANDB_PROJECT are read)", choices=REPORT_TO)
@@ -400,6 +434,7 @@ class GRPOConfig(ConfigMixin):
         """Reject impossible settings with a message that names the field; returns self."""
         from rewards.registry import parse_reward_specs
 
+        self.raise_problems(type_problems(self))  # every value of its field's type before any check reads it
         self.resolve_defaults(GSM8K_RECIPE_REWARDS)
         problems = self._algorithm_problems()
         for f in dataclasses.fields(self):
@@ -512,8 +547,8 @@ class GRPOConfig(ConfigMixin):
         except ValueError as error:
             problems.append(str(error))
         clip = self.reward_clip_range
-        if clip is not None and not (len(clip) == 2 and clip[0] < clip[1]):
-            problems.append(f"reward_clip_range must be two numbers, min < max, got {clip}")
+        if clip is not None and not clip[0] < clip[1]:
+            problems.append(f"reward_clip_range must be two numbers, min < max, got {list(clip)}")
         if self.kl_in_reward and self.use_bias_correction_kl:
             problems.append("use_bias_correction_kl weighs the loss's k3 KL; with kl_in_reward the KL is in the reward")
         if self.loss_type == "vespo" and dims == 2:
@@ -571,22 +606,36 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
         if self.vllm_kv_cache_gib is not None and not self.vllm_kv_cache_gib > 0:
             problems.append(f"vllm_kv_cache_gib must be > 0, got {self.vllm_kv_cache_gib}")
-        needed = self.max_prompt_length + max(self.max_completion_length, self.eval_max_completion_length or 0)
+        needed, terms = self.longest_request()
         if self.vllm_max_model_length is not None and self.vllm_max_model_length < needed:
-            problems.append(f"vllm_max_model_length = {self.vllm_max_model_length} is below the longest request, "
-                            f"max_prompt_length + max_completion_length = {needed}: raise it or leave it unset")
+            problems.append(f"--vllm-max-model-length {self.vllm_max_model_length} is below the longest request, "
+                            f"{terms}: raise it or leave it unset")
         if self.vllm_tensor_parallel_size < 1:
             problems.append(f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}")
         return problems
+
+    def longest_request(self) -> tuple[int, str]:
+        """(tokens, how they add up): the longest request a run makes, a prompt and the larger of the training and
+        the evaluation completion budgets, each term named by its flag."""
+        completion = ("--eval-max-completion-length", self.eval_max_completion_length) \
+            if (self.eval_max_completion_length or 0) > self.max_completion_length \
+            else ("--max-completion-length", self.max_completion_length)
+        total = self.max_prompt_length + completion[1]
+        return total, f"--max-prompt-length {self.max_prompt_length} + {completion[0]} {completion[1]} = {total}"
 
     def engine_settings(self, precision: str):
         """The vLLM engine's settings (grpo.loop.vllm_generation.EngineSettings) for a run in `precision`."""
         from grpo.loop.vllm_generation import EngineSettings
 
-        longest = self.max_prompt_length + max(self.max_completion_length, self.eval_max_completion_length or 0)
+        longest, terms = self.longest_request()
         return EngineSettings(
             max_model_length=self.vllm_max_model_length or longest,
+            max_model_length_from=f"--vllm-max-model-length {self.vllm_max_model_length}"
+            if self.vllm_max_model_length else f"the longest request, {terms}",
             group_tokens=self.max_prompt_length + self.num_generations * self.max_completion_length,
+            group_tokens_from=f"--max-prompt-length {self.max_prompt_length} + --num-generations "
+            f"{self.num_generations} x --max-completion-length {self.max_completion_length} = "
+            f"{self.max_prompt_length + self.num_generations * self.max_completion_length} tokens",
             dtype="float32" if precision == "fp32" else "bfloat16",
             gpu_memory_utilization=self.vllm_gpu_memory_utilization, kv_cache_gib=self.vllm_kv_cache_gib,
             enable_sleep_mode=self.vllm_enable_sleep_mode, tensor_parallel_size=self.vllm_tensor_parallel_size,
@@ -608,3 +657,15 @@ class GRPOConfig(ConfigMixin):
                         f"({self.completions_per_step} / {self.micro_batch_size} = {accumulation}): each optimizer update "
                         f"takes whole micro-batches of one rollout; got {self.steps_per_generation}"]
         return []
+
+
+def shared(name: str, **changes):
+    """GRPOConfig's field `name` as a field of another config (eval.py's EvalConfig): the same default, help and
+    choices unless `changes` gives others (default=..., help=...); the annotation is written again beside it (and a
+    test keeps the two equal). Its `from_run` (default: the same name) is the training setting it takes when eval.py
+    evaluates a trained run (grpo.loop.evaluation.run_settings); None: not taken from the run."""
+    source = {f.name: f for f in dataclasses.fields(GRPOConfig)}[name]
+    default = source.default_factory() if source.default_factory is not dataclasses.MISSING else source.default
+    metadata = {key: value for key, value in source.metadata.items() if key not in ("section", "aliases")}
+    metadata = {**metadata, "from_run": name, **changes}
+    return option(metadata.pop("default", default), metadata.pop("help"), **metadata)

@@ -661,6 +661,10 @@ def integers(batch):
     return torch.zeros(len(batch.rewards), dtype=torch.long)
 
 
+def no_signal(batch):
+    return torch.full((len(batch.rewards),), NAN)
+
+
 def booleans(batch):
     return torch.zeros(len(batch.rewards), dtype=torch.bool)
 
@@ -670,7 +674,9 @@ def booleans(batch):
     (raises_key_error, "raised KeyError"), (wrong_length, r"returned \(7,\)"), (wrong_width, r"returned \(8, 6\)"),
     (one_column, r"returned \(8, 1\)"), (a_list, "returned list"), (an_infinity, "infinity"),
     (minus_infinity_per_token, "infinity"), (integers, "torch.int64"), (booleans, "torch.bool"),
-    (raises_value_error, "'raises_value_error' raised ValueError on a probe batch of 8 rows: boom"),
+    (raises_value_error, r"'raises_value_error' raised ValueError at .*test_estimators.py:\d+: boom \(on the "
+                         r"start-of-run probe batch of 8 rows\)"),
+    (no_signal, r"returned no finite advantage for any of the 8 rows"),
 ])
 def test_check_estimator_refuses_a_broken_plug_in_by_name(estimator, says):
     with pytest.raises(ValueError, match=says) as error:

@@ -28,7 +28,7 @@ def test_the_probe_has_the_runs_reward_columns(tmp_path):
     # Three reward functions: an estimator reading column 2 is valid; with one function, reading column 1 is not.
     fn = plug(tmp_path, "def fn(batch):\n    return batch.rewards_per_func[:, 2] - batch.rewards_per_func[:, 2].nanmean()\n")
     GRPOConfig(advantage_estimator=fn, reward=["tags", "int", "xmlcount"]).validate()
-    with pytest.raises(ValueError, match=r"raised IndexError on a probe batch of 32 rows"):
+    with pytest.raises(ValueError, match=r"raised IndexError at .*plug.py:\d+: .* \(on the start-of-run probe batch of 32 rows\)"):
         GRPOConfig(advantage_estimator=fn, reward=["tags"]).validate()
 
 
@@ -37,7 +37,7 @@ def test_the_objective_probe_has_the_runs_options(tmp_path):
     fn = plug(tmp_path, "def fn(x):\n    return -torch.clamp(torch.exp(x.log_ratio), max=1 + x.options.epsilon_high) "
                         "* x.advantages\n")
     GRPOConfig(loss_type=fn, epsilon_high=0.28).validate()
-    with pytest.raises(ValueError, match="raised TypeError on a probe micro-batch"):
+    with pytest.raises(ValueError, match=r"raised TypeError at .*plug.py:\d+: .* \(on the start-of-run probe micro-batch"):
         GRPOConfig(loss_type=fn).validate()
 
 

@@ -79,7 +79,7 @@ def test_config_checks_the_task_before_any_model_loads():
         GRPOConfig(dataset="reasoning-gym:chain_sum", reward=["correctness", "int"]).validate()
     with pytest.raises(ValueError, match="--task-settings is for a reasoning-gym dataset"):
         GRPOConfig(dataset="synthetic", task_settings={"a": 1}).validate()
-    with pytest.raises(ValueError, match="task_settings must be a JSON object"):
+    with pytest.raises(ValueError, match=r"task_settings must be a mapping of names to values \(a JSON object\)"):
         GRPOConfig(**base, task_settings=[1]).validate()
     with pytest.raises(ValueError, match="refuses --task-settings"):
         eval_cli.EvalConfig(dataset="reasoning-gym:gcd", reward=["task_score"], task_settings={"x": 1}).validate()

@@ -167,7 +167,7 @@ def test_a_non_finite_gradient_under_a_finite_loss_skips_the_update(tmp_path, ca
     result = trainer.update(rollout_with_ended_and_truncated_rows(trainer))
     assert all(torch.isfinite(torch.tensor(result.micro_batch_losses)))
     assert trainer.state.skipped_updates == 1 and not torch.isfinite(torch.tensor(result.grad_norms[0]))
-    assert "step 1: non-finite loss or gradient (grad_norm=inf): update skipped" in caplog.text  # the step, 1-based
+    assert "step 1: non-finite loss or gradient, or no advantage signal (grad_norm=inf): update skipped" in caplog.text  # the step, 1-based
     for name, param in trainer.policy.named_parameters():
         assert torch.equal(param, before[name]), name
 
@@ -196,7 +196,7 @@ def test_a_non_finite_loss_under_finite_gradients_skips_the_update(tmp_path, cap
     assert captured and all(captured)  # every gradient finite
     assert not all(torch.isfinite(torch.tensor(result.micro_batch_losses)))
     assert trainer.state.skipped_updates == 1
-    assert "step 1: non-finite loss or gradient (grad_norm=nan): update skipped" in caplog.text
+    assert "step 1: non-finite loss or gradient, or no advantage signal (grad_norm=nan): update skipped" in caplog.text
     for name, param in trainer.policy.named_parameters():
         assert torch.equal(param, before[name]), name
 

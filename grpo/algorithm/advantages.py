@@ -64,6 +64,8 @@ from typing import Callable
 
 import torch
 
+from grpo.plugins import NoSignalError, PluginError, guarded, source_file
+
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -320,20 +322,23 @@ def resolve_estimator(name: str, multi_objective_aggregation: str = "sum_then_no
     return checked(load_function(name, "advantage_estimator"), name)
 
 
-class EstimatorOutputError(ValueError):
+class EstimatorOutputError(PluginError, ValueError):
     """An estimator's output is not advantages of the batch's shape (check_advantages)."""
 
 
 def checked(estimator: Callable, name: str) -> Callable:
-    """A plug-in estimator that reads a copy of the batch (what it changes in place reaches nothing else) and whose
-    output is checked at every call (check_advantages), as it was at start."""
+    """A plug-in estimator that reads a copy of the batch (what it changes in place reaches nothing else), whose
+    exceptions become one PluginError naming it and its file (grpo.plugins.guarded), and whose output is checked at
+    every call as it was at start: its shape (check_advantages), and a signal: advantages that are all NaN raise
+    NoSignalError (the update skips such a step and counts it, as a non-finite one)."""
+    call = guarded(estimator, "advantage_estimator", name)
 
     @functools.wraps(estimator)  # its name and signature (check_estimator reads them)
     def checked_estimator(batch: AdvantageBatch):
-        output = estimator(dataclasses.replace(batch, **{f.name: getattr(batch, f.name).clone()
-                                                         for f in dataclasses.fields(batch)
-                                                         if isinstance(getattr(batch, f.name), torch.Tensor)}))
-        check_advantages(output[0] if isinstance(output, tuple) else output, batch, name)
+        output = call(dataclasses.replace(batch, **{f.name: getattr(batch, f.name).clone()
+                                                    for f in dataclasses.fields(batch)
+                                                    if isinstance(getattr(batch, f.name), torch.Tensor)}))
+        check_advantages(output[0] if isinstance(output, tuple) else output, batch, name, source_file(estimator))
         return output
 
     return checked_estimator
@@ -375,16 +380,22 @@ def normalized(advantages: torch.Tensor, completion_mask: torch.Tensor) -> torch
     return (advantages - torch.nanmean(values)) / (nanstd(values) + 1e-4)
 
 
-def check_advantages(advantages, batch: AdvantageBatch, name: str) -> None:
-    """One error naming the estimator when its output is not (N,) or (N, T) floats, or holds an infinity."""
+def check_advantages(advantages, batch: AdvantageBatch, name: str, source: str | None = None) -> None:
+    """One error naming the estimator when its output is not (N,) or (N, T) floats, or holds an infinity; for a
+    plug-in (`source`: its file), NoSignalError when no value is finite (all NaN or infinite: nothing to learn)."""
     expected = [(batch.rewards.shape[0],), tuple(batch.completion_mask.shape)]
     if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in expected:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
-        raise EstimatorOutputError(f"advantage_estimator {name!r} returned {got}; expected a tensor of shape (N,) = {expected[0]} "
-                         f"or (N, T) = {expected[1]} (grpo/algorithm/advantages.py)")
-    if not advantages.is_floating_point() or torch.isinf(advantages).any():
-        raise EstimatorOutputError(f"advantage_estimator {name!r} returned {advantages.dtype} values with an infinity or not "
-                         "floats; NaN marks a row without a signal (it gets 0)")
+        raise EstimatorOutputError(f"advantage_estimator {name!r} returned {got}; expected a tensor of shape (N,) = "
+                                   f"{expected[0]} or (N, T) = {expected[1]} (grpo/algorithm/advantages.py)")
+    if not advantages.is_floating_point():
+        raise EstimatorOutputError(f"advantage_estimator {name!r} returned {advantages.dtype} values, not floats")
+    if source is not None and not torch.isfinite(advantages).any():
+        raise NoSignalError(f"advantage_estimator {name!r} ({source}) returned no finite advantage for any of the "
+                            f"{batch.rewards.shape[0]} rows (NaN marks a row without a signal): nothing to learn from")
+    if torch.isinf(advantages).any():
+        raise EstimatorOutputError(f"advantage_estimator {name!r} returned values with an infinity; NaN marks a row "
+                                   "without a signal (it gets 0)")
 
 
 def probe_batch(group_size: int = 4, num_groups: int = 2, width: int = 5, kl: bool = False,
@@ -415,17 +426,16 @@ def check_estimator(estimator: Callable, name: str, group_size: int = 4, kl: boo
         raise ValueError(f"advantage_estimator {name!r} must take one argument, the AdvantageBatch (fn(batch) -> "
                          f"advantages; grpo/algorithm/advantages.py), but it takes {required_arguments(estimator)}")
     batch = probe_batch(max(group_size, 1), kl=kl, weights=weights)
-    try:
-        output = estimator(batch)
-    except EstimatorOutputError:
-        raise
-    except Exception as error:  # noqa: BLE001 - reported with the estimator's name
-        raise ValueError(f"advantage_estimator {name!r} raised {type(error).__name__} on a probe batch of "
-                         f"{batch.rewards.shape[0]} rows: {error}") from error
-    if isinstance(output, tuple) and (len(output) != 2 or not isinstance(output[1], dict) or not all(
-            isinstance(key, str) and isinstance(value, (int, float)) for key, value in output[1].items())):
-        raise ValueError(f"advantage_estimator {name!r} returned a tuple: it must be (advantages, {{name: number}}), "
-                         f"got {type(output[1]).__name__ if len(output) == 2 else f'{len(output)} items'}")
-    advantages = output[0] if isinstance(output, tuple) else output
-    check_advantages(advantages, batch, name)
+    try:  # a plug-in's own exception, its output's shape, or no signal: named as at a step
+        output = guarded(estimator, "advantage_estimator", name)(batch)  # (a plug-in's is already guarded)
+        if isinstance(output, tuple) and (len(output) != 2 or not isinstance(output[1], dict) or not all(
+                isinstance(key, str) and isinstance(value, (int, float)) for key, value in output[1].items())):
+            got = type(output[1]).__name__ if len(output) == 2 else f"{len(output)} items"
+            raise ValueError(f"advantage_estimator {name!r} returned a tuple: it must be (advantages, {{name: "
+                             f"number}}), got {got}")
+        advantages = output[0] if isinstance(output, tuple) else output
+        built_in = estimator in (*ADVANTAGE_ESTIMATORS.values(), gdpo)
+        check_advantages(advantages, batch, name, None if built_in else source_file(estimator))  # a plug-in: signal
+    except PluginError as error:
+        raise ValueError(f"{error} (on the start-of-run probe batch of {batch.rewards.shape[0]} rows)") from error
     return advantages.dim()

@@ -53,6 +53,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from grpo.plugins import PluginError, guarded
+
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "rloo")  # the PPO clipped surrogate
 LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo")
@@ -320,13 +322,19 @@ def resolve_objective(loss_type: str) -> tuple[Callable, str]:
 
 
 def checked_objective(objective: Callable, loss_type: str) -> Callable:
-    """A plug-in objective whose term is checked at every call: (n, T) or (n, 1) of the micro-batch."""
+    """A plug-in objective whose exceptions become one PluginError naming it and its file (grpo.plugins.guarded) and
+    whose term is checked at every call: (n, T) or (n, 1) of the micro-batch."""
+    call = guarded(objective, "loss_type", loss_type)
 
     @functools.wraps(objective)  # its name and signature (check_objective reads them)
     def checked(x: PolicyInputs) -> torch.Tensor:
-        return check_term(objective(x), x.logps.shape, loss_type)
+        return check_term(call(x), x.logps.shape, loss_type)
 
     return checked
+
+
+class ObjectiveOutputError(PluginError, ValueError):
+    """A plug-in objective's term is not the policy term of its micro-batch (check_term)."""
 
 
 def check_term(term, shape: torch.Size, loss_type: str, where: str = "a micro-batch") -> torch.Tensor:
@@ -335,9 +343,9 @@ def check_term(term, shape: torch.Size, loss_type: str, where: str = "a micro-ba
     rows, tokens = shape
     if not isinstance(term, torch.Tensor) or tuple(term.shape) not in ((rows, tokens), (rows, 1)):
         got = tuple(term.shape) if isinstance(term, torch.Tensor) else type(term).__name__
-        raise ValueError(f"loss_type {loss_type!r} returned {got} on {where} of {rows} rows x {tokens} tokens; "
-                         f"expected the per-token policy term, (n, T) = {(rows, tokens)}, or one per completion, "
-                         f"(n, 1) = {(rows, 1)}")
+        raise ObjectiveOutputError(f"loss_type {loss_type!r} returned {got} on {where} of {rows} rows x {tokens} "
+                                   f"tokens; expected the per-token policy term, (n, T) = {(rows, tokens)}, or one per "
+                                   f"completion, (n, 1) = {(rows, 1)}")
     return term
 
 
@@ -363,10 +371,9 @@ def check_objective(loss_type: str, options: "LossOptions | None" = None) -> Non
     inputs = PolicyInputs(logps, old, log_importance_weights(logps, old, mask, options.ratio_level), advantages, mask,
                           options)
     try:
-        term = objective(inputs)
-    except Exception as error:  # noqa: BLE001 - reported with the objective's name
-        raise ValueError(f"loss_type {loss_type!r} raised {type(error).__name__} on a probe micro-batch of 4 rows x 5 "
-                         f"tokens: {error}") from error
+        term = guarded(objective, "loss_type", loss_type)(inputs)
+    except PluginError as error:  # named as at a step
+        raise ValueError(f"{error} (on the start-of-run probe micro-batch of 4 rows x 5 tokens)") from error
     check_term(term, logps.shape, loss_type, "a probe micro-batch")
     if not term.requires_grad or not torch.isfinite(term).all():
         raise ValueError(f"loss_type {loss_type!r} returned a term that is not finite or has no gradient through "

@@ -18,6 +18,7 @@ casting none.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -27,8 +28,9 @@ import torch
 from tqdm import tqdm
 
 from data.answers import canonical_number, extract_last_number, gold_from_column
-from grpo.config import KERNEL_CHOICES, ConfigMixin, option
-from grpo.models import PRECISIONS
+from grpo.config import ConfigMixin, option, shared
+from grpo.config_types import type_problems
+from grpo.plugins import guarded
 from grpo.loop.prompts import encode_prompts
 from grpo.algorithm.sampler import SamplingParams
 from grpo.algorithm.advantages import weighted_rewards
@@ -37,50 +39,50 @@ from grpo.loop.rollout import GroupSampler
 from rewards import load_function, score_rows
 from rewards.gsm8k import extract_xml_answer, strict_format
 from rewards.reasoning_gym import extract_answer as extract_task_answer
-from data.reasoning_gym import ANSWER_EXTRACTIONS
-from rewards.sandbox import ISOLATION_CHOICES, check_isolation
+from rewards.sandbox import check_isolation
 
 
 @dataclass
 class EvalConfig(ConfigMixin):
     """Every setting of an evaluation run (the flags are generated from these fields)."""
 
-    model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder or checkpoint, or `tiny`")
-    compare: str | None = option(None, "a second model evaluated on the same problems, printed side by side")
-    dataset: str = option("openai/gsm8k", "hub id, local .jsonl/.json/.parquet file or folder, `synthetic[:N]` or `reasoning-gym:NAME[:N]`; rows with a `prompt` column, or a question and an answer")
-    split: str = option("test", "dataset split")
+    model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder, `tiny`, or a trained run: its folder (its newest complete checkpoint) or a checkpoint folder, whose run_config.json gives every evaluation setting not given here (printed at start)")
+    compare: str | None = option(None, "a second model evaluated on the same problems under the same settings, printed side by side")
+    dataset: str = shared("dataset")
+    split: str = option("test", "dataset split (a trained run's: its --eval-split)", from_run="eval_split")
     limit: int = option(0, "evaluate the first N problems (0 = all)")
-    system_prompt: str | None = option(None, "system prompt of GSM8K-style rows and reasoning-gym tasks (the same as training; default the data's, as train.py's)")
-    one_shot: bool = option(False, "GSM8K-style rows: a worked example before the question (the same as training)")
-    chat_template: str | None = option(None, "a Jinja chat template file for tokenizers that have none (as train.py's; a checkpoint keeps the one it trained with), used for --model and --compare")
-    chat_template_kwargs: dict | None = option(None, "extra keyword arguments of the chat template, a JSON object (the same as training), e.g. '{\"enable_thinking\": false}'")
-    task_settings: dict | None = option(None, "a reasoning-gym dataset's settings, a JSON object (the same as training)")
-    task_seed: int = option(0, "a reasoning-gym dataset's seed (the same as training: the held-out split is disjoint from that seed's train split)")
-    answer_extraction: str = option("tag", "how task_score finds a reasoning-gym completion's answer: tag (the text inside its last <answer>), tag-or-last-number or tag-or-last-line (the same, else its last number or last non-empty line: for models that do not write the tag; docs/tasks.md)", choices=ANSWER_EXTRACTIONS)
-    trust_task_verifier: bool = option(False, "use a reasoning-gym task whose verifier cannot be trusted with a policy's answers: one that evaluates them as code (eval, sympy's parser) in this process, or that gives full marks to a constant nonsense answer (off: such tasks are refused, naming why; docs/tasks.md)")
-    tools: list[str] = option([], "functions the model may call, module:function each (the same as training's --tools)")
-    max_tool_calling_iterations: int | None = option(None, "tool-calling turns per completion at most (as training)")
-    environment: list[str] = option([], "multi-turn environments, module:Class or file.py:Class each (the same as training's --environment); their get_reward scores are reported with the --reward ones")
-    environment_timeout: float = option(10.0, "seconds an environment's reset, tool call or get_reward may take (as training)")
-    scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise")
-    reward: list[str] | None = option(None, "reward functions for --scorer rewards (names, module:function or file.py:function, or a reward model: its folder or model:ORG/NAME); default: the data's own, as train.py's (task_solved for reasoning-gym:NAME, the environment's get_reward alone with --environment, else correctness)")
-    sandbox_isolation: str = option("available", "a scorer or reward that runs the model's programs: `available` runs them with the isolation layers this machine gives (a warning names any that is missing), `full` refuses to start without every layer (as train.py's)", choices=ISOLATION_CHOICES)
-    max_prompt_length: int = option(512, "prompt tokens kept (truncated from the left)")
-    max_completion_length: int = option(512, "completion token budget")
-    batch_size: int = option(32, "prompts decoded together (greedy); with --num-samples, batch_size // k prompts of k completions each")
+    system_prompt: str | None = shared("system_prompt")
+    one_shot: bool = shared("one_shot")
+    chat_template: str | None = shared("chat_template", help="a Jinja chat template file, for tokenizers that have none (a checkpoint keeps the one it trained with); used for --model and --compare", from_run=None)
+    chat_template_kwargs: dict | None = shared("chat_template_kwargs")
+    task_settings: dict | None = shared("task_settings")
+    task_seed: int = shared("task_seed")
+    answer_extraction: str = shared("answer_extraction")
+    trust_task_verifier: bool = shared("trust_task_verifier")
+    tools: list[str] = shared("tools")
+    max_tool_calling_iterations: int | None = shared("max_tool_calling_iterations")
+    environment: list[str] = shared("environment")
+    environment_timeout: float = shared("environment_timeout")
+    scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise (a trained run's: its --eval-scorer)", from_run="eval_scorer")
+    reward: list[str] | None = shared("reward", help="reward functions for --scorer rewards (names, module:function or file.py:function, or a reward model: its folder or model:ORG/NAME), each with an optional weight; default: a trained run's own, else the data's, as train.py's (task_solved for reasoning-gym:NAME, the environment's get_reward alone with --environment, else correctness)")
+    sandbox_isolation: str = shared("sandbox_isolation")
+    max_prompt_length: int = shared("max_prompt_length", default=512)
+    max_completion_length: int = option(512, "completion token budget (a trained run's: its --eval-max-completion-length, else its --max-completion-length)", from_run=("eval_max_completion_length", "max_completion_length"))
+    batch_size: int = option(32, "prompts decoded together (greedy); with --num-samples, batch_size // k prompts of k completions each (a trained run's: its --eval-batch-size)", from_run="eval_batch_size")
     num_samples: int = option(1, "k: completions sampled per problem at --temperature, beside the greedy one; k > 1 reports pass@1..k (Chen et al.'s unbiased estimator) and maj@k, each with a 95% interval over the problems")
     temperature: float = option(1.0, "sampling temperature of the --num-samples completions (the greedy scores do not use it)")
     seed: int = option(0, "seed of the sampled completions")
     pass_key: str | None = option(None, "the score that makes a sample correct for pass@k and maj@k; default: strict_accuracy (gsm8k scorer) or the first --reward's value (rewards scorer); a custom scorer names one of its keys")
     pass_threshold: float = option(1.0, "a sample is correct when its --pass-key score is at least this")
-    device: str = option("auto", "cuda, cpu, or auto")
-    kernels: str = option("auto", "fast paths (as train.py): auto or plain", choices=KERNEL_CHOICES)
-    precision: str = option("auto", "fp32, bf16 (autocast) or bf16-pure; auto = bf16 on CUDA", choices=PRECISIONS)
-    trust_remote_code: bool = option(False, "run model/tokenizer code from the hub")
-    skip_bad_rows: bool = option(False, "drop rows without a prompt (or a question and a parseable gold answer)")
+    device: str = shared("device", from_run=None)
+    kernels: str = shared("kernels", from_run=None)
+    precision: str = shared("precision", from_run=None)
+    trust_remote_code: bool = shared("trust_remote_code", from_run=None)
+    skip_bad_rows: bool = shared("skip_bad_rows")
     output_dir: str = option("runs/eval", "where the per-sample JSONL and summary JSON go")
 
     def validate(self) -> "EvalConfig":
+        self.raise_problems(type_problems(self))  # every value of its field's type before any check reads it
         self.resolve_defaults(["correctness"])
         problems = [f"{name} must be >= 1, got {getattr(self, name)}"
                     for name in ("max_prompt_length", "max_completion_length", "batch_size") if getattr(self, name) < 1]
@@ -98,6 +100,65 @@ class EvalConfig(ConfigMixin):
         problems += self.task_problems()
         self.raise_problems(problems)
         return self
+
+
+TASK_BOUND = ("split", "task_settings", "task_seed", "trust_task_verifier", "reward", "scorer")  # the run's task's
+
+
+def run_settings(values: dict) -> tuple[dict, dict, Path | None]:
+    """eval.py on a trained run: (`values` with every evaluation setting they do not give taken from the run's
+    run_config.json, what was taken: setting -> value, the run_config.json read or None). `values["model"]` may name
+    a run folder (its newest complete checkpoint is evaluated) or a checkpoint folder; anything else is no run. The
+    settings taken are EvalConfig's fields with a `from_run` (the training setting of that name, or the first of
+    several that is set); with another dataset than the run's, the run's task's own settings (TASK_BOUND) are not."""
+    from data.reasoning_gym import task_name
+    from grpo.loop.checkpoint import latest_checkpoint
+
+    model = values.get("model")
+    folder = Path(str(model)).expanduser() if model else None
+    if folder is None or not folder.is_dir():
+        return values, {}, None
+    checkpoint = latest_checkpoint(folder)  # the folder itself when it is a checkpoint
+    record_file = None if checkpoint is None else checkpoint / "run_config.json"
+    if record_file is None or not record_file.is_file():
+        return values, {}, None
+    run = json.loads(record_file.read_text())
+    values, taken = dict(values, model=str(checkpoint)), {}
+    other_task = "dataset" in values and task_name(values["dataset"]) != task_name(run.get("dataset"))
+    for f in dataclasses.fields(EvalConfig):
+        sources = f.metadata.get("from_run")
+        sources = (sources,) if isinstance(sources, str) else sources or ()
+        if f.name in values or (other_task and f.name in TASK_BOUND):
+            continue
+        found = [run[name] for name in sources if run.get(name) is not None]
+        if found and found[0] != f.default and not (f.default_factory is not dataclasses.MISSING
+                                                      and found[0] == f.default_factory()):
+            values[f.name] = taken[f.name] = found[0]
+    return values, taken, record_file
+
+
+def unused_settings(config: EvalConfig, task: str) -> list[str]:
+    """The settings given on the command line (config.given) that this evaluation would not read, each named with
+    what would read it: a reward without the rewards scorer, a sampling setting without --num-samples > 1, a task's
+    setting on another task's rows, a tool or environment setting without tools or environments."""
+    scorer = "rewards" if config.environment else scorer_kind(config.scorer, task)
+    how = f"--scorer {config.scorer}" + (f", which on {task} rows is {scorer}" if config.scorer == "auto" else "")
+    rules = [
+        ("reward", scorer == "rewards", f"the rewards scorer (--scorer rewards) reads it; this evaluation scores with "
+                                        f"{how}: pass --scorer rewards, or leave it out"),
+        ("temperature", config.num_samples > 1, "--num-samples > 1 reads it (the greedy evaluation does not sample)"),
+        ("seed", config.num_samples > 1, "--num-samples > 1 reads it (the greedy evaluation does not sample)"),
+        ("answer_extraction", task == "reasoning-gym", f"a reasoning-gym dataset reads it; these are {task} rows"),
+        ("task_seed", task == "reasoning-gym", f"a reasoning-gym dataset reads it; these are {task} rows"),
+        ("trust_task_verifier", task == "reasoning-gym", f"a reasoning-gym dataset reads it; these are {task} rows"),
+        ("one_shot", task == "gsm8k", f"GSM8K-style rows (a question and an answer) read it; these are {task} rows"),
+        ("system_prompt", task in ("gsm8k", "reasoning-gym"), "GSM8K-style rows and reasoning-gym tasks read it; rows "
+                                                              "with a prompt column keep their own"),
+        ("max_tool_calling_iterations", bool(config.tools or config.environment), "--tools or --environment reads it"),
+        ("environment_timeout", bool(config.environment), "--environment reads it"),
+    ]
+    return [f"--{name.replace('_', '-')} does nothing here: {why}" for name, used, why in rules
+            if name in config.given and not used]
 
 
 def score_answer(completion: str, gold: str) -> dict:
@@ -151,7 +212,7 @@ def make_scorer(name: str, task: str, reward_specs=None, sandbox_isolation: str 
             raise ValueError("--eval-scorer rewards needs the training reward functions")
         check_isolation([spec.fn for spec in reward_specs], sandbox_isolation)
         return reward_scores(reward_specs)
-    function = load_function(name, what="eval scorer")
+    function = guarded(load_function(name, what="eval scorer"), "eval scorer", name)  # its faults name it
     check_isolation([function], sandbox_isolation)
 
     def score(completions, rows, completion_ids=None):

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -119,6 +120,36 @@ def check_world(config, world) -> None:
     config.raise_problems(problems)
 
 
+def resume_changes(config, checkpoint: Path, reward_specs) -> list[dict]:
+    """The settings of this run that differ from the checkpoint's run_config.json, `name: old -> new` each, the
+    rewards (also those given from Python) by name and weight, and the settings that may change on resume
+    (grpo.config.MAY_CHANGE_ON_RESUME) left out. A setting the checkpoint does not record (saved by an older version)
+    is not compared. Refused (ValueError listing them) unless config.resume_with_changed_settings; then the run's
+    history of such changes (run_config.json's `changed_on_resume`), this resume's last."""
+    from grpo.config import MAY_CHANGE_ON_RESUME
+
+    record_file = checkpoint / "run_config.json"
+    if not record_file.is_file():
+        return []
+    saved = json.loads(record_file.read_text())
+    now = json.loads(json.dumps(config.to_dict()))  # as the checkpoint stored it (tuples as lists)
+    changes = [f"{name}: {saved[name]!r} -> {value!r}" for name, value in now.items()
+               if name not in MAY_CHANGE_ON_RESUME and name in saved and saved[name] != value]
+    saved_rewards = [(r["name"], r["weight"]) for r in saved.get("reward_functions", [])]
+    rewards = [(spec.name, spec.weight) for spec in reward_specs]
+    if "reward_functions" in saved and saved_rewards != rewards:
+        changes.append(f"reward functions (name, weight): {saved_rewards} -> {rewards}")
+    if changes and not config.resume_with_changed_settings:
+        raise ValueError(f"--resume {checkpoint}: these settings differ from the run's ({record_file}):\n  - "
+                         + "\n  - ".join(changes) + "\nresume with the run's own settings, or pass "
+                         "--resume-with-changed-settings to go on with these (docs/cli.md lists the settings that "
+                         "may change on resume)")
+    for change in changes:
+        logger.warning("resumed with a changed setting (--resume-with-changed-settings): %s", change)
+    step = int(checkpoint.name.rpartition("-")[2]) if checkpoint.name.rpartition("-")[2].isdigit() else None
+    return saved.get("changed_on_resume", []) + ([{"at_step": step, "changes": changes}] if changes else [])
+
+
 def find_resume_checkpoint(config) -> Path | None:
     if not config.resume:
         return None
@@ -129,16 +160,23 @@ def find_resume_checkpoint(config) -> Path | None:
     return checkpoint
 
 
-def check_run_dir(run_dir: Path, config, resume_from, replaces: bool = True) -> None:
-    """A folder holding another run is replaced only with --overwrite (and kept with --resume). `replaces`: this
-    process deletes the old run's files (under torchrun only global rank 0 does, or the ranks race on them)."""
+def old_run_files(run_dir: Path, config, resume_from) -> list[str]:
+    """The files of another run in the output folder, which this run replaces: refused without --overwrite (kept
+    with --resume). Nothing is removed here: `replace_old_run` does that, after every other check has passed."""
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
     if not existing or resume_from is not None:
-        return
+        return []
     if not config.overwrite:
         raise ValueError(f"--output-dir {run_dir} holds another run ({', '.join(existing)}); "
                          "pass --resume to continue it or --overwrite to replace it")
-    for name in existing if replaces else ():
+    return existing
+
+
+def replace_old_run(run_dir: Path, old_files: list[str], replaces: bool = True) -> None:
+    """Remove the old run's files (`old_run_files`): the last step of set-up, so that a refused run (a bad model,
+    reward, engine setting or row) leaves the earlier run as it was. `replaces`: this process deletes them (under
+    torchrun only global rank 0 does, or the ranks would race on them)."""
+    for name in old_files if replaces else ():
         path = run_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 

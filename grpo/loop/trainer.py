@@ -51,8 +51,9 @@ from grpo.loop.threads import CpuThreads
 from grpo.loop.rollout import Rollout, RowUniforms, make_generation_backend, sample_rollout, seeded, step_prompts
 from grpo.algorithm.sampler import SamplingParams, sample_groups
 from grpo.loop.update import Models, StepState, TrainingError, UpdateResult, train_on_rollout
+from grpo.plugins import PluginError
 from rewards.reward_model import load_reward_models
-from rewards.scoring import check_reward_columns
+from rewards.scoring import RewardError, check_reward_columns
 
 logger = logging.getLogger("grpo")
 
@@ -124,9 +125,11 @@ class Trainer:
                     self._stop_signal = "a signal to another rank"
                 if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == stop_at or stopping:
                     self.save()
-        except TrainingError as error:  # a DiskFullError too: it stays one (train.py adds how to resume)
-            raise type(error)(f"{error} The last good checkpoint is "
-                              f"{latest_checkpoint(self.run_dir) or 'none (none was saved yet)'}.") from error.__cause__
+        except (TrainingError, PluginError, RewardError) as error:  # a DiskFullError stays one (train.py: how to resume)
+            where = "" if isinstance(error, TrainingError) else f"step {self.step + 1}: "  # a plug-in's or reward's fault
+            raise (type(error) if isinstance(error, TrainingError) else TrainingError)(
+                f"{where}{error} The last good checkpoint is "
+                f"{latest_checkpoint(self.run_dir) or 'none (none was saved yet)'}.") from error.__cause__ or error
         finally:
             if rollouts is not None:  # rollouts sampled ahead are discarded (resume samples them again)
                 rollouts.close()
@@ -296,8 +299,9 @@ class Trainer:
 
     def run_record(self) -> dict:
         """The settings and what actually ran (run_config.json, and each checkpoint's)."""
-        return run_state.run_record(self.config, self.rewards, self.task, self.kernels, type(self.generation).__name__,
-                                    self.world.size, self.models.distributed)
+        record = run_state.run_record(self.config, self.rewards, self.task, self.kernels,
+                                      type(self.generation).__name__, self.world.size, self.models.distributed)
+        return {**record, "changed_on_resume": self.resume_changes} if self.resume_changes else record
 
     @property
     def step(self) -> int:
@@ -350,6 +354,8 @@ class Trainer:
             logger.warning(note)
         self.run_dir = Path(cfg.output_dir)
         self.resume_from = setup.find_resume_checkpoint(cfg)
+        self.resume_changes = [] if self.resume_from is None else setup.resume_changes(cfg, self.resume_from,
+                                                                                       self.rewards)
 
         # --- data: loaded and checked before any model ---
         source, setting = (str(self.resume_from), "--resume") if self.resume_from else (cfg.model, "--model")
@@ -360,10 +366,7 @@ class Trainer:
         self.train_rows, self.task = setup.task_rows(cfg, train_rows, cfg.train_split, "train")
         supplied = ("environments",) if self.environments is not None else ()
         check_reward_columns(self.rewards, self.train_rows, f"{cfg.dataset}[{cfg.train_split}]", supplied)
-        # only now, every setting and the data checked, may an old run in the output folder be replaced
-        setup.check_run_dir(self.run_dir, cfg, self.resume_from, replaces=self.global_rank == 0)
-        if torch.distributed.is_initialized():  # no process writes there before rank 0 has replaced an old run
-            torch.distributed.barrier()
+        old_files = setup.old_run_files(self.run_dir, cfg, self.resume_from)  # refused here without --overwrite
         self.rows_by_prompt = {prompt_key(row["prompt"]): row for row in self.train_rows}  # a completion's problem
         self.collapse = CollapseWatch()
         self.train_prompt_ids, self.train_rows, _ = encode_prompts(
@@ -429,6 +432,10 @@ class Trainer:
                               cfg)
         elif self.resume_from is not None:  # a generation process: only where to start (the weights come from rank 0)
             self.state.step = load_trainer_state(self.resume_from)["step"]
+        # only now, every check passed, may an old run in the output folder be replaced
+        setup.replace_old_run(self.run_dir, old_files, replaces=self.global_rank == 0)
+        if torch.distributed.is_initialized():  # no process writes there before rank 0 has replaced an old run
+            torch.distributed.barrier()
 
 
 __all__ = ["Trainer", "TrainingError", "DiskFullError", "Rollout"]

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from grpo.algorithm.advantages import AdvantageBatch, estimate_advantages, grpo, weighted_rewards
+from grpo.algorithm.advantages import AdvantageBatch, estimate_advantages, grpo, reward_statistics, weighted_rewards
 from grpo.loop.distributed import World, accumulating, full_tensor
 from grpo.algorithm.logprobs import completion_logprobs
 from grpo.algorithm.loss import (EntropyControl, LossOptions, LossStats, aggregate_loss, entropy_bonus, loss_terms,
@@ -44,6 +44,7 @@ from grpo.algorithm.loss import (EntropyControl, LossOptions, LossStats, aggrega
 from grpo.algorithm.off_policy import behaviour_weights, mismatch_statistics
 from grpo.loop.metrics import sampling_metrics, step_metrics
 from grpo.loop.rollout import Rollout, seeded
+from grpo.plugins import NoSignalError
 
 logger = logging.getLogger("grpo")
 
@@ -252,11 +253,12 @@ def apply_update(config, models: Models, optimizer, scheduler, state: StepState,
 def skip_update(state: StepState, grad_norm: float, max_bad_steps: int) -> None:
     state.consecutive_bad_steps += 1
     state.skipped_updates += 1
-    logger.warning("step %d: non-finite loss or gradient (grad_norm=%s): update skipped (%d in a row, limit %d)",
-                   state.step + 1, grad_norm, state.consecutive_bad_steps, max_bad_steps)
+    logger.warning("step %d: non-finite loss or gradient, or no advantage signal (grad_norm=%s): update skipped (%d "
+                   "in a row, limit %d)", state.step + 1, grad_norm, state.consecutive_bad_steps, max_bad_steps)
     if state.consecutive_bad_steps >= max_bad_steps:
-        raise TrainingError(f"{state.consecutive_bad_steps} consecutive steps had a non-finite loss or gradient; "
-                            "stopping. Lower the learning rate, check the reward functions, or use --precision fp32.")
+        raise TrainingError(f"{state.consecutive_bad_steps} consecutive updates were skipped (a non-finite loss or "
+                            "gradient, or an advantage estimator without a signal); stopping. Lower the learning "
+                            "rate, check the reward functions and plug-ins, or use --precision fp32.")
 
 
 def check_rollout(config, world: World, rollout: Rollout, num_updates: int) -> None:
@@ -313,7 +315,13 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
     # --- advantages: over every rank's rows, as one process would compute them ---
     weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)  # (K,)
     batch = advantage_batch(rollout, loss_mask, old_logps, ref_logps, weights, config, world)
-    all_advantages, reward_stats = estimate_advantages(functions.advantage_estimator, batch, config.normalize_advantages)
+    try:
+        all_advantages, reward_stats = estimate_advantages(functions.advantage_estimator, batch,
+                                                           config.normalize_advantages)
+        signal = True
+    except NoSignalError as error:  # a plug-in estimator gave nothing to learn from: skipped as a non-finite step
+        logger.warning("step %d: %s; its updates are skipped", state.step + 1, error)
+        all_advantages, reward_stats, signal = torch.zeros(batch.rewards.shape[0], 1), reward_statistics(batch), False
     advantages = world.local_rows(all_advantages).to(device)  # (N, 1), or (N, T_max) from a per-token estimator
     behaviour, is_weights, sampling_stats = (behaviour_correction(rollout, old_logps, loss_mask, config, world)
                                              if config.corrects_behaviour else (None, None, {}))
@@ -331,7 +339,7 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
         order = micro_batch_order(num_rows, config.seed, state.step, iteration, world.rank)  # (N,)
         for update_rows in order.chunk(num_updates):  # (N / k,) each update its own slice of the rows
             coef = state.entropy.applied()  # the same for the whole update; None: no entropy bonus
-            finite, losses = True, []
+            finite, losses = signal, []
             for index, rows in enumerate(functions.update_batches(update_rows, lengths, config.micro_batch_size)):
                 rows = rows.to(device)
                 ids, attention_mask, mask = micro_batch(tensors, rows)

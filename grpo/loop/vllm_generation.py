@@ -74,6 +74,8 @@ class EngineSettings:
     tensor_parallel_size: int
     model_impl: str
     seed: int
+    max_model_length_from: str = "--vllm-max-model-length"  # the settings max_model_length comes from, for messages
+    group_tokens_from: str = "tokens"  # how group_tokens adds up, each term with its flag, for messages
 
 
 def kv_cache_bytes(model_config, settings: EngineSettings, rows: int) -> int | None:
@@ -147,9 +149,9 @@ def build_engine(model, source: str, settings: EngineSettings, rows: int, in_pro
     check_architecture(model_config, settings.model_impl)
     positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
     if positions and settings.max_model_length > positions:
-        raise EngineError(f"the vLLM engine's model length, {settings.max_model_length} tokens (--vllm-max-model-length, "
-                          "default max_prompt_length + max_completion_length), is over the model's "
-                          f"max_position_embeddings, {positions}: lower --max-prompt-length or --max-completion-length")
+        raise EngineError(f"the vLLM engine's model length, {settings.max_model_length} tokens "
+                          f"({settings.max_model_length_from}), is over the model's max_position_embeddings, "
+                          f"{positions}: lower those settings")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     options = dict(model=source, skip_tokenizer_init=True, generation_config="vllm",
                    dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_length,
@@ -181,9 +183,8 @@ def build_engine(model, source: str, settings: EngineSettings, rows: int, in_pro
     capacity = (cache.num_gpu_blocks or 0) * cache.block_size
     if capacity and capacity < settings.group_tokens:
         raise EngineError(f"the vLLM engine's KV cache holds {capacity} tokens, less than one group's "
-                          f"{settings.group_tokens} (its prompt and num_generations completions of "
-                          "max_completion_length): raise --vllm-kv-cache-gib or --vllm-gpu-memory-utilization, or "
-                          "lower --num-generations or --max-completion-length")
+                          f"{settings.group_tokens_from}: raise --vllm-kv-cache-gib or --vllm-gpu-memory-utilization, "
+                          "or lower those settings")
     return llm
 
 
