@@ -22,8 +22,8 @@ import sys
 from textwrap import shorten
 from pathlib import Path
 
-from grpo.cli import make_config, settings_from_args
-from grpo.loop.evaluation import EvalConfig, run_settings, unused_settings
+from grpo.cli import make_config, run_settings, settings_from_args
+from grpo.evaluation.evaluate import EvalConfig, unused_settings
 
 
 def output_stem(name: str) -> str:
@@ -52,12 +52,12 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
                    reward_specs=None, environments=None) -> dict:
     import torch
 
-    from grpo.loop.answers import prior_summary
-    from grpo.loop.evaluation import evaluate, evaluate_samples, sample_answer
-    from grpo.loop.rollout import GroupSampler
+    from grpo.evaluation.answers import prior_summary
+    from grpo.evaluation.evaluate import evaluate, evaluate_samples, sample_answer
+    from grpo.generation.rollout import GroupSampler
     from grpo.kernels import select_kernels
     from grpo.models import eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_precision
-    from grpo.loop.setup import tool_set
+    from grpo.core.setup import tool_set
 
     device = resolve_device(config.device)
     precision = resolve_precision(config.precision, device)
@@ -75,16 +75,17 @@ def evaluate_model(config: EvalConfig, name: str, rows: list[dict], scorer, task
     records, summary = evaluate(model, tokenizer, rows, eos_token_ids(model, tokenizer), config.max_prompt_length,
                                 config.max_completion_length, config.batch_size, autocast=autocast, scorer=scorer,
                                 backend=backend, chat_template_kwargs=template_kwargs, **played_with)
-    # guards against the prior (grpo/loop/answers.py): the model's most common answer, the best constant answer
+    # guards against the prior (grpo/evaluation/answers.py): the model's most common answer, the best constant answer
     answers = [sample_answer(record["completion"], task, row) for record, row in zip(records, rows, strict=True)]
     for record, answer in zip(records, answers, strict=True):
         record["answer"] = answer
     try:  # a scorer that cannot score a bare `<answer>X</answer>` loses the guard, not the evaluation
-        summary.update(prior_summary(answers, [record["gold"] for record in records],
-                                     [is_correct(record, pass_key, config.pass_threshold) for record in records],
-                                     constant_scorer(rows, scorer, pass_key, config.pass_threshold, task, environments)))
+        correct = [is_correct(record, pass_key, config.pass_threshold) for record in records]
+        constant = constant_scorer(rows, scorer, pass_key, config.pass_threshold, task, environments)
+        summary.update(prior_summary(answers, [record["gold"] for record in records], correct, constant))
     except Exception as error:  # noqa: BLE001 - reported, and the evaluation goes on
-        logging.getLogger("grpo").warning("the best constant answer was not scored: %s: %s", type(error).__name__, error)
+        logging.getLogger("grpo").warning("the best constant answer was not scored: %s: %s", type(error).__name__,
+                                          error)
         summary.update(prior_summary(answers, [None] * len(answers), [], None))
     folder = Path(config.output_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -130,10 +131,10 @@ def main(argv=None) -> int:
               + (", ".join(f"{name}={shorten(repr(value), 70)}" for name, value in taken.items())
                  or "none differ from eval.py's"))
     from data import DataError, load_task_rows
-    from grpo.loop.evaluation import default_pass_key, make_scorer, scorer_kind
+    from grpo.evaluation.evaluate import default_pass_key, make_scorer, scorer_kind
     from grpo.models import ModelError, resolve_device
-    from grpo.plugins import PluginError
-    from grpo.loop.setup import environments as load_environments, reward_specs as reward_specs_of
+    from grpo.errors import PluginError
+    from grpo.core.setup import environments as load_environments, reward_specs as reward_specs_of
     from rewards import RewardError
     from rewards.reward_model import load_reward_models
     from rewards.scoring import check_reward_columns

@@ -44,8 +44,8 @@ def main(argv=None) -> int:
 
     from data import DataError
     from grpo.models import ModelError
-    from grpo.loop.trainer import DiskFullError, Trainer, TrainingError
-    from grpo.plugins import PluginError
+    from grpo.core.trainer import DiskFullError, Trainer, TrainingError
+    from grpo.errors import PluginError
     from rewards import RewardError
 
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 prints
@@ -53,9 +53,10 @@ def main(argv=None) -> int:
         trainer = Trainer(config)
         if main_process:
             rewards = [spec.name if spec.weight == 1 else f"{spec.name}:{spec.weight:g}" for spec in trainer.rewards]
-            print(run_summary(config, rewards, len(trainer.train_rows), trainer.task, trainer.total_steps,
-                              trainer.step if trainer.resume_from else None, trainer.world.size,
-                              trainer.models.distributed, trainer.models.device, trainer.precision))
+            print(run_summary(config, rewards, len(trainer.data.train_rows), trainer.data.task,
+                              trainer.loop.total_steps, trainer.step if trainer.run.resume_from else None,
+                              trainer.world.size, trainer.models.distributed, trainer.models.device,
+                              trainer.processes.precision))
         result = trainer.train()
         trainer.close()
     except TrainingError as error:  # mid-run (a full disk, a plug-in's or a reward's fault, too many bad steps):

@@ -48,8 +48,8 @@ STEP_KEYS = ("reward", "step_time", "sample_time", "sample/staleness_mean", "sam
 
 def run(args, model: Path, run_dir: Path, seed: int, mode: str, extra: list[str], steps: int) -> dict:
     """One train.py run (sync: one process; async: torchrun, one generation and one training process)."""
-    flags = ["--model", str(model), "--output-dir", str(run_dir), *train_flags(argparse.Namespace(**{**vars(args),
-                                                                                                 "steps": steps}), seed),
+    flags = ["--model", str(model), "--output-dir", str(run_dir),
+             *train_flags(argparse.Namespace(**{**vars(args), "steps": steps}), seed),
              "--no-adapt-cpu-threads", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.cores if mode == "sync" else max(1, args.cores // 2))}
     if mode == "sync":

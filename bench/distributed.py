@@ -41,7 +41,7 @@ def rank_main(args) -> None:
     import torch
 
     from grpo.config import GRPOConfig
-    from grpo.loop.trainer import Trainer
+    from grpo.core.trainer import Trainer
 
     cuda = args.device == "cuda"
     if not cuda:
@@ -79,7 +79,8 @@ def rank_main(args) -> None:
             "optimizer": local_bytes([v for state in trainer.optimizer.state.values() for v in state.values()
                                       if torch.is_tensor(v) and v.dim() > 0])}
     peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    result = {"rank": trainer.world.rank, "mode": trainer.models.distributed, "held_mib": {k: v / 2**20 for k, v in held.items()},
+    result = {"rank": trainer.world.rank, "mode": trainer.models.distributed,
+              "held_mib": {k: v / 2**20 for k, v in held.items()},
               "peak_mib": peak / 2**20, "update_s": statistics.median(times[1:] or times), "run_s": total}
     Path(args.report).with_suffix(f".{trainer.world.rank}.json").write_text(json.dumps(result))
 
@@ -109,7 +110,8 @@ def main():
 
     work = Path(tempfile.mkdtemp(prefix="bench_distributed_"))
     model_dir = save_tiny_model(work / "model", args.shape, seed=0)
-    print(f"shape {args.shape}, {args.processes} process(es) on {args.device}, {args.prompts} prompts x G={args.group}, "
+    print(f"shape {args.shape}, {args.processes} process(es) on {args.device}, "
+          f"{args.prompts} prompts x G={args.group}, "
           f"{args.new_tokens} new tokens, micro-batch {args.micro_batch}, {args.steps} steps, beta 0", flush=True)
     print(f"{'mode':6s} {'rank':>4s} {'params MiB':>11s} {'grads MiB':>10s} {'AdamW MiB':>10s} {'peak MiB':>9s} "
           f"{'update s':>9s}")
@@ -123,14 +125,16 @@ def main():
         if mode != "none":  # a wrapper needs a process group, also at one process
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *command[1:]]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ,
+                                                                            "OMP_NUM_THREADS": str(args.threads)})
         if done.returncode != 0:
             print(f"{mode}: failed\n{done.stderr[-3000:]}")
             continue
         for rank in range(processes):
             r = json.loads(report.with_suffix(f".{rank}.json").read_text())
             held = r["held_mib"]
-            print(f"{r['mode']:6s} {rank:4d} {held['parameters']:11.0f} {held['gradients']:10.0f} {held['optimizer']:10.0f} "
+            print(f"{r['mode']:6s} {rank:4d} {held['parameters']:11.0f} {held['gradients']:10.0f} "
+                  f"{held['optimizer']:10.0f} "
                   f"{r['peak_mib']:9.0f} {r['update_s']:9.2f}", flush=True)
 
 

@@ -4,7 +4,7 @@
     python bench/environment_learning.py [--steps 30] [--seed 0]
     python bench/environment_learning.py --startup        # what a step's 16 environment processes cost
 
-Each rollout plays its own game in its own process (grpo/loop/environments.py): the model calls the `guess` tool,
+Each rollout plays its own game in its own process (grpo/multiturn/environments.py): the model calls the `guess` tool,
 textarena answers higher or lower, up to 10 guesses. The G = 8 rollouts of a row play the same secret (the row's
 seed). The only reward is the environment's get_reward, textarena's score (1 for a solved game, else how close the
 last guess was; 0 without a valid guess). It runs train.py with --environment data.games:GuessTheNumber and an
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.games import game_rows  # noqa: E402
-from grpo.loop.metrics import read_jsonl  # noqa: E402
+from grpo.core.metrics import read_jsonl  # noqa: E402
 
 KEYS = ("reward", "reward_std", "tools/call_frequency", "tools/failure_frequency", "rollout/turns_mean",
         "completions/mean_length", "step_time")
@@ -77,7 +77,7 @@ def startup_cost(model: str, rounds: int = 7) -> int:
     import torch
 
     from data.games import GuessTheNumber
-    from grpo.loop.environments import Environments
+    from grpo.multiturn.environments import Environments
     from grpo.models import load_model, load_tokenizer, resolve_model_name
 
     path = resolve_model_name(model)
@@ -119,7 +119,8 @@ def plot(metrics: list[dict], solved: dict[int, float], path: Path) -> None:
     steps = [m["step"] for m in metrics]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot(steps, [m.get("reward") for m in metrics], marker="o", ms=3, label="textarena score (get_reward)")
-    left.plot(sorted(solved), [solved[s] for s in sorted(solved)], marker="o", ms=3, label="solved, of the step's first 8 games (samples.jsonl)")
+    left.plot(sorted(solved), [solved[s] for s in sorted(solved)], marker="o", ms=3,
+              label="solved, of the step's first 8 games (samples.jsonl)")
     left.set_xlabel("GRPO step")
     left.set_ylim(-0.02, 1.02)
     left.set_title("reward (mean over the step's 16 games)")

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo.loop.metrics import read_jsonl  # noqa: E402
+from grpo.core.metrics import read_jsonl  # noqa: E402
 
 
 def evaluate(model: str, out: Path, budget: int) -> dict:

@@ -8,7 +8,8 @@
 What it does, each step a command you can rerun on its own (they are printed):
 1. Warm start. A random-init Qwen2 (`tiny`: the tiny tokenizer's 460-token vocabulary, hidden 64, 2 layers,
    about 0.1M parameters) is trained by supervised fine-tuning on worked solutions of the synthetic GSM8K-shaped task
-   (data/synthetic.py, its `easy` scale), written in the R1 layout (`data.r1_completion`). The reasoning is always right, but in
+   (data/synthetic.py, its `easy` scale), written in the R1 layout (`data.r1_completion`). The reasoning is always
+   right, but in
    the `subtract` and `two_step` problems the final answer carries a systematic slip in --slip-rate of the
    examples: the last step's second operand (the amount given away, the cost) instead of its result. The model
    learns the format, the arithmetic and the habit: greedy decoding repeats the slip, while sampling writes the
@@ -44,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data import KINDS, build_prompt, make_synthetic_problems, r1_completion  # noqa: E402
-from grpo.loop.metrics import read_jsonl  # noqa: E402
-from grpo.loop.prompts import encode_prompt  # noqa: E402
+from grpo.core.metrics import read_jsonl  # noqa: E402
+from grpo.generation.prompts import encode_prompt  # noqa: E402
 
 SLIP_KINDS = ("subtract", "two_step")
 
@@ -209,9 +210,9 @@ def run_one(args, seed: int, loss_type: str | None, beta: float, model_dir: Path
                             *grpo_flags(args, loss_type, beta, seed, estimator)])
     final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     eval_dir = run_dir / "heldout_eval"
-    run_command(eval_cli, ["--model", str(model_dir), "--compare", str(final), "--dataset", str(task), "--split", "test",
-                           "--max-completion-length", str(args.max_completion_length), "--batch-size", "100",
-                           "--device", "cpu", "--output-dir", str(eval_dir)])
+    run_command(eval_cli, ["--model", str(model_dir), "--compare", str(final), "--dataset", str(task),
+                           "--split", "test", "--max-completion-length", str(args.max_completion_length),
+                           "--batch-size", "100", "--device", "cpu", "--output-dir", str(eval_dir)])
     heldout = read_jsonl(task / "test.jsonl")
     result = {"seed": seed, "loss_type": label, "estimator": estimator, "beta": beta, "run_dir": str(run_dir)}
     for label, path in (("before", model_dir), ("after", final)):
@@ -225,12 +226,14 @@ def run_one(args, seed: int, loss_type: str | None, beta: float, model_dir: Path
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'seed':>4} {'estimator':>28} {'loss':>6} {'beta':>5} | {'strict':>13} {'lift':>6} | {'lenient':>13} | {'format':>13} | "
+    print(f"\n{'seed':>4} {'estimator':>28} {'loss':>6} {'beta':>5} | {'strict':>13} {'lift':>6} | "
+          f"{'lenient':>13} | {'format':>13} | "
           + " ".join(f"{kind:>13}" for kind in KINDS))
     for r in results:
         b, a = r["before"], r["after"]
         cells = " ".join(f"{b['strict_by_kind'][k]:5.2f} -> {a['strict_by_kind'][k]:4.2f}" for k in KINDS)
-        print(f"{r['seed']:>4} {r.get('estimator', 'grpo'):>28} {r['loss_type']:>6} {r['beta']:>5g} | {b['strict_accuracy']:5.3f} -> {a['strict_accuracy']:5.3f}"
+        print(f"{r['seed']:>4} {r.get('estimator', 'grpo'):>28} {r['loss_type']:>6} {r['beta']:>5g} | "
+              f"{b['strict_accuracy']:5.3f} -> {a['strict_accuracy']:5.3f}"
               f" {r['lift']:+6.3f} | {b['lenient_accuracy']:5.3f} -> {a['lenient_accuracy']:5.3f} | "
               f"{b['format_compliance']:5.3f} -> {a['format_compliance']:5.3f} | {cells}")
 
@@ -247,7 +250,8 @@ def plot_results(results: list[dict], output: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
     colours = {}
     for r in results:
-        label = f"{r['loss_type']} beta={r['beta']:g}" + ("" if r.get("estimator", "grpo") == "grpo" else f" {r['estimator']}")
+        label = f"{r['loss_type']} beta={r['beta']:g}" + ("" if r.get("estimator",
+                                                                      "grpo") == "grpo" else f" {r['estimator']}")
         colour = colours.setdefault(label, f"C{len(colours)}")
         records = read_metrics(r["run_dir"])
         steps, values = series(records, "eval/strict_accuracy")
@@ -273,7 +277,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/learning", help="experiment folder (one subfolder per seed)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds: warm start, task and GRPO")
-    parser.add_argument("--loss-types", nargs="+", default=[None], help="GRPO loss types, each a run (default: train.py's "
+    parser.add_argument("--loss-types", nargs="+", default=[None],
+                        help="GRPO loss types, each a run (default: train.py's "
                         "for the estimator: rloo with rloo, else grpo)")
     parser.add_argument("--advantage-estimators", nargs="+", default=["grpo"],
                         help="advantage estimators (train.py's --advantage-estimator), each a run with each loss type")
@@ -299,7 +304,8 @@ def parse_args(argv=None):
     parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated")
     parser.add_argument("--eval-steps", type=int, default=20, help="held-out evaluation every N GRPO steps")
     parser.add_argument("--fresh", action="store_true", help="redo warm starts found in --out")
-    parser.add_argument("--plot", default=None, help="also write the accuracy/reward figure here (default OUT/learning.png)")
+    parser.add_argument("--plot", default=None,
+                        help="also write the accuracy/reward figure here (default OUT/learning.png)")
     return parser.parse_args(argv)
 
 

@@ -63,7 +63,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--method", choices=["chunked", "naive"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.method:  # child process
-        print(json.dumps(measure(args.method, args.shape, args.rows, args.prompt_length, args.completion_length, args.device)))
+        print(json.dumps(measure(args.method, args.shape, args.rows, args.prompt_length, args.completion_length,
+                                 args.device)))
         return {}
     results = {}
     for method in ("chunked", "naive"):

@@ -42,7 +42,7 @@ def run_one(args) -> None:
     import torch
 
     from grpo.config import GRPOConfig
-    from grpo.loop.trainer import Trainer
+    from grpo.core.trainer import Trainer
 
     cuda = args.device == "cuda"
     config = GRPOConfig(model=args.model_dir, dataset="synthetic:64", prompts_per_step=args.prompts,
@@ -83,7 +83,8 @@ def main():
 
     model_dir = save_tiny_model(Path(tempfile.mkdtemp(prefix="bench_memory_")) / "model", args.shape, seed=0)
     dims = SHAPES[args.shape]
-    print(f"shape {args.shape} on {args.device}: {args.prompts} prompts x G={args.group}, {args.new_tokens} new tokens, "
+    print(f"shape {args.shape} on {args.device}: {args.prompts} prompts x G={args.group}, "
+          f"{args.new_tokens} new tokens, "
           f"micro-batch {args.micro_batch}, beta 0.04, one step", flush=True)
     print(f"{'setup':10s} {'peak MiB':>9s} {'trainable':>12s} {'step s':>8s}")
     results = {}
@@ -93,7 +94,8 @@ def main():
                    "--micro-batch", str(args.micro_batch), "--new-tokens", str(args.new_tokens)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            print(f"{setup:10s} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            print(f"{setup:10s} failed: "
+                  f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
             continue
         result = json.loads(done.stdout.strip().splitlines()[-1])
         results[setup] = result

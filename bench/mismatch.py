@@ -36,7 +36,7 @@ def measure(args, precision: str, kernels: str, folder: str) -> dict:
     import torch
 
     from grpo.config import GRPOConfig
-    from grpo.loop.trainer import Trainer
+    from grpo.core.trainer import Trainer
 
     config = GRPOConfig(model=args.model, dataset=args.dataset, device=args.device, precision=precision,
                         kernels=kernels, num_generations=args.num_generations, prompts_per_step=args.prompts,

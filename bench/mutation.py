@@ -60,7 +60,7 @@ MODULES = {
                                                 "tests/test_logprob_memory.py"]),
     "sampler": ("grpo/algorithm/sampler.py", ["tests/test_sampler.py", "-m", "not slow",
                                               "-k", "not compiled"]),
-    "update": ("grpo/loop/update.py", ["tests/test_update.py", *(f"tests/test_trainer.py::test_{name}" for name in (
+    "update": ("grpo/core/update.py", ["tests/test_update.py", *(f"tests/test_trainer.py::test_{name}" for name in (
         "gradient_accumulation_is_exact", "resume_is_exact", "one_generation_feeds_several_updates",
         "reference_sync_mixes_the_policy_in_every_sync_steps_updates", "generation_reuse_updates_on_disjoint_slices",
         "pure_bf16_weights_take_the_fp32_step", "bf16_autocast_tracks_fp32", "beta_zero_loads_no_reference_model",
@@ -70,7 +70,8 @@ MODULES = {
         "tests/test_trainer.py::test_schedules_are_the_ones_transformers_computes",
         "+tests/test_distributed.py::test_two_ranks_compute_what_one_process_computes[ddp]",
         "+tests/test_distributed.py::test_auto_means_fsdp_under_torchrun_and_dapo_counts_global_tokens"]),
-    "checkpoint": ("grpo/loop/checkpoint.py", ["tests/test_reliability.py", "tests/test_trainer.py::test_resume_is_exact"]),
+    "checkpoint": ("grpo/core/checkpoint.py", ["tests/test_reliability.py",
+                                               "tests/test_trainer.py::test_resume_is_exact"]),
     "scoring": ("rewards/scoring.py", ["tests/test_rewards.py"]),
     "gsm8k reward": ("rewards/gsm8k.py", ["tests/test_rewards.py"]),
 }
@@ -99,7 +100,8 @@ KEPT_OPERATORS = [
 def _third_party_modules(tree: Path, tests: list[str]) -> list[str]:
     """The modules other than the project's that importing `tests` loads: what the server imports once."""
     files = [t for t in tests if t.endswith(".py")]
-    probe = ("import sys, runpy\nsys.path[:0] = ['.', 'tests']\nimport tests.conftest\n"  # pytest puts tests/ on the path
+    # pytest puts tests/ on the path
+    probe = ("import sys, runpy\nsys.path[:0] = ['.', 'tests']\nimport tests.conftest\n"
              + "".join(f"try:\n    runpy.run_path({f!r})\nexcept Exception:\n    pass\n" for f in files)
              + f"print('\\n'.join(m for m in list(sys.modules) if m.split('.')[0] not in {PROJECT!r}))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True,

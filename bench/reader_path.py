@@ -1,14 +1,17 @@
-"""The structure a reader relies on: no import cycles, no function that takes the Trainer, no kernel branch in
-the update.
+"""The structure a reader relies on: layers that import downwards only, no import cycles, no function that takes
+the Trainer, no kernel branch in the update.
 
-    python bench/reader_path.py            # import cycles, Trainer parameters, branches in grpo/loop/update.py
+    python bench/reader_path.py            # layers, import cycles, Trainer parameters, branches in the update
 
 Checks:
+    - grpo/'s folders and top modules sit in LAYERS, lowest first: each imports only from the layers below it or from
+      its own folder (so no two folders import each other, and grpo/config.py imports no loop or feature module);
+      rewards/ and data/ import nothing of grpo/;
     - no import cycle among the product's modules (grpo/, rewards/, data/, train.py, eval.py), counting the
       imports inside functions too;
     - no product function takes the Trainer (a parameter annotated Trainer, or named `run` or `trainer`): a
       function's parameters are what it reads;
-    - grpo/loop/update.py has no `if` on the kernels or on the rank (they reach it as functions and collectives).
+    - grpo/core/update.py has no `if` on the kernels or on the rank (they reach it as functions and collectives).
 The lines one step runs are bench/step_trace.py's. Exits 1, naming what failed, when one does not hold.
 """
 
@@ -21,6 +24,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("grpo", "rewards", "data")
+# grpo/'s parts, lowest first. A part imports from the parts of lower layers and from itself only.
+LAYERS = [
+    ("grpo.errors", "grpo.config_types"),  # how a run reports a fault; how a setting is read
+    ("grpo.algorithm",),  # the math as pure functions
+    ("grpo.config",),  # every setting and its checks
+    ("grpo.tiny_model", "grpo.parallel", "grpo.kernels"),  # random-init models; ranks and collectives; fast paths
+    ("grpo.lora",),  # adapters (its reference call is a parallel ModelCall)
+    ("grpo.models",),  # loading the policy, the reference and the tokenizer
+    ("grpo.generation",),  # the rollout, the generation backends and where they run, the prompts as tokens
+    ("grpo.multiturn",),  # tool calls and environments inside a rollout
+    ("grpo.evaluation",),  # greedy and sampled evaluation, its scorers, the answer guards
+    ("grpo.core",),  # the training loop: set-up, the step, the update, metrics, checkpoints
+    ("grpo.cli", "grpo.plot", "grpo"),  # the programs' side
+]
 
 
 def module_name(path: Path) -> str:
@@ -46,11 +63,36 @@ def imports_of(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
         found |= {target for target in targets if target in modules and target != name}
+    return found
+
+
+def part_of(module: str) -> str | None:
+    """The LAYERS part a grpo module belongs to (None: not in grpo/)."""
+    parts = [part for layer in LAYERS for part in layer if module == part or module.startswith(part + ".")]
+    return max(parts, key=len) if parts else None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run from a part to a part of the same or a higher layer (its own part aside), and rewards/ or
+    data/ importing grpo/."""
+    level = {part: number for number, layer in enumerate(LAYERS) for part in layer}
+    found = []
+    for module, targets in sorted(graph.items()):
+        source = part_of(module)
+        for target in sorted(targets):
+            goal = part_of(target)
+            if goal is None:
+                continue
+            if source is None and module.split(".")[0] in ("rewards", "data"):
+                found.append(f"{module} -> {target}: rewards/ and data/ know nothing of grpo/")
+            elif source is not None and source != goal and level[goal] >= level[source]:
+                found.append(f"{module} -> {target}: {goal} is not below {source} (bench/reader_path.py LAYERS)")
     return found
 
 
@@ -115,6 +157,12 @@ def main() -> int:
     failures = []
     modules = product_modules()
     graph = {name: imports_of(path, name, modules) for name, path in modules.items()}
+    unplaced = sorted(name for name in modules if name.startswith("grpo") and part_of(name) is None)
+    upward = layer_violations(graph) + [f"{name} is in no layer of LAYERS" for name in unplaced]
+    print(f"imports that do not run down the layers: {len(upward) or 'none'}")
+    for violation in upward:
+        print("  " + violation)
+        failures.append(f"import {violation}")
     found = cycles(graph)
     print(f"import cycles among {len(modules)} product modules: {len(found) or 'none'}")
     for component in found:
@@ -127,11 +175,11 @@ def main() -> int:
         print("  " + taker)
         failures.append(f"{taker} takes the Trainer")
 
-    branches = branches_on(ROOT / "grpo" / "loop" / "update.py", ("kernels", "rank", "distributed", "ddp", "fsdp"))
-    print(f"kernel or rank branches in grpo/loop/update.py: {len(branches) or 'none'}")
+    branches = branches_on(ROOT / "grpo" / "core" / "update.py", ("kernels", "rank", "distributed", "ddp", "fsdp"))
+    print(f"kernel or rank branches in grpo/core/update.py: {len(branches) or 'none'}")
     for branch in branches:
         print("  " + branch)
-        failures.append(f"grpo/loop/update.py branches on kernels or rank ({branch})")
+        failures.append(f"grpo/core/update.py branches on kernels or rank ({branch})")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

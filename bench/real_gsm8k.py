@@ -106,7 +106,8 @@ def train_flags(args, seed: int) -> list[str]:
     """The settings both sides run with, as train.py flags (trl's equivalents in run_trl)."""
     return ["--dataset", str(args.gsm8k), "--seed", str(seed), "--max-steps", str(args.steps),
             "--prompts-per-step", str(args.prompts_per_step), "--num-generations", str(args.num_generations),
-            "--micro-batch-size", str(args.micro_batch_size), "--max-completion-length", str(args.max_completion_length),
+            "--micro-batch-size", str(args.micro_batch_size),
+            "--max-completion-length", str(args.max_completion_length),
             "--learning-rate", str(args.lr), "--lr-scheduler-type", "constant", "--warmup-ratio", "0",
             "--beta", str(args.beta), "--max-grad-norm", str(args.max_grad_norm), "--temperature", "1.0",
             "--device", "cpu", "--precision", "fp32", "--save-steps", "0", "--log-completions-steps", "0",
@@ -116,14 +117,14 @@ def train_flags(args, seed: int) -> list[str]:
 def run_ours(args, model: Path, seed: int, run_dir: Path) -> dict:
     import train
 
-    from grpo.loop.metrics import read_jsonl
+    from grpo.core.metrics import read_jsonl
 
-    import grpo.loop.trainer
-    import grpo.loop.update
+    import grpo.core.trainer
+    import grpo.core.update
 
     argv = ["--model", str(model), "--output-dir", str(run_dir), *train_flags(args, seed)]
     print("$ python train.py " + " ".join(argv), flush=True)
-    references, passes, update = [], grpo.loop.update.no_grad_logprobs, grpo.loop.trainer.train_on_rollout
+    references, passes, update = [], grpo.core.update.no_grad_logprobs, grpo.core.trainer.train_on_rollout
 
     def timed_passes(*pass_args, **kwargs):  # the reference pass's time (CPU: no queued work to wait for)
         started = time.perf_counter()
@@ -135,12 +136,12 @@ def run_ours(args, model: Path, seed: int, run_dir: Path) -> dict:
         references.append(0.0)
         return update(*update_args, **kwargs)
 
-    grpo.loop.update.no_grad_logprobs, grpo.loop.trainer.train_on_rollout = timed_passes, counted
+    grpo.core.update.no_grad_logprobs, grpo.core.trainer.train_on_rollout = timed_passes, counted
     try:
         if train.main(argv) != 0:
             raise RuntimeError("train.py failed")
     finally:
-        grpo.loop.update.no_grad_logprobs, grpo.loop.trainer.train_on_rollout = passes, update
+        grpo.core.update.no_grad_logprobs, grpo.core.trainer.train_on_rollout = passes, update
     steps = []
     for m, reference in zip((m for m in read_jsonl(run_dir / "metrics.jsonl") if "step_time" in m), references):
         steps.append({"step": m["step"], "time": m["step_time"], "sample": m["sample_time"], "reference": reference,
@@ -185,8 +186,8 @@ def run_trl(args, model: Path, seed: int, run_dir: Path) -> dict:
         def on_step_end(self, *_, **__):
             times["step"].append(time.perf_counter() - self.started)
 
-    trainer = GRPOTrainer(model=str(model), reward_funcs=[spec.fn for spec in parse_reward_specs(args.rewards)], args=config,
-                          train_dataset=datasets.Dataset.from_list(rows), callbacks=[StepTimer()])
+    trainer = GRPOTrainer(model=str(model), reward_funcs=[spec.fn for spec in parse_reward_specs(args.rewards)],
+                          args=config, train_dataset=datasets.Dataset.from_list(rows), callbacks=[StepTimer()])
 
     def timed(method, key, only_for=None):
         def call(*a, **kw):
@@ -209,8 +210,8 @@ def run_trl(args, model: Path, seed: int, run_dir: Path) -> dict:
         steps.append({"step": index + 1, "time": times["step"][index], "sample": times["sample"][index],
                       "reference": times["reference"][index], "reward": entry["reward"],
                       "length": entry["completions/mean_length"],
-                      **{TRL_REWARD_NAMES.get(key.split("/")[1], key.split("/")[1]): value for key, value in entry.items()
-                         if key.startswith("rewards/") and key.endswith("/mean")}})
+                      **{TRL_REWARD_NAMES.get(key.split("/")[1], key.split("/")[1]): value
+                         for key, value in entry.items() if key.startswith("rewards/") and key.endswith("/mean")}})
     final = run_dir / "final"
     trainer.save_model(str(final))
     return {"steps": steps, "final": str(final), "peak_rss_mib": peak_rss_mib()}
@@ -259,7 +260,8 @@ def print_report(results: dict) -> None:
         after, timing = run["after"], step_summary(run)
         cells = " | ".join(f"{before[k]:5.3f} -> {after[k]:5.3f}" for k in ("format_compliance", "strict_accuracy",
                                                                              "lenient_accuracy"))
-        print(f"{run['side'] + '-seed' + str(run['seed']):>12} | {cells} | {timing['time']:7.1f} {timing['sample']:7.1f} "
+        print(f"{run['side'] + '-seed' + str(run['seed']):>12} | {cells} | "
+              f"{timing['time']:7.1f} {timing['sample']:7.1f} "
               f"{timing['reference']:6.1f} {timing['update']:6.1f} | {run['peak_rss_mib']:6.0f} MiB")
     for ratio in results["ratios"]:
         print(f"ours/trl (seed {ratio['seed']}): step {ratio['step']:.3f}, sample {ratio['sample']:.3f}, "

@@ -13,7 +13,7 @@ What it runs, each step printed as the command that reruns it:
    right answer is within k tries).
    Accuracy counts a problem right when the verifier gives 1 (a partial credit is not right). eval.py's guards
    against the prior are reported too: the best constant answer's accuracy on the same problems, and the model's
-   accuracy on the problems that constant does not solve (grpo/loop/answers.py).
+   accuracy on the problems that constant does not solve (grpo/evaluation/answers.py).
 2. GRPO: train.py --preset reasoning-gym-small on each task's train split, for each of --seeds; trl 1.16's
    GRPOTrainer with the same settings, the same reward functions (the verifier's full marks, DAPO's overlong
    penalty: trl.rewards.get_soft_overlong_punishment; trl has no dynamic sampling, so its run is the recipe without
@@ -132,7 +132,7 @@ def train_flags(args, name: str, settings: dict, seed: int) -> list[str]:
 def run_ours(args, name: str, settings: dict, seed: int, run_dir: Path, backend: str = "sampler") -> dict:
     import train
 
-    from grpo.loop.metrics import read_jsonl
+    from grpo.core.metrics import read_jsonl
 
     argv = ["--model", args.model, "--output-dir", str(run_dir), *train_flags(args, name, settings, seed),
             "--generation-backend", backend]
@@ -229,7 +229,8 @@ def run_side(args, side: str, task: str, seed: int, run_dir: Path) -> dict:
                               stderr=subprocess.STDOUT if args.jobs > 1 else None)
     if done.returncode != 0:
         tail = log_path.read_text()[-3000:] if args.jobs > 1 else "(above)"
-        raise RuntimeError(f"the {side} run, seed {seed}, on {task} failed (exit {done.returncode}); its output: {tail}")
+        raise RuntimeError(f"the {side} run, seed {seed}, on {task} failed (exit {done.returncode}); "
+                           f"its output: {tail}")
     result = json.loads((run_dir / "result.json").read_text())
     result.update(side=side, seed=seed, seconds=time.perf_counter() - started)
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))  # with its wall time, for --reuse
@@ -254,14 +255,16 @@ def print_report(results: dict) -> None:
         constant = (f"always answering {before['best_constant_answer']!r} (the best constant answer) scores "
                     f"{before['best_constant_accuracy']:.3f}" if "best_constant_answer" in before
                     else "no gold answers, so no constant answer to compare")
-        print(f"\n{task['name']} {json.dumps(task['settings'])}: {before['num_samples']} held-out problems; {constant}; "
+        print(f"\n{task['name']} {json.dumps(task['settings'])}: {before['num_samples']} held-out problems; "
+              f"{constant}; "
               f"the most common gold answer is {task['common_share']:.3f} of them")
         keys = [f"pass@{k}" for k in pass_ks(task["pass_k"])]
         print(f"{'run':>12} | {'greedy accuracy':>15} | {'rise':>6} | {'vs constant':>11} | {'beyond constant':>15} | "
               + " | ".join(f"{key:>14}" for key in keys) + f" | {'s/step':>6} | {'minutes':>7}")
         for run in task["runs"]:
             after = run["after"]
-            cells = [f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}", f"{after['accuracy'] - before['accuracy']:+.3f}",
+            cells = [f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}",
+                     f"{after['accuracy'] - before['accuracy']:+.3f}",
                      f"{after['accuracy'] - after.get('best_constant_accuracy', 0.0):+.3f}",
                      f"{before.get('accuracy_beyond_constant', before['accuracy']):.3f} -> "
                      f"{after.get('accuracy_beyond_constant', after['accuracy']):.3f}"]
@@ -281,7 +284,8 @@ def markdown_report(results: dict) -> str:
     for task in results["tasks"]:
         before, ks = task["before"], pass_ks(task["pass_k"])
         problems = before.get("sampling", {}).get("problems")
-        lines += [f"**{task['name']}** `{json.dumps(task['settings'])}`: {before['num_samples']} held-out problems; the "
+        lines += [f"**{task['name']}** `{json.dumps(task['settings'])}`: "
+                  f"{before['num_samples']} held-out problems; the "
                   f"best constant answer ({before.get('best_constant_answer')!r}) scores "
                   f"{before.get('best_constant_accuracy', 0.0):.3f}"
                   + (f"; pass@k: {task['pass_k']} samples of the first {problems} at T = "
@@ -294,7 +298,8 @@ def markdown_report(results: dict) -> str:
             cells = [f"{run['side']}, seed {run['seed']}", f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}",
                      f"{after['accuracy'] - before['accuracy']:+.3f}",
                      f"{after['accuracy'] - after.get('best_constant_accuracy', 0.0):+.3f}",
-                     f"{before.get('accuracy_beyond_constant', 0.0):.3f} -> {after.get('accuracy_beyond_constant', 0.0):.3f}"]
+                     f"{before.get('accuracy_beyond_constant', 0.0):.3f} -> "
+                     f"{after.get('accuracy_beyond_constant', 0.0):.3f}"]
             for k in ks:
                 b, a = before.get("sampling", {}).get(f"pass@{k}"), after.get("sampling", {}).get(f"pass@{k}")
                 cells.append(f"{b['mean']:.3f} -> {a['mean']:.3f}" if b and a else "")
@@ -360,15 +365,18 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="runs/real_tasks", help="experiment folder")
     parser.add_argument("--model", default=MODEL, help="the starting model (a fetched offline name or a folder)")
     parser.add_argument("--task", action="append", default=None,
-                        help=f"NAME=SETTINGS_JSON, a reasoning-gym task and its settings; repeat for more (default: {TASKS})")
+                        help="NAME=SETTINGS_JSON, a reasoning-gym task and its settings; "
+                        f"repeat for more (default: {TASKS})")
     parser.add_argument("--task-seed", type=int, default=0)
-    parser.add_argument("--train-size", type=int, default=2000, help="problems per split (the held-out split is disjoint)")
+    parser.add_argument("--train-size", type=int, default=2000,
+                        help="problems per split (the held-out split is disjoint)")
     parser.add_argument("--system-prompt", default=RECIPE["system_prompt"])
     parser.add_argument("--answer-extraction", default=RECIPE["answer_extraction"])
     parser.add_argument("--reward", default=RECIPE["reward"][0], choices=("task_solved", "task_score"),
                         help="the training reward: the verifier's full marks only, or its score with partial credit")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="our runs' seeds, on every task")
-    parser.add_argument("--trl-seeds", type=int, nargs="*", default=[0], help="trl's seeds, on the first task (none: skip)")
+    parser.add_argument("--trl-seeds", type=int, nargs="*", default=[0],
+                        help="trl's seeds, on the first task (none: skip)")
     parser.add_argument("--vllm-seeds", type=int, nargs="*", default=[], help="also our runs with --generation-backend "
                         "vllm, these seeds, on the first task (side `vllm`; evaluation is eval.py's either way)")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once, each with its share of the cores")
@@ -391,7 +399,8 @@ def parse_args(argv=None):
     parser.add_argument("--beta", type=float, default=RECIPE["beta"])
     parser.add_argument("--max-grad-norm", type=float, default=RECIPE["max_grad_norm"])
     parser.add_argument("--heldout", type=int, default=200, help="held-out problems evaluated before and after")
-    parser.add_argument("--pass-k", type=int, default=16, help="samples per held-out problem for pass@k, before training "
+    parser.add_argument("--pass-k", type=int, default=16,
+                        help="samples per held-out problem for pass@k, before training "
                         "and after the first seed's run (1: greedy only)")
     parser.add_argument("--pass-k-heldout", type=int, default=100, help="held-out problems pass@k samples (the first "
                         "of the --heldout ones; sampling costs k times a greedy pass)")
@@ -433,7 +442,8 @@ def main(argv=None) -> int:
         results["tasks"].append(task)
         task["before"] = evaluate(args, args.model, name, settings, out / name / "eval-before")
         sides = [("ours", args.seeds)] + ([("vllm", args.vllm_seeds), ("trl", args.trl_seeds)] if index == 0 else [])
-        planned += [(task, text, side, seed, out / name / f"{side}-seed{seed}") for side, seeds in sides for seed in seeds]
+        planned += [(task, text, side, seed, out / name / f"{side}-seed{seed}") for side,
+                    seeds in sides for seed in seeds]
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(run_side, args, side, text, seed, run_dir) for _, text, side, seed, run_dir in planned]
         runs = [future.result() for future in futures]

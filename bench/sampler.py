@@ -68,7 +68,8 @@ def sampler_costs(vocab_size: int, rows: int, repeats: int = 20) -> dict[str, fl
         "ours: shifted base-2 step, (V, N) storage": lambda: _sample_base2(
             logits_t, torch.rand(rows, 1, generator=generator), out=weights_t),
         "torch.multinomial(softmax)": lambda: torch.multinomial(torch.softmax(logits, -1), 1, generator=generator),
-        "exponential noise (argmax p/q)": lambda: (torch.softmax(logits, -1) / torch.empty_like(logits).exponential_(generator=generator)).argmax(-1),
+        "exponential noise (argmax p/q)": lambda: (
+            torch.softmax(logits, -1) / torch.empty_like(logits).exponential_(generator=generator)).argmax(-1),
     }
     return {name: time_it(fn, "cpu", repeats) * 1e3 for name, fn in ways.items()}
 
@@ -167,10 +168,11 @@ def main(argv=None):
 
     model, tokenizer = build_tiny_model(shape, seed=0)
     if cuda:
-        use_packed_decode_attention(model)  # as grpo.loop.rollout.GroupSampler does with the compiled decode step
+        use_packed_decode_attention(model)  # as grpo.generation.rollout.GroupSampler does with the compiled decode step
     model = model.to(args.device, dtype)
     rows = make_synthetic_gsm8k(num_prompts, seed=0)
-    prompts = [tokenizer.apply_chat_template(build_prompt(r["question"]), add_generation_prompt=True, return_dict=False) for r in rows]
+    prompts = [tokenizer.apply_chat_template(build_prompt(r["question"]), add_generation_prompt=True,
+                                             return_dict=False) for r in rows]
     never = model.config.vocab_size - 1  # an id the tokenizer never produces: completions run to the budget
     pad = tokenizer.pad_token_id
     params = SamplingParams(max_completion_length=new_tokens, temperature=1.0, eos_token_ids=(never,))
@@ -218,7 +220,8 @@ def main(argv=None):
         print("  " + "  ".join(f"{n}: {ms:.2f}" for n, ms in costs.items()))
     if args.phases and not cuda:
         split = decode_phases(model, tokenizer, prompts, group_size, new_tokens, args.phases, args.repeats)
-        print(f"\nthe kernel sampler's parts at EOS rate {args.phases} / {new_tokens} a token: {split['total_ms']:.1f} ms "
+        print(f"\nthe kernel sampler's parts at EOS rate {args.phases} / {new_tokens} a token: "
+              f"{split['total_ms']:.1f} ms "
               f"a call, {split['tokens']} tokens in the last, {split['steps']:.1f} decode steps a call, "
               f"{split['mean_rows']:.1f} rows a step on average")
         for label, ms in split["ms"].items():

@@ -5,6 +5,7 @@ smoke preset's trainer takes one step, set-up excluded.
     python bench/step_trace.py --kernels auto      # the same with the kernels
     python bench/step_trace.py --lines             # also each file's executed line numbers
     python bench/step_trace.py --check-readme      # exit 1 unless README.md's step table is this trace
+    python bench/step_trace.py --loop              # the whole loop instead: train() for 2 steps, final save included
 
 One step is `Trainer.train_step()` (sample -> reward -> advantages -> reference/old log-probs -> micro-batches
 -> clip -> optimizer -> metrics) and the metrics line it logs; evaluation and checkpoints, which run every
@@ -25,47 +26,55 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("grpo", "rewards", "data")
 TABLE_TITLE = "One step, file by file"
 LINE_BUDGET, FILE_BUDGET = 480, 12  # issues #40, #62: a plain step a reader can follow, in lines of <= 120 characters
+LOOP_BUDGET = 650  # issue #62: the whole loop, train() for 2 steps with its final save
 # The files of one step in the order a reader meets them, and what each holds (the README's table; a file the
 # trace finds that is not listed comes last, with no description, and the README check then fails).
 READER_ORDER = {
-    "grpo/loop/trainer.py": "`Trainer.train_step`: sample and reward this rank's prompts, then update",
-    "grpo/loop/rollout.py": "the step's prompts, seeded noise, the generation seam, `sample_rollout`, `Rollout`",
+    "grpo/core/trainer.py": "`Trainer.train_step`: sample and reward this rank's prompts, then update",
+    "grpo/generation/rollout.py": "the step's prompts, seeded noise, the generation seam, `sample_rollout`, `Rollout`",
     "grpo/algorithm/sampler.py": "`sample_groups`: each prompt prefilled once, G completions decoded with a KV cache",
     "rewards/scoring.py": "each reward function called safely: (N, K) rewards",
     "rewards/toy.py": "the smoke preset's reward (`tags`)",
-    "grpo/loop/update.py": "`train_on_rollout`: reference log-probs, the estimator's batch, micro-batches -> loss -> "
+    "grpo/core/update.py": "`train_on_rollout`: reference log-probs, the estimator's batch, micro-batches -> loss -> "
                            "backward, clip, AdamW, LR",
     "grpo/algorithm/advantages.py": "weighted rewards, the estimator seam, group-relative advantages (grpo)",
+    "grpo/algorithm/step.py": "the update's plain functions: log-probs -> per-token loss -> aggregation, micro-batches",
     "grpo/algorithm/logprobs.py": "per-token log-probs and entropies, chunked output projection",
     "grpo/algorithm/loss.py": "the per-token objective (`clipped_objective`), masks and k3 KL, the aggregation, the "
                               "logged statistics",
-    "grpo/loop/distributed.py": "the collectives (identities at world size one), the model call",
-    "grpo/loop/metrics.py": "the step's metrics (trl's names) and its line in metrics.jsonl",
-    "grpo/config.py": "`corrects_behaviour`: whether the update corrects for the policy that sampled (off-policy)",
+    "grpo/parallel/distributed.py": "the collectives (identities at world size one), the model call",
+    "grpo/core/metrics.py": "the step's metrics (trl's names) and its line in metrics.jsonl",
 }
 
 
-def trace_step(kernels: str = "plain") -> dict[str, list[int]]:
-    """{product file (relative path): executed line numbers} of one smoke-preset step under `kernels`."""
+def trace_step(kernels: str = "plain", loop: bool = False) -> dict[str, list[int]]:
+    """{product file (relative path): executed line numbers} of one smoke-preset step under `kernels`; with `loop`, of
+    the whole loop instead: `Trainer.train()` for 2 steps (its final evaluation and save included)."""
     import coverage
 
     sys.path.insert(0, str(ROOT))
     from grpo.cli import PRESETS
     from grpo.config import GRPOConfig
-    from grpo.loop.metrics import MetricsLogger
-    from grpo.loop.trainer import Trainer
+    from grpo.core.metrics import MetricsLogger
+    from grpo.core.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as folder:
-        config = GRPOConfig(**{**PRESETS["smoke"], "kernels": kernels, "output_dir": folder})
-        trainer = Trainer(config)
+        settings = {**PRESETS["smoke"], "kernels": kernels, "output_dir": folder}
+        if loop:
+            settings.update(max_steps=2, eval_steps=0)
+        trainer = Trainer(GRPOConfig(**settings))
         logger = MetricsLogger(folder)
-        trainer.train_step()  # untraced: one-time work is set-up
+        if not loop:
+            trainer.train_step()  # untraced: one-time work is set-up
         include = [str(ROOT / package / "*") for package in PRODUCT] + [str(ROOT / "train.py")]
         tracer = coverage.Coverage(data_file=None, include=include)
         tracer.start()
         try:
-            output = trainer.train_step()
-            logger.log(trainer.step, output.metrics, console=False)
+            if loop:
+                trainer.train()
+            else:
+                output = trainer.train_step()
+                logger.log(trainer.step, output.metrics, console=False)
         finally:
             tracer.stop()
         logger.close()
@@ -97,9 +106,17 @@ def main(argv=None) -> int:
     parser.add_argument("--lines", action="store_true", help="print each file's executed line numbers")
     parser.add_argument("--markdown", action="store_true", help="print the README's table only")
     parser.add_argument("--check-readme", action="store_true", help="exit 1 unless README.md's table is this trace")
+    parser.add_argument("--loop", action="store_true", help="trace the whole loop (train() for 2 steps) instead")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    trace = trace_step(args.kernels)
+    trace = trace_step(args.kernels, args.loop)
+    if args.loop:
+        total = sum(len(lines) for lines in trace.values())
+        for path, lines in trace.items():
+            print(f"{len(lines):5d}  {path}" + (f"  {lines}" if args.lines else ""))
+        print(f"{total} lines in {len(trace)} files: the whole loop, 2 steps and the final save (--kernels "
+              f"{args.kernels}; budget for plain: {LOOP_BUDGET} lines)")
+        return 1 if args.kernels == "plain" and total > LOOP_BUDGET else 0
     table = markdown(trace)
     if args.markdown:
         print(table)

@@ -10,7 +10,7 @@ The neighbour is a Python process spinning on arithmetic at normal priority (a c
 worker). With one of two cores taken, a step whose threads wait for each other at every parallel region runs at
 the pace of the thread that shares its core. `--env` and `--threads` set what the trainer's process starts with
 (the run happens in a child process, so OpenMP reads them at its start). Before each step the trainer's
-thread count follows the other processes' load (grpo/loop/threads.py), as Trainer.train does;
+thread count follows the other processes' load (grpo/parallel/threads.py), as Trainer.train does;
 `--fixed-threads` turns that off. Prints figures; docs/benchmarks.md keeps them.
 """
 
@@ -42,10 +42,11 @@ def child(args) -> dict:
     import torch
 
     from grpo.config import GRPOConfig
-    from grpo.loop.trainer import Trainer
+    from grpo.core.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as folder:
-        config = GRPOConfig(adapt_cpu_threads=not args.fixed_threads, model=f"tiny:{args.shape}", dataset="synthetic:256", output_dir=folder, prompts_per_step=4,
+        config = GRPOConfig(adapt_cpu_threads=not args.fixed_threads, model=f"tiny:{args.shape}",
+                            dataset="synthetic:256", output_dir=folder, prompts_per_step=4,
                             num_generations=4, micro_batch_size=8, max_prompt_length=256,
                             max_completion_length=args.new_tokens, beta=0.04, reward=["tags"], device="cpu",
                             precision="fp32", learning_rate=1e-6, save_steps=0, log_completions_steps=0,
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
         return done.returncode
     result = json.loads(done.stdout.strip().splitlines()[-1])
     quiet, loaded = statistics.median(result["quiet"]), statistics.median(result["loaded"])
-    print(f"shape={args.shape} kernels={args.kernels} new_tokens={args.new_tokens} threads at the end={result['threads']} "
+    print(f"shape={args.shape} kernels={args.kernels} new_tokens={args.new_tokens} "
+          f"threads at the end={result['threads']} "
           f"env={' '.join(args.env) or '-'} neighbours={args.neighbours} cores={os.cpu_count()} steps={args.steps}")
     for phase, median in (("quiet", quiet), ("loaded", loaded)):
         print(f"{phase:6s} median {median:.3f} s/step  ({' '.join(f'{t:.3f}' for t in result[phase])}; threads "

@@ -106,7 +106,8 @@ def sandboxed(rows: list[dict], families: list) -> None:
     above = [(row["task_id"], score, name) for row, (score, name) in zip(rows, best, strict=True) if score > 0]
     print(f"(c) sandboxed, {sum(map(len, families))} programs in {time.perf_counter() - start:.0f} s: the best "
           f"strategy's reward, mean over the {len(rows)} problems {statistics.mean(s for s, _ in best):.4f}; "
-          f"{len(above)} problems above 0" + "".join(f"\n  {task}: {score:.3f} by {name}" for task, score, name in above))
+          f"{len(above)} problems above 0"
+          + "".join(f"\n  {task}: {score:.3f} by {name}" for task, score, name in above))
 
 
 SEQUENCES = ("call count from 0", "call count from 1", "alternate True, False", "alternate False, True",

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.calculator import arithmetic_rows  # noqa: E402
-from grpo.loop.metrics import read_jsonl  # noqa: E402
+from grpo.core.metrics import read_jsonl  # noqa: E402
 
 KEYS = ("reward", "rewards/correctness/mean", "rewards/tool_success/mean", "rewards/tool_call_format/mean",
         "tools/call_frequency", "tools/failure_frequency", "completions/mean_length", "step_time")

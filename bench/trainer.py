@@ -11,7 +11,8 @@
 Same work on both sides: one random-init model saved to a folder (with --lengths full, the default,
 completions run to the token budget: EOS is a 1-in-150k token for it; realistic and short give the model an
 EOS rate, LENGTHS below), the same prompts, num_generations, completions per optimizer step, micro-batch,
-max_completion_length, beta and precision; gradient checkpointing off, no vLLM. Each side runs in its own subprocess (its peak memory is its own), alternating
+max_completion_length, beta and precision; gradient checkpointing off, no vLLM. Each side runs in its own subprocess
+(its peak memory is its own), alternating
 ours / trl for --repeats rounds; the first optimizer step of every run is warm-up and not timed.
 
 Printed: median seconds per optimizer step, generated tokens/s, peak memory (CPU: peak resident
@@ -20,7 +21,8 @@ the time of the matrix products one step cannot avoid at these shapes, measured 
 run (prefill of each distinct prompt, T decode steps of N rows, the training forward + backward of
 the trunk and of the output projection on completion positions, the reference forward; each
 product timed on its own, into a preallocated output, in the faster of its two orientations, on a GPU
-ten times back to back: see floor_seconds), and ours/floor. The floor is measured right before and right after each of our runs; ours/floor is the
+ten times back to back: see floor_seconds), and ours/floor. The floor is measured right before and right after each of
+our runs; ours/floor is the
 median over rounds of (our median step in that run) / (the mean of its two floors), so the slow
 drift of a shared machine's speed largely cancels in each ratio. The floor counts each product's fastest
 timing; a second line sums each product's median timing instead ("median floor"), the statistic our
@@ -84,9 +86,9 @@ def profiled(trainer, run, path: Path, device: str):
                 return method(*args, **kwargs)
         return call
 
-    import grpo.loop.update
+    import grpo.core.update
 
-    passes = [(grpo.loop.update, "no_grad_logprobs", "reference/old log-probs"),
+    passes = [(grpo.core.update, "no_grad_logprobs", "reference/old log-probs"),
               (trainer.functions, "update_loss", "micro-batch loss forward"),
               (torch.Tensor, "backward", "micro-batch backward"), (trainer.optimizer, "step", "optimizer step")]
     cuda = device == "cuda"
@@ -124,11 +126,10 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
     from data import add_prompts, make_synthetic_gsm8k
     import torch
 
-    import grpo.loop.update
+    import grpo.core.update
     from grpo.config import GRPOConfig
-    from grpo.algorithm.loss import LossOptions
-    from grpo.loop.metrics import read_jsonl
-    from grpo.loop.trainer import Trainer
+    from grpo.core.metrics import read_jsonl
+    from grpo.core.trainer import Trainer
 
     config = GRPOConfig(
         model=model_dir, dataset="synthetic:256", output_dir=out_dir, overwrite=True, max_steps=steps + bool(profile),
@@ -151,9 +152,9 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         trainer.kernels.unpadded_trunk = False
     if trainer.kernels is not None:  # the update's functions, from the flags as set here
         trainer.functions = trainer.kernels.step_functions(
-            LossOptions.from_config(config), config.temperature, config.logprob_chunk_size, config.cast_lm_head_to_fp32)
+            config.loss_options(), config.temperature, config.logprob_chunk_size, config.cast_lm_head_to_fp32)
     lengths, reference_times, train_on_rollout = [], [], trainer.train_on_rollout
-    passes = grpo.loop.update.no_grad_logprobs
+    passes = grpo.core.update.no_grad_logprobs
 
     def timed_passes(*args, **kwargs):  # the reference / old-policy passes' time, their queued GPU work included
         started = time.perf_counter()
@@ -163,10 +164,11 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
         reference_times[-1] += time.perf_counter() - started
         return out
 
-    grpo.loop.update.no_grad_logprobs = timed_passes
+    grpo.core.update.no_grad_logprobs = timed_passes
 
     def recording(rollout, **kwargs):  # each step's real prompt and completion tokens per row, for the floor
-        lengths.append({"prompt": rollout.prompt_mask.sum(-1).tolist(), "completion": rollout.completion_mask.sum(-1).tolist()})
+        lengths.append({"prompt": rollout.prompt_mask.sum(-1).tolist(),
+                        "completion": rollout.completion_mask.sum(-1).tolist()})
         reference_times.append(0.0)
         return train_on_rollout(rollout, **kwargs)
 
@@ -181,7 +183,7 @@ def run_ours(model_dir: str, work: dict, steps: int, device: str, out_dir: str, 
     try:
         trainer.train()
     finally:
-        grpo.loop.update.no_grad_logprobs = passes
+        grpo.core.update.no_grad_logprobs = passes
     metrics = read_jsonl(Path(out_dir) / "metrics.jsonl")[:steps]
     return {"step_times": [m["step_time"] for m in metrics],
             "phases": [{"sample": m["sample_time"], "reference": reference,
@@ -208,7 +210,8 @@ def run_trl(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -
         max_completion_length=work["new_tokens"], beta=work["beta"], learning_rate=1e-6, max_steps=steps,
         logging_steps=1, save_strategy="no", seed=0, dataloader_num_workers=0,
     )
-    rows = [{"prompt": row["prompt"], "answer": row["answer"]} for row in add_prompts(make_synthetic_gsm8k(256, seed=0))]
+    rows = [{"prompt": row["prompt"], "answer": row["answer"]} for row in add_prompts(make_synthetic_gsm8k(256,
+                                                                                                           seed=0))]
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -228,7 +231,8 @@ def run_trl(model_dir: str, work: dict, steps: int, device: str, out_dir: str) -
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[tags], args=args,
                           train_dataset=datasets.Dataset.from_list(rows), callbacks=[timer])
     trainer.train()
-    lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history
+               if "completions/mean_length" in entry]
     return {"step_times": timer.times, "tokens": [length * completions for length in lengths],
             "peak_mib": _peak_memory_mib(device)}
 
@@ -258,7 +262,8 @@ class Products:
         self.device, self.repeats, self.calls = device, repeats, 10 if device == "cuda" else 1
         kv = kv_heads * self.head_dim
         h, i = self.hidden, self.inter
-        self.linears = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # q, k, v, o, gate, up, down: (in, out)
+        # q, k, v, o, gate, up, down: (in, out)
+        self.linears = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
         self.measured: dict[tuple, tuple[float, float]] = {}  # product -> (fastest, median) seconds
 
     def _sync(self):
@@ -338,11 +343,13 @@ def floor_seconds(shape: str, work: dict, prompt_len: int, device: str, repeats:
     def parts(pick: int) -> dict:
         """The step's parts (seconds) from each product's fastest (pick 0) or median (pick 1) timing."""
         seq = prompt_len + new
-        prefill = timer.trunk(work["prompts"] * prompt_len, pick) + timer.attention(work["prompts"], prompt_len, prompt_len)[pick] * layers
+        prefill = timer.trunk(work["prompts"] * prompt_len, pick) + timer.attention(work["prompts"], prompt_len,
+                                                                                    prompt_len)[pick] * layers
         decode = (timer.trunk(rows, pick) + timer.head(rows, pick) + timer.attention(rows, 1, seq)[pick] * layers) * new
         train = (timer.trunk(rows * seq, pick, backward=True) + timer.head(rows * new, pick, backward=True)
                  + timer.attention(rows, seq, seq)[pick] * layers * 3)
-        reference = (timer.trunk(rows * seq, pick) + timer.head(rows * new, pick) + timer.attention(rows, seq, seq)[pick] * layers
+        reference = (timer.trunk(rows * seq, pick) + timer.head(rows * new, pick)
+                     + timer.attention(rows, seq, seq)[pick] * layers
                      if work["beta"] else 0.0)
         return {"sample": prefill + decode, "reference": reference, "update": train,
                 "total": prefill + decode + train + reference}
@@ -356,7 +363,8 @@ def real_token_floor(timer: Products, work: dict, prompt_lengths: list[int], com
 
     prompt_lengths, completion_lengths: (N,) real tokens of each row (rows grouped by prompt, G per prompt).
     Prefill: each distinct prompt's tokens once. Decode step t: the rows whose completion is longer than t, each
-    attending to a prompt of the mean length and the t tokens before. Training and reference: the trunk over every row's real
+    attending to a prompt of the mean length and the t tokens before. Training and reference: the trunk over every row's
+    real
     prompt and completion tokens packed together (no padding), the output projection over the real completion
     tokens, attention per row over its own length. Returns the parts and their total, from each product's fastest
     timing (pick 0) or its median (pick 1, `Products`).
@@ -379,7 +387,8 @@ def real_token_floor(timer: Products, work: dict, prompt_lengths: list[int], com
             "total": prefill + decode + train + reference}
 
 
-# ours: our defaults (--kernels auto: the compiled decode step on CUDA, the fused loss, ...); ours-plain: --kernels plain;
+# ours: our defaults (--kernels auto: the compiled decode step on CUDA, the fused loss, ...); ours-plain: --kernels
+# plain;
 # ours-padded: --kernels auto without the real-length kernels (compaction, length grouping, packing, real-token
 # trunk passes); ours-unshared: --kernels auto without the shared-prompt passes (grpo.kernels.prefix);
 # ours-padded-trunk: --kernels auto with the shared-prompt passes on the padded layout (no grpo.kernels.unpadded).
@@ -400,7 +409,8 @@ def child(args):
 
 # --lengths: how completions end. full: a random-init model, EOS one token in 151,936, so every completion runs
 # to the budget T; realistic and short: the model draws EOS at rate c / T per token (grpo.tiny_model.set_eos_rate),
-# lengths geometric and cut at T (mean (1 - e^-c) T / c). realistic (c = 2.3): a mean near 40% of the budget, a wide spread,
+# lengths geometric and cut at T (mean (1 - e^-c) T / c). realistic (c = 2.3): a mean near 40% of the budget, a wide
+# spread,
 # a tenth of the rows at the budget, like an early GSM8K run; short (c = 6.4): a mean near 16%, almost no row
 # long, like late training. Both sides sample at temperature 1 from the same model: the same distribution.
 LENGTHS = {"full": None, "realistic": 2.3, "short": 6.4}
@@ -440,7 +450,8 @@ def main(argv=None):
     parser.add_argument("--micro-batch", type=int)
     parser.add_argument("--chunk-size", type=int, help="our sides' logprob_chunk_size (rows of logits per chunk of "
                         "the log-prob passes; default: the trainer's)")
-    parser.add_argument("--sides", default="ours,trl", help=f"which trainers to run, comma-separated: {', '.join(SIDES)}")
+    parser.add_argument("--sides", default="ours,trl",
+                        help=f"which trainers to run, comma-separated: {', '.join(SIDES)}")
     parser.add_argument("--lengths", default="full", help="completion lengths, comma-separated settings run side by "
                         f"side: {', '.join(LENGTHS)} (see LENGTHS in this file)")
     parser.add_argument("--side-timeout", type=float, default=None, help="seconds one run may take before it is "
@@ -466,19 +477,21 @@ def main(argv=None):
     runs = [(name, side) for name in settings for side in sides]
     results = {run: [] for run in runs}
     floors, round_ratios = [], {run: [] for run in runs}
-    real_floors = {run: [] for run in runs}  # (step time, its real-token floor, the same at median timings) per timed step
+    # (step time, its real-token floor, the same at median timings) per timed step
+    real_floors = {run: [] for run in runs}
     with tempfile.TemporaryDirectory() as models:
         from transformers import AutoTokenizer
 
         from data import add_prompts, make_synthetic_gsm8k
-        from grpo.loop.prompts import encode_prompt
+        from grpo.generation.prompts import encode_prompt
 
         model_dirs = {}
         for name in settings:
             rate = None if LENGTHS[name] is None else LENGTHS[name] / work["new_tokens"]
             model_dirs[name] = str(save_tiny_model(Path(models) / name, args.shape, seed=0, eos_rate=rate))
         tokenizer = AutoTokenizer.from_pretrained(model_dirs[settings[0]])
-        prompt_len = max(len(encode_prompt(tokenizer, row["prompt"])) for row in add_prompts(make_synthetic_gsm8k(64, seed=0)))
+        prompt_len = max(len(encode_prompt(tokenizer, row["prompt"]))
+                         for row in add_prompts(make_synthetic_gsm8k(64, seed=0)))
         for round_index in range(args.repeats):
             for name, side in runs:
                 full_floor = side.startswith("ours") and name == "full"
@@ -491,7 +504,8 @@ def main(argv=None):
                     continue
                 results[(name, side)].append(result)
                 print(f"{name} {side} run: step times {', '.join(f'{t:.3f}' for t in result['step_times'])} s, "
-                      f"tokens/step {', '.join(f'{n:.0f}' for n in result['tokens'])}, peak {result['peak_mib']:.0f} MiB"
+                      f"tokens/step {', '.join(f'{n:.0f}' for n in result['tokens'])}, "
+                      f"peak {result['peak_mib']:.0f} MiB"
                       + (f"; profile of one more step: {profile_file}" if profile_file else ""), flush=True)
                 if side.startswith("ours"):  # the real-token floors, timed right after the run (the machine drifts)
                     timer = Products(args.shape, work["precision"], args.device)
@@ -515,7 +529,8 @@ def main(argv=None):
         tokens = [n for r in done for n in r["tokens"][args.untimed:]]
         step = statistics.median(step_times)
         summary[run] = {"step_s": step, "tokens_per_s": statistics.median(tokens) / step,
-                        "peak_mib": statistics.median(r["peak_mib"] for r in done), "mean_tokens": statistics.mean(tokens)}
+                        "peak_mib": statistics.median(r["peak_mib"] for r in done),
+                        "mean_tokens": statistics.mean(tokens)}
     print(f"shape={args.shape} device={args.device} precision={work['precision']} prompts={work['prompts']} "
           f"G={work['group']} new_tokens={work['new_tokens']} micro_batch={work['micro_batch']} beta={work['beta']} "
           f"steps/run={args.steps} ({args.untimed} untimed) runs/side={args.repeats}, medians"
@@ -527,14 +542,16 @@ def main(argv=None):
                                 f"EOS at rate {rate} / {work['new_tokens']} a token"))
         print(f"{'':18s} {'s/step':>9s} {'tokens/s':>10s} {'peak MiB':>10s} {'tokens/step':>12s}")
         for side, r in rows.items():
-            print(f"{side:18s} {r['step_s']:9.3f} {r['tokens_per_s']:10.1f} {r['peak_mib']:10.0f} {r['mean_tokens']:12.0f}")
+            print(f"{side:18s} {r['step_s']:9.3f} {r['tokens_per_s']:10.1f} {r['peak_mib']:10.0f} "
+                  f"{r['mean_tokens']:12.0f}")
         ours_sides = [side for side in rows if side.startswith("ours")]
         if "trl" in rows:
             t = rows["trl"]
             for side in ours_sides:
                 o = rows[side]
-                print(f"{side + '/trl':18s} {o['step_s'] / t['step_s']:9.3f} {o['tokens_per_s'] / t['tokens_per_s']:10.2f} "
-                      f"{o['peak_mib'] / t['peak_mib']:10.3f}   ({side} steps/s = {t['step_s'] / o['step_s']:.2f} x trl's)")
+                print(f"{side + '/trl':18s} {o['step_s'] / t['step_s']:9.3f} "
+                      f"{o['tokens_per_s'] / t['tokens_per_s']:10.2f} {o['peak_mib'] / t['peak_mib']:10.3f}   "
+                      f"({side} steps/s = {t['step_s'] / o['step_s']:.2f} x trl's)")
         if name == "full" and floor and ours_sides:
             print(f"{'floor':18s} {floor['total']:9.3f}   (matmuls of one step at these shapes, measured here, each "
                   f"product's fastest timing; median of {len(floors)} measurements, before and after each of our runs)")
@@ -546,18 +563,23 @@ def main(argv=None):
                 tokens_ratio = rows[side]["mean_tokens"] / full["mean_tokens"]
                 scaled = full["step_s"] * tokens_ratio
                 rows[side]["vs_full_scaled"] = rows[side]["step_s"] / scaled
-                print(f"{side + '/full scaled':18s} {rows[side]['vs_full_scaled']:9.3f}   (our step / our full-length step "
+                print(f"{side + '/full scaled':18s} {rows[side]['vs_full_scaled']:9.3f}   "
+                      "(our step / our full-length step "
                       f"x tokens ratio {tokens_ratio:.3f} = {scaled:.3f} s)")
             pairs = real_floors[(name, side)]
             if pairs:
                 rows[side]["real_floor_ratio"] = statistics.median(seconds / f["total"] for seconds, f, _ in pairs)
-                rows[side]["real_median_floor_ratio"] = statistics.median(seconds / f["total"] for seconds, _, f in pairs)
-                parts = {part: statistics.median(f[part] for _, f, _ in pairs) for part in ("sample", "reference", "update", "total")}
+                rows[side]["real_median_floor_ratio"] = statistics.median(seconds / f["total"] for seconds, _,
+                                                                          f in pairs)
+                parts = {part: statistics.median(f[part] for _, f, _ in pairs) for part in ("sample", "reference",
+                                                                                            "update", "total")}
                 rows[side]["real_floor"] = parts
-                print(f"{side + '/real floor':18s} {rows[side]['real_floor_ratio']:9.3f}   (median over timed steps of the "
+                print(f"{side + '/real floor':18s} {rows[side]['real_floor_ratio']:9.3f}   "
+                      "(median over timed steps of the "
                       f"step / its real-token floor; floor {parts['total']:.3f} s = {parts['sample']:.3f} sample + "
                       f"{parts['reference']:.3f} reference + {parts['update']:.3f} update)")
-                print(f"{side + '/real median':18s} {rows[side]['real_median_floor_ratio']:9.3f}   (the same against the "
+                print(f"{side + '/real median':18s} {rows[side]['real_median_floor_ratio']:9.3f}   "
+                      "(the same against the "
                       "real-token floor of each product's median timing, as our step is a median)")
                 if full and "real_floor" in full:  # how far the work itself follows the tokens
                     rows[side]["floor_vs_full_scaled"] = parts["total"] / (full["real_floor"]["total"] * tokens_ratio)
@@ -568,7 +590,8 @@ def main(argv=None):
                 rows[side]["floor_ratio"] = statistics.median(r for r, _, _, _ in ratios)
                 rows[side]["floor_median_ratio"] = statistics.median(r for _, _, _, r in ratios)
                 print(f"{side + '/floor':18s} {rows[side]['floor_ratio']:9.3f}   (median over rounds of our step / the "
-                      f"floor around it; per round: {', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f, _ in ratios)})")
+                      "floor around it; per round: "
+                      f"{', '.join(f'{r:.3f} = {o:.3f}/{f:.3f}' for r, o, f, _ in ratios)})")
                 print(f"{side + '/median floor':18s} {rows[side]['floor_median_ratio']:9.3f}   (the same against the "
                       f"floor of median timings; per round: {', '.join(f'{r:.3f}' for _, _, _, r in ratios)})")
         if ours_sides:

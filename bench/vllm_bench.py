@@ -57,8 +57,9 @@ def sampler_part(args) -> dict:
 
     from grpo.algorithm.sampler import RowUniforms, SamplingParams, sample_groups
     from grpo.config import GRPOConfig
+    from grpo.core.setup import engine_settings
     from grpo.kernels.sampling import FastSampler
-    from grpo.loop.vllm_generation import VLLMGenerate, engine_source
+    from grpo.generation.vllm import VLLMGenerate, engine_source
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -77,10 +78,10 @@ def sampler_part(args) -> dict:
     never = model.config.vocab_size  # an EOS id past the vocabulary (ours) or none (vLLM): completions run to T tokens
     params, engine_params = (SamplingParams(args.new_tokens, 1.0, eos_token_ids=eos) for eos in ((never,), ()))
     pad, group = tokenizer.pad_token_id, args.group
-    config = GRPOConfig(model=path if not args.shape else "tiny", num_generations=group, prompts_per_step=args.prompts, micro_batch_size=group,
-                        max_completion_length=args.new_tokens, max_prompt_length=max(map(len, prompts)),
-                        precision=args.precision).validate()
-    engine = VLLMGenerate(model, pad, engine_source(model), config.engine_settings(args.precision),
+    config = GRPOConfig(model=path if not args.shape else "tiny", num_generations=group, prompts_per_step=args.prompts,
+                        micro_batch_size=group, max_completion_length=args.new_tokens,
+                        max_prompt_length=max(map(len, prompts)), precision=args.precision).validate()
+    engine = VLLMGenerate(model, pad, engine_source(model), engine_settings(config, args.precision),
                           rows=args.prompts * group)
     kernel = FastSampler(compile_decode=device.type == "cuda")
 
@@ -158,7 +159,8 @@ def mismatch_part(args, out: Path) -> dict:
                           args.threads)
         result[precision] = {key: max(s[f"sampling/{key}"] for s in steps) if key.endswith("max") else
                              statistics.fmean(s[f"sampling/{key}"] for s in steps)
-                             for key in ("sampling_logp_difference/mean", "sampling_logp_difference/max", "mismatch_kl")}
+                             for key in ("sampling_logp_difference/mean", "sampling_logp_difference/max",
+                                         "mismatch_kl")}
     print("\n|vLLM log-prob - trainer's| over each step's completion tokens (the runs' sampling/* metrics):")
     for precision, row in result.items():
         print(f"  {precision}: mean {row['sampling_logp_difference/mean']:.2e}, max "

@@ -72,7 +72,8 @@ def _split_files(folder: Path, split: str) -> list[Path]:
         if found:
             return found
     available = sorted(p.name for p in folder.iterdir())
-    raise DataError(f"{folder}: no file for split {split!r} (looked for {', '.join(patterns)}); folder holds {available}")
+    raise DataError(f"{folder}: no file for split {split!r} (looked for {', '.join(patterns)}); folder holds "
+                    f"{available}")
 
 
 def _load_hub(source: str, split: str) -> list[dict]:

@@ -86,7 +86,8 @@ def split_check(test: str, entry_point: str, reference: str, prompt: str) -> tup
 def _asserts_on_candidate(statement: ast.stmt) -> bool:
     nodes = list(ast.walk(statement))
     return any(isinstance(node, ast.Assert) for node in nodes) and any(
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "candidate" for node in nodes)
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "candidate"
+        for node in nodes)
 
 
 def humaneval_row(problem: dict) -> dict:

@@ -56,7 +56,8 @@ def parse_source(source: str) -> tuple[str, int]:
     """`reasoning-gym:NAME[:N]` -> (NAME, N)."""
     name, colon, size_text = source[len(PREFIX):].partition(":")
     if not name:
-        raise DataError(f"--dataset {source}: expected reasoning-gym:NAME or reasoning-gym:NAME:N (N problems per split)")
+        raise DataError(f"--dataset {source}: expected reasoning-gym:NAME or reasoning-gym:NAME:N (N problems per "
+                        "split)")
     if colon and not (size_text.isascii() and size_text.isdigit() and int(size_text) >= 1):
         raise DataError(f"--dataset {source}: N must be a positive number of problems per split, got {size_text!r}")
     return name, int(size_text) if size_text else DEFAULT_SIZE
@@ -197,7 +198,8 @@ def task_rows(source: str, split: str, settings: dict | None = None, seed: int =
     if split == "train":
         return train
     seen = {row["question"] for row in train}
-    held_out = [row for row in _rows(name, settings, seed + HELD_OUT_SEED_OFFSET, size, answer_extraction) if row["question"] not in seen]
+    held_out = [row for row in _rows(name, settings, seed + HELD_OUT_SEED_OFFSET, size,
+                                     answer_extraction) if row["question"] not in seen]
     if not held_out:
         raise DataError(f"--dataset {source}: every held-out problem is also a train problem (the task's settings "
                         "allow few distinct problems); lower N or widen --task-settings")

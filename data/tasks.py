@@ -28,7 +28,8 @@ def detect_task(rows: list[dict]) -> str:
 def _prompt_problem(prompt) -> str | None:
     if isinstance(prompt, str):
         return None if prompt.strip() else "an empty prompt"
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(m,
+                                                              dict) and "role" in m and "content" in m for m in prompt):
         return None
     return f"a prompt that is neither a string nor chat messages ({type(prompt).__name__})"
 
@@ -42,7 +43,8 @@ def validate_prompt_rows(rows: list[dict], where: str, skip_bad_rows: bool = Fal
             kept.append(row)
             continue
         if not skip_bad_rows:
-            raise DataError(f"{where}: row {index} has {problem} (pass --skip-bad-rows to drop such rows with a warning)")
+            raise DataError(f"{where}: row {index} has {problem} (pass --skip-bad-rows to drop such rows with a "
+                            "warning)")
         problems.append(f"{where}: row {index} has {problem}")
     if problems:
         logger.warning("skipped %d bad row(s) of %s; first: %s", len(problems), where, problems[0])

@@ -23,14 +23,15 @@ from data.calculator import SYSTEM_PROMPT as CALCULATOR_PROMPT
 from data.prompts import TASK_SYSTEM_PROMPT
 from data.reasoning_gym import task_name
 from grpo.config import MAY_CHANGE_ON_RESUME, GRPOConfig, sections
-from grpo.loop.evaluation import EvalConfig
+from grpo.core.checkpoint import latest_checkpoint
+from grpo.evaluation.evaluate import EvalConfig
 
 PRESETS: dict[str, dict] = {
     # The whole loop on CPU in about a minute: a tiny random-init model learns to write the format tags
     # (single tokens of the tiny tokenizer) that the dense `tags` reward pays for; reward rises visibly.
     "smoke": dict(
-        model="tiny", dataset="synthetic:256", output_dir="runs/smoke", overwrite=True, max_steps=30, prompts_per_step=4,
-        num_generations=8, micro_batch_size=16, max_prompt_length=128, max_completion_length=24,
+        model="tiny", dataset="synthetic:256", output_dir="runs/smoke", overwrite=True, max_steps=30,
+        prompts_per_step=4, num_generations=8, micro_batch_size=16, max_prompt_length=128, max_completion_length=24,
         learning_rate=3e-3, warmup_ratio=0.0, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.04,
         weight_decay=0.0, reward=["tags"], save_steps=15, eval_steps=30, eval_limit=16, eval_batch_size=16,
         log_completions_steps=5, logging_steps=5, device="cpu", precision="fp32",
@@ -100,7 +101,8 @@ def build_parser(config_cls=GRPOConfig, description: str | None = None) -> argpa
     # a value such as -1e3 is a number, not a flag (argparse's own pattern knows -1 and -.5 only)
     parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$")
     if config_cls is GRPOConfig:
-        parser.add_argument("--preset", choices=sorted(PRESETS), help="a named set of settings (e.g. smoke: tiny model, CPU, ~1 min)")
+        parser.add_argument("--preset", choices=sorted(PRESETS),
+                            help="a named set of settings (e.g. smoke: tiny model, CPU, ~1 min)")
     parser.add_argument("--config", help="a YAML or JSON file whose keys are the field names; flags override it")
     hints = typing.get_type_hints(config_cls)
     for title, fields in sections(config_cls):  # --help shows the config's sections, in its order
@@ -138,7 +140,8 @@ def _add_flag(parser, f: dataclasses.Field, hints: dict) -> None:
         parser.add_argument(flag, type=_optional(json_object), help=help_text)
     else:
         optional = type(None) in typing.get_args(hints[f.name])
-        parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"), help=help_text)
+        parser.add_argument(flag, type=_optional(kind) if optional else kind, choices=f.metadata.get("choices"),
+                            help=help_text)
 
 
 class _Aliased:
@@ -213,6 +216,38 @@ def config_from_args(argv=None, config_cls=GRPOConfig, description: str | None =
     return make_config(settings_from_args(argv, config_cls, description), config_cls)
 
 
+TASK_BOUND = ("split", "task_settings", "task_seed", "trust_task_verifier", "reward", "scorer")  # the run's task's
+
+
+def run_settings(values: dict) -> tuple[dict, dict, Path | None]:
+    """eval.py on a trained run: (`values` with every evaluation setting they do not give taken from the run's
+    run_config.json, what was taken: setting -> value, the run_config.json read or None). `values["model"]` may name
+    a run folder (its newest complete checkpoint is evaluated) or a checkpoint folder; anything else is no run. The
+    settings taken are EvalConfig's fields with a `from_run` (the training setting of that name, or the first of
+    several that is set); with another dataset than the run's, the run's task's own settings (TASK_BOUND) are not."""
+    model = values.get("model")
+    folder = Path(str(model)).expanduser() if model else None
+    if folder is None or not folder.is_dir():
+        return values, {}, None
+    checkpoint = latest_checkpoint(folder)  # the folder itself when it is a checkpoint
+    record_file = None if checkpoint is None else checkpoint / "run_config.json"
+    if record_file is None or not record_file.is_file():
+        return values, {}, None
+    run = json.loads(record_file.read_text())
+    values, taken = dict(values, model=str(checkpoint)), {}
+    other_task = "dataset" in values and task_name(values["dataset"]) != task_name(run.get("dataset"))
+    for f in dataclasses.fields(EvalConfig):
+        sources = f.metadata.get("from_run")
+        sources = (sources,) if isinstance(sources, str) else sources or ()
+        if f.name in values or (other_task and f.name in TASK_BOUND):
+            continue
+        found = [run[name] for name in sources if run.get(name) is not None]
+        if found and found[0] != f.default and not (f.default_factory is not dataclasses.MISSING
+                                                      and found[0] == f.default_factory()):
+            values[f.name] = taken[f.name] = found[0]
+    return values, taken, record_file
+
+
 def resume_command(argv: list[str], output_dir: str, torchrun: bool = False) -> str:
     """The command that continues a run of train.py: its own flags, with `--resume OUTPUT_DIR` in place of any
     --resume they held (the run folder's newest complete checkpoint is where it goes on)."""
@@ -243,14 +278,17 @@ def cli_reference() -> str:
         return lines
 
     def flags(preset: dict) -> str:
-        prompts = {CALCULATOR_PROMPT: "(data.calculator.SYSTEM_PROMPT)", TASK_SYSTEM_PROMPT: "(data.prompts.TASK_SYSTEM_PROMPT)"}
+        prompts = {CALCULATOR_PROMPT: "(data.calculator.SYSTEM_PROMPT)",
+                   TASK_SYSTEM_PROMPT: "(data.prompts.TASK_SYSTEM_PROMPT)"}
         shown = {k: prompts.get(v, v) if k == "system_prompt" else v for k, v in preset.items()}
 
         def flag(key, value):
             name = "--" + key.replace("_", "-")
             if isinstance(value, bool):  # a switch: --x or --no-x
                 return name if value else f"--no-{name[2:]}"
-            shown = " ".join(value) if isinstance(value, list) else json.dumps(value) if isinstance(value, dict) else value
+            if isinstance(value, list):
+                return f"{name} {' '.join(value)}"
+            shown = json.dumps(value) if isinstance(value, dict) else value
             return f"{name} {shown}"
         return " ".join(flag(k, v) for k, v in shown.items())
     return "\n".join([

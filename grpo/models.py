@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpo.config import OPTIMIZERS
 from grpo.tiny_model import build_tiny_model, build_tokenizer
 
 logger = logging.getLogger("grpo")
@@ -134,8 +135,6 @@ def _dequantized_model(folder: Path, gguf_file: str):
     return plain.to(torch.bfloat16)
 
 
-OPTIMIZERS = ("adamw", "adamw_8bit")
-PRECISIONS = ("auto", "fp32", "bf16", "bf16-pure")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -200,14 +199,15 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_fil
         if tokenizer.eos_token is None:
             raise ModelError(f"{setting} {name}: the tokenizer has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
-        logger.warning("the tokenizer of %s has no pad token: using its EOS token %r for padding", name, tokenizer.eos_token)
+        logger.warning("the tokenizer of %s has no pad token: using its EOS token %r for padding", name,
+                       tokenizer.eos_token)
     return tokenizer
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                tokenizer=None, setting: str = "--model"):
     """A causal LM in `dtype` on `device`. Local folders are checked for safetensors weights first."""
-    from grpo.loop.lora import is_adapter_folder, load_merged  # peft's side, loaded when a model is
+    from grpo.lora import is_adapter_folder, load_merged  # peft's side, loaded when a model is
 
     if name == "tiny" or name.startswith("tiny:"):
         shape = name.split(":", 1)[1] if ":" in name else "tiny"
@@ -278,9 +278,10 @@ def disable_dropout(model) -> list[str]:
     return changed
 
 
-def make_optimizer(name: str, groups: list[dict], config, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(name: str, groups: list[dict], device: torch.device, lr: float, betas: tuple[float, float],
+                   eps: float) -> torch.optim.Optimizer:
     """AdamW, or bitsandbytes' AdamW8bit (8-bit moments, block-wise quantised; CPU and CUDA)."""
-    options = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+    options = dict(lr=lr, betas=betas, eps=eps)
     if name == "adamw":  # fused: one kernel, no foreach temporaries the size of the model
         return torch.optim.AdamW(groups, **options, fused=device.type in ("cpu", "cuda"))
     if name == "adamw_8bit":
@@ -306,7 +307,8 @@ def main(argv=None) -> int:
     except ModelError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"{args.name}: {out}  (train with --model {out}, or --model {args.name} with {MODELS_DIR_VARIABLE}={out.parent})")
+    print(f"{args.name}: {out}  (train with --model {out}, or --model {args.name} with "
+          f"{MODELS_DIR_VARIABLE}={out.parent})")
     return 0
 
 

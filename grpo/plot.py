@@ -107,7 +107,8 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None, smooth: int 
         for name in names:
             steps, values = series(records, name)
             marker = "o" if len(steps) <= 20 else None  # sparse curves (evaluation) show their points
-            axis.plot(steps, moving_average(values, smooth if len(steps) > 20 else 1), label=name, marker=marker, markersize=3)
+            axis.plot(steps, moving_average(values, smooth if len(steps) > 20 else 1), label=name, marker=marker,
+                      markersize=3)
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.set_ylabel(label)

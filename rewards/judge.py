@@ -574,8 +574,8 @@ def _exception(name: str, message: str) -> Exception:
     RuntimeError; never a class the program defined. Not StopIteration: raised from a proxy inside
     `all(map(candidate, xs))` it would end the iteration and pass the case."""
     kind = getattr(builtins, name, None)
-    if not (isinstance(kind, type) and issubclass(kind, Exception)) or issubclass(kind, (StopIteration,
-                                                                                            StopAsyncIteration)):
+    stops = (StopIteration, StopAsyncIteration)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)) or issubclass(kind, stops):
         return RuntimeError(f"{name}: {message}")
     try:
         return kind(message)

@@ -1,11 +1,13 @@
-"""reasoning-gym's verifiers as a reward: `task_score` (rows from `--dataset reasoning-gym:NAME`, data/reasoning_gym.py).
+"""reasoning-gym's verifiers as a reward: `task_score` (rows from `--dataset reasoning-gym:NAME`,
+data/reasoning_gym.py).
 
     task_score = score_answer(the completion's answer, the row's problem)   in [0, 1]
 
 The answer is the text inside the completion's last <answer>; a row's `answer_extraction` column (set by
 --answer-extraction) may add a fallback for completions without the tag: their last number, or their last line.
 Each task scores its own way (exact text, numbers with sign and separators tolerated, partial credit for some); a
-completion without an answer is scored as the answer None, which most tasks score 0 (a few give 0.01 or so); an answer the task's verifier
+completion without an answer is scored as the answer None, which most tasks score 0 (a few give 0.01 or so); an answer
+the task's verifier
 raises on (prime_factorization on a word) scores 0, with one warning per task and error; the score is clipped to
 [0, 1]; an answer with "nan" or "inf" in it scores 0 unless the oracle has one (verifiers that compare with a
 tolerance can pay them). The verifiers that evaluate answers as code, or pay a constant, are refused when the rows
@@ -63,7 +65,8 @@ def task_score(prompts, completions, question, answer, metadata, task, task_sett
                                                                    task_settings, answer_extraction)]
 
 
-def verifier_scores(completions, question, answer, metadata, task, task_settings, answer_extraction=None) -> list[float]:
+def verifier_scores(completions, question, answer, metadata, task, task_settings,
+                    answer_extraction=None) -> list[float]:
     """The verifiers' own scores, unclipped (NaN and failures 0)."""
     scores = []
     extractions = answer_extraction or ["tag"] * len(completions)

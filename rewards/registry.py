@@ -43,7 +43,8 @@ def load_function(reference: str, what: str = "reward") -> Callable:
             spec.loader.exec_module(module)
         except Exception as error:  # noqa: BLE001 - reported with the file that failed
             sys.modules.pop(spec.name, None)
-            raise ValueError(f"{what} {reference!r}: importing {path} raised {type(error).__name__}: {error}") from error
+            raise ValueError(f"{what} {reference!r}: importing {path} raised {type(error).__name__}: "
+                             f"{error}") from error
     else:
         try:
             module = importlib.import_module(target)

@@ -114,8 +114,8 @@ class Isolation:
     def describe(self) -> str:
         if not self.missing:
             return "code sandbox: full isolation (" + ", ".join(LAYERS) + ")"
-        return "code sandbox: MISSING " + "; ".join(f"{name} ({self.reasons.get(name, 'not obtained')})"
-                                                   for name in self.missing) + " -- docs/tools.md says what is then not stopped"
+        missing = "; ".join(f"{name} ({self.reasons.get(name, 'not obtained')})" for name in self.missing)
+        return f"code sandbox: MISSING {missing} -- docs/tools.md says what is then not stopped"
 
 
 def check_isolation(functions, required: str = "available") -> Isolation | None:
@@ -164,7 +164,8 @@ def run_program(program: str, cases: list[str], setup: str = "", limits: Limits 
     for line in streams["verdicts"].decode(errors="replace").splitlines():
         parts = line.split()  # `<token> case <index> <0|1>`; the first line for a case counts
         if len(parts) == 4 and parts[:2] == [token, "case"] and parts[2].isdigit() and int(parts[2]) < len(cases):
-            scores[int(parts[2])] = scores[int(parts[2])] if scores[int(parts[2])] is not None else float(parts[3] == "1")
+            case = int(parts[2])
+            scores[case] = scores[case] if scores[case] is not None else float(parts[3] == "1")
     text = {name: data.decode(errors="replace") for name, data in streams.items()}
     return RunResult([score or 0.0 for score in scores], timed_out, text["stdout"], text["stderr"], text["log"])
 

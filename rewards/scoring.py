@@ -52,7 +52,7 @@ class RewardError(RuntimeError):
 
 class Unscorable(Exception):
     """Raised from inside a reward function by something it reads that is gone (a rollout's stopped environment,
-    grpo.loop.environments): that completion scores None, as if the function had returned None for it."""
+    grpo.multiturn.environments): that completion scores None, as if the function had returned None for it."""
 
 
 def _check_values(name: str, values, num_rows: int) -> list[float]:
@@ -127,11 +127,11 @@ def score_rows(specs: Sequence[RewardSpec], rows: list[dict], texts: list[str], 
     every column but `prompt` arrives as a keyword list aligned with the completions, `completion_ids` too.
     `messages`: each completion's turns (tool rollouts: assistant, tool, ..., assistant), used for chat prompts;
     `prompts`: each completion's own prompt (environments append their reset text), default its row's;
-    `extra_columns`: more keyword lists, one value per completion (`environments`: grpo.loop.environments).
+    `extra_columns`: more keyword lists, one value per completion (`environments`: grpo.multiturn.environments).
     """
     prompts = prompts or [row["prompt"] for row in rows for _ in range(group_size)]
-    completions = texts if isinstance(prompts[0], str) else messages or [[{"role": "assistant", "content": t}]
-                                                                          for t in texts]
+    as_messages = [[{"role": "assistant", "content": text}] for text in texts]
+    completions = texts if isinstance(prompts[0], str) else messages or as_messages
     columns = {key: [row.get(key) for row in rows for _ in range(group_size)] for key in rows[0] if key != "prompt"}
     columns.update(completion_ids=completion_ids, **(extra_columns or {}))
     return score_completions(specs, prompts, completions, columns)
@@ -165,8 +165,9 @@ def check_reward_columns(specs: Sequence[RewardSpec], rows: list[dict], where: s
     problems = [f"reward {spec.name!r} needs the argument(s) {', '.join(missing)}" for spec in specs
                 for missing in [missing_columns(spec, columns)] if missing]
     if problems:
-        raise ValueError(f"{where}: {'; '.join(problems)}, which neither the run nor these rows' columns give (the columns: "
-                         f"{', '.join(sorted(columns)) or 'none but prompt'}); choose rewards for this data with --reward")
+        raise ValueError(f"{where}: {'; '.join(problems)}, which neither the run nor these rows' columns give (the "
+                         f"columns: {', '.join(sorted(columns)) or 'none but prompt'}); choose rewards for this data "
+                         "with --reward")
 
 
 __all__ = ["RewardError", "Unscorable", "check_reward_columns", "missing_columns", "score_completions", "score_rows"]

@@ -1,5 +1,5 @@
 """Rewards over tool rollouts, whose chat completions are the turns as messages (assistant, tool, ..., assistant;
-grpo/loop/tools.py): a tool message's content is the tool's result, or {"error": ...} when the call failed."""
+grpo/multiturn/tools.py): a tool message's content is the tool's result, or {"error": ...} when the call failed."""
 
 from __future__ import annotations
 

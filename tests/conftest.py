@@ -66,24 +66,24 @@ def both_kernels(request, monkeypatch):
     if request.param == "plain":
         import dataclasses
 
-        import grpo.loop.setup
+        import grpo.core.setup
 
-        real = grpo.loop.setup.step_functions
-        monkeypatch.setattr(grpo.loop.setup, "step_functions",
+        real = grpo.core.setup.step_functions
+        monkeypatch.setattr(grpo.core.setup, "step_functions",
                             lambda config, *args: real(dataclasses.replace(config, kernels="plain"), *args))
     return request.param
 
 
 def batch_indices(trainer, step: int) -> list[int]:
-    """The step's k * B prompt indices, as the trainer draws them (grpo.loop.rollout.step_prompts)."""
-    from grpo.loop.rollout import step_prompts
+    """The step's k * B prompt indices, as the trainer draws them (grpo.generation.rollout.step_prompts)."""
+    from grpo.generation.rollout import step_prompts
 
     cfg = trainer.config
-    return step_prompts(step, trainer.prompts_per_generation, len(trainer.train_rows), cfg.seed, cfg.shuffle_dataset)
+    return step_prompts(step, trainer.loop.prompts_per_generation, len(trainer.data.train_rows), cfg.seed, cfg.shuffle_dataset)
 
 
 def record_updates(trainer) -> list:
-    """Every grpo.loop.update.UpdateResult the trainer makes from now on: its public `update` call, wrapped on this
+    """Every grpo.core.update.UpdateResult the trainer makes from now on: its public `update` call, wrapped on this
     instance (the loop reaches it through train_on_rollout)."""
     records, update = [], trainer.update
 

@@ -31,9 +31,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from grpo.config import GRPOConfig  # noqa: E402
-from grpo.loop.distributed import unwrap  # noqa: E402
-from grpo.loop.distributed import full_tensor as _full  # noqa: E402
-from grpo.loop.trainer import Trainer  # noqa: E402
+from grpo.parallel.distributed import unwrap  # noqa: E402
+from grpo.parallel.distributed import full_tensor as _full  # noqa: E402
+from grpo.core.trainer import Trainer  # noqa: E402
 from tests.conftest import batch_indices  # noqa: E402
 
 BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_generations=4, micro_batch_size=4,
@@ -79,7 +79,7 @@ def main():
     until = overrides.pop("until", None)  # stop (and save) after this step: a run in two pieces
     config = GRPOConfig(**{**BASE, "output_dir": str(out / "run"), **overrides})
     trainer = Trainer(config)
-    rank = trainer.global_rank
+    rank = trainer.processes.global_rank
     models = trainer.models
     record = {"steps": [], "world_size": trainer.world.size, "mode": models.distributed}
     ref_before = None if models.reference is None else full_params_of(models.reference_call)
@@ -138,14 +138,14 @@ def main():
         trainer.generation.llm.generate = failing
     if config.max_staleness is None:
         trainer.collect_rollout = collecting
-    elif trainer.generating:
+    elif trainer.processes.generating:
         trainer.collect_rollout = generating
     trainer.update, trainer.optimizer.step = updating, stepping
-    engine_start = None if trainer.generating else engine_logps(trainer, FIXED_SEQUENCE)
+    engine_start = None if trainer.processes.generating else engine_logps(trainer, FIXED_SEQUENCE)
     result = trainer.train(until_step=until)
-    record.update(result=result, params=full_params(trainer), generating=trainer.generating,
-                  engine_start=engine_start, engine_end=None if trainer.generating else engine_logps(trainer, FIXED_SEQUENCE),
-                  policy_logps=None if trainer.generating else policy_logps(trainer, FIXED_SEQUENCE))
+    record.update(result=result, params=full_params(trainer), generating=trainer.processes.generating,
+                  engine_start=engine_start, engine_end=None if trainer.processes.generating else engine_logps(trainer, FIXED_SEQUENCE),
+                  policy_logps=None if trainer.processes.generating else policy_logps(trainer, FIXED_SEQUENCE))
     if ref_before is not None:
         after = full_params_of(models.reference_call)
         record["ref_unchanged"] = all(torch.equal(ref_before[k], after[k]) for k in ref_before)

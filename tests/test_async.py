@@ -1,5 +1,5 @@
 """The behaviour policy's correction (grpo.algorithm.off_policy) against naive references, and asynchronous rollouts
-in one process (grpo.loop.async_rollouts.BackgroundRollouts): exact at staleness 0, bounded above it, seeded runs
+in one process (grpo.generation.async_rollouts.BackgroundRollouts): exact at staleness 0, bounded above it, seeded runs
 reproducible, stale rollouts dropped, failures named, SIGTERM resumable. Under torchrun: tests/test_distributed.py."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 
 from grpo.algorithm.off_policy import IMPORTANCE_SAMPLING_MODES, behaviour_weights, mismatch_statistics
 from grpo.config import GRPOConfig
-from grpo.loop import async_rollouts
-from grpo.loop.async_rollouts import GenerationError, steps_ahead
-from grpo.loop.checkpoint import latest_checkpoint
-from grpo.loop.trainer import Trainer
+from grpo.generation import async_rollouts
+from grpo.generation.async_rollouts import GenerationError, steps_ahead
+from grpo.core.checkpoint import latest_checkpoint
+from grpo.core.trainer import Trainer
 from tests.test_reliability import ROOT, _env, _wait_for_lines
 
 BASE = dict(
@@ -97,7 +97,7 @@ def test_mismatch_statistics_are_means_over_the_scored_tokens():
 def test_a_rank_without_loss_tokens_leaves_the_logged_extremes_alone():
     # Two ranks (a fake World that reduces over their statistics): one has every completion masked out
     # (mask_truncated_completions in a token mode); the logged min / max of w are the other rank's.
-    from grpo.loop.metrics import sampling_metrics
+    from grpo.core.metrics import sampling_metrics
 
     class TwoRanks:
         def __init__(self, other):
@@ -199,7 +199,7 @@ def test_staleness_1_samples_one_update_ahead_and_is_reproducible(tmp_path):
 
 def test_a_rollout_past_the_bound_is_refused(tmp_path, monkeypatch):
     """A generator that ran two steps ahead under --max-staleness 1 is stopped, not trained on."""
-    monkeypatch.setattr("grpo.loop.trainer.steps_ahead", lambda max_staleness, updates: 2)
+    monkeypatch.setattr("grpo.core.trainer.steps_ahead", lambda max_staleness, updates: 2)
     with pytest.raises(GenerationError, match="staler than --max-staleness"):
         _run(tmp_path, "run", max_staleness=1)
 

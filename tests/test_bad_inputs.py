@@ -28,10 +28,11 @@ from grpo.config import MAY_CHANGE_ON_RESUME, GRPOConfig
 from grpo.config_types import ConfigTypeError, read_value
 from grpo.algorithm.advantages import resolve_estimator
 from grpo.algorithm.loss import resolve_objective
-from grpo.loop import setup
-from grpo.loop.evaluation import EvalConfig
-from grpo.loop.metrics import read_jsonl
-from grpo.loop.trainer import Trainer
+from grpo.core import setup
+from grpo.core.setup import engine_settings
+from grpo.evaluation.evaluate import EvalConfig
+from grpo.core.metrics import read_jsonl
+from grpo.core.trainer import Trainer
 from grpo.tiny_model import save_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,15 +105,16 @@ grpo.algorithm.logprobs:check_plain_output_head grpo.algorithm.loss:LossOptions.
 grpo.algorithm.loss:check_objective grpo.algorithm.loss:resolve_objective
 grpo.algorithm.sampler:SamplingParams.__post_init__
 grpo.config:ConfigMixin.raise_problems grpo.config_types:check_value grpo.config_types:read_value
-grpo.kernels:select_kernels grpo.loop.distributed:init_world grpo.loop.distributed:resolve_mode
-grpo.loop.distributed:wrap_model grpo.loop.environments:Environments.from_factory
-grpo.loop.environments:Environments.reward_functions
-grpo.loop.environments:Environments.reward_functions.<locals>.owned_by grpo.loop.environments:load_environments
-grpo.loop.evaluation:make_scorer grpo.loop.lora:_peft grpo.loop.lora:add_lora grpo.loop.prompts:encode_prompts
-grpo.loop.setup:find_resume_checkpoint grpo.loop.setup:old_run_files grpo.loop.setup:reward_specs
-grpo.loop.setup:task_rows grpo.loop.setup:vllm_engine grpo.loop.trainer:Trainer.__init__ grpo.models:eos_token_ids
+grpo.kernels:select_kernels grpo.parallel.distributed:init_world grpo.parallel.distributed:resolve_mode
+grpo.parallel.distributed:wrap_model grpo.multiturn.environments:Environments.from_factory
+grpo.multiturn.environments:Environments.reward_functions
+grpo.multiturn.environments:Environments.reward_functions.<locals>.owned_by grpo.multiturn.environments:load_environments
+grpo.evaluation.evaluate:make_scorer grpo.lora:_peft grpo.lora:add_lora grpo.generation.prompts:encode_prompts
+grpo.core.setup:find_resume_checkpoint grpo.core.setup:models grpo.core.setup:old_run_files
+grpo.core.setup:processes grpo.core.setup:reward_specs
+grpo.core.setup:task_rows grpo.core.setup:vllm_engine grpo.models:eos_token_ids
 grpo.models:load_model grpo.models:load_tokenizer grpo.models:make_optimizer grpo.models:resolve_device
-grpo.plugins:guarded grpo.plugins:guarded.<locals>.call
+grpo.errors:guarded grpo.errors:guarded.<locals>.call
 grpo.tiny_model:build_tiny_model rewards.registry:_parse_spec rewards.registry:_split_weight
 rewards.registry:load_function rewards.registry:parse_reward_specs rewards.reward_model:RewardModel.__init__
 rewards.reward_model:RewardModel._from_pretrained rewards.reward_model:RewardModel._load_tokenizer
@@ -435,7 +437,7 @@ def test_a_loss_plug_in_that_raises_names_itself_at_the_probe_and_at_a_step(tmp_
     line = one_error_line(capsys)
     said = f"loss_type '{plug_in}:objective' raised KeyError at {plug_in}:9: 'no such term'"
     if where == "probe":
-        assert code == 2 and line.startswith(f"error: invalid configuration:") and said in line
+        assert code == 2 and line.startswith("error: invalid configuration:") and said in line
         assert "(on the start-of-run probe micro-batch of 4 rows x 5 tokens)" in line
     else:
         assert code == 1 and line.startswith(f"error: step 1: {said}")
@@ -478,7 +480,7 @@ def test_a_length_check_names_every_term_with_its_flag():
     with pytest.raises(ValueError, match=r"--vllm-max-model-length 300 is below the longest request, "
                                          r"--max-prompt-length 256 \+ --eval-max-completion-length 64 = 320"):
         config.validate()
-    settings = GRPOConfig(max_prompt_length=256, max_completion_length=80, num_generations=4).engine_settings("fp32")
+    settings = engine_settings(GRPOConfig(max_prompt_length=256, max_completion_length=80, num_generations=4), "fp32")
     assert settings.max_model_length == 336
     assert settings.max_model_length_from == "the longest request, --max-prompt-length 256 + --max-completion-length " \
                                              "80 = 336"

@@ -183,7 +183,7 @@ def test_full_isolation_on_this_machine():
 def test_a_run_that_requires_full_isolation_refuses_to_start(monkeypatch):
     import rewards.sandbox as sandbox
     from grpo.config import GRPOConfig
-    from grpo.loop.setup import reward_specs
+    from grpo.core.setup import reward_specs
 
     monkeypatch.setattr(sandbox, "isolation", lambda: sandbox.Isolation({"bubblewrap": False}, {}))
     with pytest.raises(sandbox.SandboxUnavailable, match="--sandbox-isolation full"):

@@ -203,7 +203,7 @@ def test_a_failing_rank_ends_every_rank_with_its_name(tmp_path, scenario):
 def test_sigterm_to_the_launcher_saves_a_checkpoint(tmp_path):
     import signal
 
-    from grpo.loop.checkpoint import latest_checkpoint
+    from grpo.core.checkpoint import latest_checkpoint
 
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

@@ -35,7 +35,7 @@ def test_readme_commands_match_ci():
 def test_readme_links_and_code_references_are_true():
     for link in re.findall(r"\]\((docs/[^)]+)\)", README):
         assert (ROOT / link).is_file(), link
-    # Every dotted name the README points a reader to (`grpo.loop.update.sync_reference`) exists there.
+    # Every dotted name the README points a reader to (`grpo.core.update.sync_reference`) exists there.
     references = set(re.findall(r"`((?:grpo|rewards|data)(?:\.\w+)+)`", README))
     assert len(references) >= 20, references
     for reference in sorted(references):

@@ -53,8 +53,8 @@ datasets = pytest.importorskip("datasets")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from grpo.config import GRPOConfig  # noqa: E402
-from grpo.loop.tools import tool_suffix_ids  # noqa: E402
-from grpo.loop.trainer import Trainer  # noqa: E402
+from grpo.multiturn.tools import tool_suffix_ids  # noqa: E402
+from grpo.core.trainer import Trainer  # noqa: E402
 from grpo.tiny_model import save_tiny_model  # noqa: E402
 from rewards import RewardSpec  # noqa: E402
 from tests.test_tools import Scripted, call_text, encode  # noqa: E402
@@ -302,7 +302,7 @@ def test_environment_rollout_and_update_match_trl(model_dir, settings, kernels, 
     for name, param in trl_trainer.model.named_parameters():  # same start
         assert torch.equal(param, ours_named[name])
 
-    plan = Plan.from_turns(ours.tokenizer)
+    plan = Plan.from_turns(ours.data.tokenizer)
     assert all(len({tuple(plan.turns[r][0][:1]) for r in range(g * GROUP, (g + 1) * GROUP)}) == 1
                for g in range(PROMPTS))  # one first token per group: our prefill gives it
     assert [len(plan.completion(r)) == MAX_LEN for r in range(len(TURNS))] == TRUNCATED
@@ -327,7 +327,7 @@ def test_environment_rollout_and_update_match_trl(model_dir, settings, kernels, 
     trl_prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
     our_prompts = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids, rollout.prompt_mask)]
     assert our_prompts == trl_prompts
-    assert '"try_code"' in ours.tokenizer.decode(our_prompts[0]) and '"peek"' in ours.tokenizer.decode(our_prompts[0])
+    assert '"try_code"' in ours.data.tokenizer.decode(our_prompts[0]) and '"peek"' in ours.data.tokenizer.decode(our_prompts[0])
 
     # Completions token for token, and the tool masks: both as the plan says, results at 0.
     lengths = rollout.completion_mask.sum(-1).tolist()
@@ -396,7 +396,7 @@ def _strict_xfail(reason):
 
 
 # One turn, parsed by trl (`parse_response` with the prompt's tools, as its `_generate` and `_tool_call_loop` do) and
-# by our sampler's tool loop (the assistant message it records, grpo.loop.tools.ToolTurns); `part`: what is compared,
+# by our sampler's tool loop (the assistant message it records, grpo.multiturn.tools.ToolTurns); `part`: what is compared,
 # the message's text or its calls. An XPASS means the difference is gone: drop the mark (and play the case in TURNS).
 @pytest.mark.parametrize("text, part", [
     pytest.param("Let me guess: 42.", "content", id="text_of_a_plain_turn"),  # the same text
@@ -407,13 +407,13 @@ def _strict_xfail(reason):
     pytest.param("Let me try. " + call_text("try_code", code="42"), "calls", id="string_for_an_int_argument"),
     pytest.param("Let me <tool_call>{oops</tool_call>", "calls", id="malformed_call", marks=_strict_xfail(
         "trl reads a malformed block as text without calls (the rollout ends); ours makes it a failed call whose "
-        "error the model reads, and the rollout goes on (grpo/loop/tools.py, parse_tool_calls)")),
+        "error the model reads, and the rollout goes on (grpo/multiturn/tools.py, parse_tool_calls)")),
 ])
 def test_the_messages_of_a_turn_are_trls(tiny_model_and_tokenizer, text, part):
     from trl.chat_template_utils import add_response_schema, parse_response
 
     from grpo.algorithm.sampler import SamplingParams, sample_groups
-    from grpo.loop.tools import ToolSet
+    from grpo.multiturn.tools import ToolSet
     from grpo.tiny_model import build_tokenizer
 
     model, tokenizer = tiny_model_and_tokenizer

@@ -1,4 +1,4 @@
-"""Multi-turn environments (grpo/loop/environments.py, trl's environment_factory): one fresh environment per rollout
+"""Multi-turn environments (grpo/multiturn/environments.py, trl's environment_factory): one fresh environment per rollout
 in its own process, reset text in the prompt, the dict form, every fault a method can make, get_reward as a reward,
 and token identity between what the sampler fed the model and what the update trains on, over several turns.
 
@@ -22,11 +22,11 @@ import torch
 
 from grpo.algorithm.sampler import SamplingParams
 from grpo.config import GRPOConfig
-from grpo.loop.environments import (EnvironmentRollouts, Environments, EnvironmentStartError, class_name,
+from grpo.multiturn.environments import (EnvironmentRollouts, Environments, EnvironmentStartError, class_name,
                                     load_environments)
-from grpo.loop.prompts import encode_prompt
-from grpo.loop.rollout import GroupSampler
-from grpo.loop.tools import ToolSet, tool_suffix_ids
+from grpo.generation.prompts import encode_prompt
+from grpo.generation.rollout import GroupSampler
+from grpo.multiturn.tools import ToolSet, tool_suffix_ids
 from rewards import RewardSpec
 from tests.test_tools import Scripted, call_text, encode
 
@@ -358,7 +358,7 @@ def test_the_update_trains_on_exactly_the_tokens_the_sampler_fed_over_several_tu
     """A trainer with environment_factory, its policy scripted to make two tool calls before answering in one row
     of each group: every token the sampler fed the model (prefill and decode) is, in order, the token the update's
     forward pass reads, and the loss counts only the model's own tokens."""
-    from grpo.loop.trainer import Trainer
+    from grpo.core.trainer import Trainer
 
     config = GRPOConfig(model="tiny", dataset="synthetic:8", output_dir=str(tmp_path / "run"), max_steps=1,
                         prompts_per_step=2, num_generations=2, micro_batch_size=4, max_prompt_length=512,
@@ -367,7 +367,7 @@ def test_the_update_trains_on_exactly_the_tokens_the_sampler_fed_over_several_tu
     length = RewardSpec("length", lambda completions, **_: [float(len(c)) for c in completions])
     # reset says nothing: the rows' prompts, one prefill each
     trainer = Trainer(config, environment_factory=Quiet, reward_functions=[length])
-    tokenizer, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
+    tokenizer, eos = trainer.data.tokenizer, trainer.data.tokenizer.eos_token_id
     ping = encode(tokenizer, call_text("ping"))
     pong = result_ids(tokenizer, "pong", "ping")
     answer = encode(tokenizer, "<answer>7</answer>")
@@ -419,7 +419,7 @@ def test_the_update_trains_on_exactly_the_tokens_the_sampler_fed_over_several_tu
 
 def test_the_command_line_and_config_checks(tmp_path):
     from grpo.cli import config_from_args
-    from grpo.loop.setup import environments, reward_specs
+    from grpo.core.setup import environments, reward_specs
 
     source = tmp_path / "games.py"
     source.write_text("class Game:\n    def reset(self, **row):\n        return None\n"
@@ -694,7 +694,7 @@ def test_environments_die_with_a_trainer_that_is_killed(tmp_path):
         "import sys, time\n"
         f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).resolve().parents[1])!r})\n"
         "from tests.test_environments import Quiet, rows\n"
-        "from grpo.loop.environments import Environments\n"
+        "from grpo.multiturn.environments import Environments\n"
         "episodes = Environments.from_factory(Quiet).start(rows(1), 3, seeds=[1, 2, 3])\n"
         "print(' '.join(str(handle._pid) for handle in episodes.handles), flush=True)\n"
         "time.sleep(3600)\n")

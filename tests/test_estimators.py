@@ -525,7 +525,7 @@ def test_gdpo_through_the_seam_is_decoupled_advantages(group_size, normalize):
 
 def test_grpo_reward_statistics_leave_the_kl_penalty_out():
     # r = [1, 0], penalty sums [0.5, 0.5]: the rewards without the KL have mean 0.5, logged by every estimator; the
-    # batch says so with plain_rewards (grpo.loop.update.advantage_batch sets it when the clip or the KL changed them)
+    # batch says so with plain_rewards (grpo.core.update.advantage_batch sets it when the clip or the KL changed them)
     per_func, mask = torch.tensor([[1.0], [0.0]], dtype=F64), torch.ones(2, 1, dtype=F64)
     penalty = torch.tensor([[0.5], [0.5]], dtype=F64)
     batch = AdvantageBatch(per_func[:, 0] - 0.5, per_func, torch.tensor([1.0], dtype=F64), 2, mask, penalty,

@@ -5,7 +5,7 @@ import pytest
 import eval as eval_cli
 from grpo.cli import build_parser, config_from_args
 from grpo.config import GRPOConfig
-from grpo.loop.evaluation import score_answer
+from grpo.evaluation.evaluate import score_answer
 from tests.conftest import gsm8k_dir
 
 GOOD = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"
@@ -74,10 +74,10 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 
 
 def test_chat_template_kwargs_reach_the_template_in_training_and_evaluation(tmp_path, monkeypatch, capsys):
-    from grpo.loop import evaluation
-    from grpo.loop.prompts import encode_prompt
+    from grpo.evaluation import evaluate as evaluation
+    from grpo.generation.prompts import encode_prompt
     from grpo.tiny_model import build_tokenizer
-    from grpo.loop.trainer import Trainer
+    from grpo.core.trainer import Trainer
     from tests.test_trainer import make_config
 
     off = {"enable_thinking": False}
@@ -103,7 +103,7 @@ def test_chat_template_kwargs_reach_the_template_in_training_and_evaluation(tmp_
     trainer = Trainer(make_config(tmp_path, chat_template_kwargs=off, eval_steps=1, eval_limit=2, max_steps=1),
                       tokenizer=tokenizer)
     think = tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
-    assert all(ids[-len(think):] == think for ids in trainer.train_prompt_ids)
+    assert all(ids[-len(think):] == think for ids in trainer.data.train_prompt_ids)
     trainer.train()
     assert seen and seen[-1]["chat_template_kwargs"] == off  # the periodic evaluation's prompts too
     assert eval_cli.EvalConfig(chat_template_kwargs=off).validate().chat_template_kwargs == off

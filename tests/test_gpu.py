@@ -44,13 +44,13 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(dtype):
 
 def test_bf16_training_step_on_cuda(tmp_path):
     from grpo.config import GRPOConfig
-    from grpo.loop.trainer import Trainer
+    from grpo.core.trainer import Trainer
 
     config = GRPOConfig(model="tiny", dataset="synthetic:32", output_dir=str(tmp_path / "run"), max_steps=2,
                         prompts_per_step=2, num_generations=4, micro_batch_size=4, max_completion_length=16,
                         reward=["tags"], device="cuda", precision="auto", save_steps=0)
     trainer = Trainer(config)
-    assert trainer.precision == "bf16" and next(trainer.policy.parameters()).dtype == torch.float32
+    assert trainer.processes.precision == "bf16" and next(trainer.policy.parameters()).dtype == torch.float32
     assert trainer.kernels.compile_decode  # auto: the compiled decode step on CUDA
     assert trainer.train()["status"] == "finished"
 

@@ -494,7 +494,7 @@ def test_importing_the_package_changes_nothing_outside_it():
     import sys
 
     code = ("import os, transformers; before = dict(os.environ); "
-            "import grpo, grpo.loop.trainer, grpo.kernels.sampling, grpo.kernels.fused_loss, grpo.kernels.compiled_decode; "
+            "import grpo, grpo.core.trainer, grpo.kernels.sampling, grpo.kernels.fused_loss, grpo.kernels.compiled_decode; "
             "from transformers import AttentionInterface; "
             "assert dict(os.environ) == before, set(os.environ) ^ set(before); "
             "assert 'grpo_sdpa' not in AttentionInterface._global_mapping; print('clean')")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from data import KINDS, make_synthetic_gsm8k, make_synthetic_problems, r1_completion
-from grpo.loop.metrics import read_jsonl
+from grpo.core.metrics import read_jsonl
 from rewards.gsm8k import strict_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

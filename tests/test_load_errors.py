@@ -48,10 +48,10 @@ def test_a_model_folder_that_cannot_be_loaded(tmp_path, capsys):
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_loading(tmp_path, capsys, monkeypatch):
-    import grpo.loop.setup
+    import grpo.core.setup
 
     loaded = []
-    monkeypatch.setattr(grpo.loop.setup, "load_model", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(grpo.core.setup, "load_model", lambda *a, **k: loaded.append(1))
     target = tmp_path / "a_file"
     target.write_text("not a folder")
     err = _run(train.main, ["--model", "tiny", "--output-dir", str(target), *SMALL], capsys)

@@ -1,4 +1,4 @@
-"""LoRA (grpo/loop/lora.py, peft) against a hand-built W + (alpha / r) B A, the reference with adapters off, the
+"""LoRA (grpo/lora.py, peft) against a hand-built W + (alpha / r) B A, the reference with adapters off, the
 trainer with LoRA (checkpoints, resume, merged export, eval), the 8-bit optimizer and cast_lm_head_to_fp32."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ peft = pytest.importorskip("peft", reason="peft is not installed: pip install -e
 
 from grpo.config import GRPOConfig  # noqa: E402
 from tests.conftest import record_updates
-from grpo.loop.lora import AdaptersOff, add_lora  # noqa: E402
+from grpo.lora import AdaptersOff, add_lora  # noqa: E402
 from grpo.algorithm.logprobs import completion_logprobs  # noqa: E402
-from grpo.loop.metrics import read_jsonl  # noqa: E402
+from grpo.core.metrics import read_jsonl  # noqa: E402
 from grpo.tiny_model import build_tiny_model  # noqa: E402
-from grpo.loop.trainer import Trainer  # noqa: E402
+from grpo.core.trainer import Trainer  # noqa: E402
 from tests.test_trainer import BASE, make_config, params_of  # noqa: E402
 
 R, ALPHA = 4, 8

@@ -341,7 +341,7 @@ def test_entropy_bonus_and_its_adaptive_coefficient():
 
 def test_entropy_control_defaults_and_a_step_without_tokens():
     # EntropyControl() carries GRPOConfig's defaults (delta 0.005, target 0.2, coef range [0, 1]): one source of truth.
-    assert EntropyControl(adaptive=True) == EntropyControl.from_config(GRPOConfig(use_adaptive_entropy=True))
+    assert EntropyControl(adaptive=True) == GRPOConfig(use_adaptive_entropy=True).entropy_control()
     # A step that kept no token (every completion masked): entropy 0 / max(0 tokens, 1) = 0 <= target 0.2,
     # so the coefficient rises by the default delta, 0.1 -> 0.105, and no ZeroDivisionError stops the run.
     control = EntropyControl(coef=0.1, adaptive=True)

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("matplotlib", reason="matplotlib is not installed: pip install -e '.[plot]'")
 
 from grpo.plot import PlotError, main, plot_run, read_metrics, series  # noqa: E402
-from grpo.loop.trainer import Trainer  # noqa: E402
+from grpo.core.trainer import Trainer  # noqa: E402
 from tests.test_trainer import make_config  # noqa: E402
 
 

@@ -5,17 +5,15 @@ penalty or the clip are refused, and dynamic sampling sees the rewards clipped a
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from grpo.algorithm.loss import LossOptions, per_token_loss
 from grpo.config import GRPOConfig
-from grpo.loop.dynamic_sampling import keep_informative_groups
-from grpo.loop.metrics import read_jsonl
-from grpo.loop.rollout import Rollout
-from grpo.loop.trainer import Trainer
+from grpo.generation.dynamic_sampling import keep_informative_groups
+from grpo.generation.rollout import Rollout
+from grpo.core.trainer import Trainer
 
 
 def plug(tmp_path, source: str) -> str:

@@ -1,5 +1,5 @@
 """It learns what it is taught: the defaults that follow the data (rewards, refusals before any model loads), the
-run's opening summary, the reasoning-gym-small preset, and the guards against learning the prior (grpo/loop/answers.py):
+run's opening summary, the reasoning-gym-small preset, and the guards against learning the prior (grpo/evaluation/answers.py):
 the answers/* metrics, the collapse warning on a policy forced to one answer, and eval.py's best constant answer."""
 
 import json
@@ -13,11 +13,11 @@ from data.prompts import SYSTEM_PROMPT, TASK_SYSTEM_PROMPT
 import train
 from grpo.cli import PRESETS, config_from_args
 from grpo.config import GSM8K_RECIPE_REWARDS, GRPOConfig
-from grpo.loop import setup
-from grpo.loop.answers import COLLAPSE_SHARE, WINDOW, CollapseWatch, answer_metrics, prior_summary
-from grpo.loop.evaluation import EvalConfig
-from grpo.loop.metrics import read_jsonl
-from grpo.loop.trainer import Trainer
+from grpo.core import setup
+from grpo.evaluation.answers import COLLAPSE_SHARE, WINDOW, CollapseWatch, answer_metrics, prior_summary
+from grpo.evaluation.evaluate import EvalConfig
+from grpo.core.metrics import read_jsonl
+from grpo.core.trainer import Trainer
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
@@ -181,7 +181,7 @@ def test_a_run_forced_to_one_answer_warns(tmp_path, caplog, dynamic_sampling):
     config = GRPOConfig(**TINY, dataset="synthetic:64", reward=["tags"], max_steps=WINDOW + 1,
                         dynamic_sampling=dynamic_sampling, output_dir=str(tmp_path / "run"))
     trainer = Trainer(config)
-    fixed = trainer.tokenizer("<answer>7</answer>", add_special_tokens=False)["input_ids"] + [trainer.eos_token_ids[0]]
+    fixed = trainer.data.tokenizer("<answer>7</answer>", add_special_tokens=False)["input_ids"] + [trainer.loop.sampling.eos_token_ids[0]]
     generate = trainer.generation.generate
 
     kept = []  # under dynamic sampling: the texts the update trained on
@@ -191,9 +191,9 @@ def test_a_run_forced_to_one_answer_warns(tmp_path, caplog, dynamic_sampling):
         rows = group if dynamic_sampling else sample.completion_ids.shape[0]  # dynamic: the first group only
         width = max(len(fixed), sample.completion_ids.shape[1])
         ids = torch.nn.functional.pad(sample.completion_ids, (0, width - sample.completion_ids.shape[1]),
-                                      value=trainer.tokenizer.pad_token_id)  # (N, T')
+                                      value=trainer.data.tokenizer.pad_token_id)  # (N, T')
         mask = torch.nn.functional.pad(sample.completion_mask, (0, width - sample.completion_mask.shape[1]))
-        ids[:rows] = torch.tensor([fixed + [trainer.tokenizer.pad_token_id] * (width - len(fixed))] * rows)
+        ids[:rows] = torch.tensor([fixed + [trainer.data.tokenizer.pad_token_id] * (width - len(fixed))] * rows)
         mask[:rows] = torch.tensor([[1] * len(fixed) + [0] * (width - len(fixed))] * rows)
         sample.completion_ids, sample.completion_mask = ids, mask
         sample.truncated = sample.truncated.clone()

@@ -19,7 +19,7 @@ import torch
 from tests.conftest import gsm8k_dir
 from data import add_prompts
 from grpo.models import ModelError, eos_token_ids, resolve_model_name
-from grpo.loop.prompts import encode_prompt
+from grpo.generation.prompts import encode_prompt
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"

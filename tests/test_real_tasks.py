@@ -9,7 +9,7 @@ import random
 import pytest
 
 import eval as eval_cli
-from grpo.loop.pass_at_k import majority_correct, mean_interval, pass_at_k, summarize_samples
+from grpo.evaluation.pass_at_k import majority_correct, mean_interval, pass_at_k, summarize_samples
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

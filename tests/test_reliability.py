@@ -17,14 +17,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from grpo.loop.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from grpo.core.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from grpo.cli import config_from_args
-from grpo.algorithm.loss import LossOptions
 from grpo.config import GRPOConfig
-from grpo.loop.metrics import read_jsonl
+from grpo.core.metrics import read_jsonl
 from grpo.models import ModelError, load_model, load_tokenizer
-from grpo.loop.trainer import Trainer, TrainingError
-from rewards import RewardError
+from grpo.core.trainer import Trainer, TrainingError
 from tests.conftest import batch_indices
 from tests.test_trainer import fixed_rollout, make_config
 
@@ -93,8 +91,8 @@ def test_estimator_and_kl_combinations_are_checked():
     assert (config.loss_type, config.kl_in_reward) == ("rloo", True)
     assert GRPOConfig(advantage_estimator="rloo", beta=0.0).validate().kl_in_reward is False  # no KL, nowhere
     assert (GRPOConfig().validate().loss_type, GRPOConfig().validate().kl_in_reward) == ("grpo", False)
-    assert LossOptions.from_config(GRPOConfig(kl_in_reward=True).validate()).beta == 0.0  # not in the loss as well
-    assert LossOptions.from_config(GRPOConfig().validate()).beta == 0.04
+    assert GRPOConfig(kl_in_reward=True).validate().loss_options().beta == 0.0  # not in the loss as well
+    assert GRPOConfig().validate().loss_options().beta == 0.04
     refused = {
         "kl_in_reward needs beta > 0": dict(kl_in_reward=True, beta=0.0),
         "use_bias_correction_kl weighs the loss's k3 KL": dict(kl_in_reward=True, use_bias_correction_kl=True),
@@ -140,14 +138,14 @@ def test_output_folder_holding_another_run(tmp_path):
 # ----------------------------------------------------------------------------- data
 def test_long_prompts_are_truncated_or_skipped_with_a_count(tmp_path, caplog):
     trainer = Trainer(make_config(tmp_path / "t", max_prompt_length=50, long_prompts="truncate"))
-    assert all(len(ids) <= 50 for ids in trainer.train_prompt_ids) and len(trainer.train_rows) == 64
+    assert all(len(ids) <= 50 for ids in trainer.data.train_prompt_ids) and len(trainer.data.train_rows) == 64
     assert "prompts are longer than max_prompt_length=50 and were truncated" in caplog.text
     caplog.clear()
-    lengths = [len(ids) for ids in Trainer(make_config(tmp_path / "x")).train_prompt_ids]
+    lengths = [len(ids) for ids in Trainer(make_config(tmp_path / "x")).data.train_prompt_ids]
     limit = sorted(lengths)[len(lengths) // 2]
     trainer = Trainer(make_config(tmp_path / "s", max_prompt_length=limit, long_prompts="skip"))
     skipped = sum(length > limit for length in lengths)
-    assert len(trainer.train_rows) == 64 - skipped
+    assert len(trainer.data.train_rows) == 64 - skipped
     assert f"{skipped} of 64 prompts are longer than max_prompt_length={limit} and were skipped" in caplog.text
 
 
@@ -224,7 +222,7 @@ def test_reward_raising_on_one_row_stops_before_any_update(tmp_path):
 
     trainer = Trainer(make_config(tmp_path, max_steps=2), reward_functions=[fragile], train_rows=rows)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
-    boom_row = [trainer.train_rows[i]["question"] for i in batch_indices(trainer, 0)].index("boom") * 4
+    boom_row = [trainer.data.train_rows[i]["question"] for i in batch_indices(trainer, 0)].index("boom") * 4
     with pytest.raises(TrainingError, match=rf"step 1: reward 'fragile' raised ZeroDivisionError on row {boom_row}: "
                                             r".* The last good checkpoint is none"):
         trainer.train()
@@ -352,7 +350,7 @@ def test_trainer_passes_save_total_limit(tmp_path):
 
 
 def test_a_checkpoint_holds_the_merged_and_reference_models_and_counts_only_when_complete(tmp_path):
-    from grpo.loop.checkpoint import list_checkpoints
+    from grpo.core.checkpoint import list_checkpoints
 
     folder = save_checkpoint(tmp_path, 4, _Saved(), _Saved(), {"step": 4}, {"model": "tiny"},
                              reference=_Saved(), merged=_Saved())
@@ -368,7 +366,7 @@ def test_a_checkpoint_holds_the_merged_and_reference_models_and_counts_only_when
 
 _SAVE_SCRIPT = """
 import sys
-from grpo.loop.checkpoint import save_checkpoint
+from grpo.core.checkpoint import save_checkpoint
 from grpo.tiny_model import build_tiny_model
 model, tokenizer = build_tiny_model("small")
 print("saving", flush=True)
@@ -424,9 +422,9 @@ def test_safe_defaults():
 
 
 def test_cpu_threads_follow_the_other_processes_load(monkeypatch):
-    # grpo/loop/threads.py: over each step, (machine busy - own CPU) / wall = the cores others kept busy; the next
+    # grpo/parallel/threads.py: over each step, (machine busy - own CPU) / wall = the cores others kept busy; the next
     # step gets the rest (at least one, at most the count torch started with), and gets them back when they leave.
-    import grpo.loop.threads as threads_module
+    import grpo.parallel.threads as threads_module
 
     clock = {"busy": 0.0, "own": 0.0, "wall": 0.0}
     monkeypatch.setattr(threads_module, "cpu_times", lambda: (clock["busy"], clock["own"], clock["wall"]))
@@ -456,7 +454,7 @@ def test_every_file_and_folder_of_a_checkpoint_is_fsynced_before_it_counts(tmp_p
     """Atomic means durable too: each file (also inside reference/ and merged/), the checkpoint folder and
     checkpoints/ itself are fsynced, so a power cut after the rename cannot leave a complete-looking folder of
     empty files."""
-    import grpo.loop.checkpoint as checkpoint
+    import grpo.core.checkpoint as checkpoint
 
     synced, real = [], os.fsync
 
@@ -484,7 +482,7 @@ def one_rank_group():
     run where coverage and the mutation run can see them; tests/test_distributed.py runs several ranks."""
     import torch.distributed as dist
 
-    from grpo.loop.distributed import World
+    from grpo.parallel.distributed import World
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -496,8 +494,8 @@ def one_rank_group():
 @pytest.mark.own_kernels
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_distributed_checkpoint_saves_every_part_and_reloads_the_optimizer(one_rank_group, tmp_path, mode):
-    from grpo.loop.checkpoint import list_checkpoints, load_sharded_optimizer, save_distributed_checkpoint
-    from grpo.loop.distributed import full_tensor, wrap_model
+    from grpo.core.checkpoint import list_checkpoints, load_sharded_optimizer, save_distributed_checkpoint
+    from grpo.parallel.distributed import full_tensor, wrap_model
     from grpo.tiny_model import build_tiny_model
 
     world, cpu = one_rank_group, torch.device("cpu")
@@ -608,8 +606,8 @@ def test_a_disk_full_during_a_checkpoint_stops_with_the_last_good_one_and_resume
     checkpoint's files: DiskFullError names the disk, the checkpoint, the run folder, what the writer said and the
     last good checkpoint (step 2), which stays intact; with the space freed, --resume clears the torn .tmp- folder
     and ends where an uninterrupted run ends, bit for bit."""
-    from grpo.loop import run_state
-    from grpo.loop.trainer import DiskFullError
+    from grpo.core import run_state
+    from grpo.core.trainer import DiskFullError
 
     mode, target, after_the_rest, writer_error = FULL_AT[full_at]
     if mode != "none":  # a one-process group, as `torchrun --nproc-per-node 1` makes
@@ -666,14 +664,14 @@ def test_a_disk_full_at_the_logs_or_the_evaluation_ends_in_one_error_line(tmp_pa
     """ENOSPC (injected) from metrics.jsonl's, samples.jsonl's or eval/'s write: train.py prints one `error:` line
     naming the disk, what it was writing, the run folder, the last good checkpoint (none before the first save)
     and the command that resumes; no traceback."""
-    import grpo.loop.trainer
+    import grpo.core.trainer
     import train
-    from grpo.loop.metrics import MetricsLogger
+    from grpo.core.metrics import MetricsLogger
     from tests.test_load_errors import _run
 
     run = tmp_path / "run"
     refused = run / "eval" / "step-000002.json" if writes == "eval" else run / writes
-    owner, method = {"eval": (grpo.loop.trainer, "save_evaluation"), "metrics.jsonl": (MetricsLogger, "log"),
+    owner, method = {"eval": (grpo.core.trainer, "save_evaluation"), "metrics.jsonl": (MetricsLogger, "log"),
                      "samples.jsonl": (MetricsLogger, "log_samples")}[writes]
     real = getattr(owner, method)
 
@@ -697,8 +695,8 @@ def test_a_disk_full_at_the_logs_or_the_evaluation_ends_in_one_error_line(tmp_pa
 
 
 def test_only_a_full_disk_becomes_a_disk_full_error(tmp_path, monkeypatch):
-    """Each way a writer says the disk is full (grpo/loop/disk_full.py), and errors that are something else."""
-    import grpo.loop.disk_full as disk_full
+    """Each way a writer says the disk is full (grpo/core/disk_full.py), and errors that are something else."""
+    import grpo.core.disk_full as disk_full
     from torch.distributed.checkpoint import CheckpointException
 
     # the nearest folder that exists: the run folder's file system before the run made it
@@ -804,7 +802,7 @@ def test_logs_on_a_full_disk_raise_once_and_a_resume_rewrites_them_whole(small_d
     """metrics.jsonl on a disk that fills up: log() raises ENOSPC, close() does not raise it again (the trainer's
     error stays the one reported); a resumed logger's truncation, on the still-full disk, fails with the file as it
     was, and once there is space keeps exactly the lines up to the checkpoint's step (the torn last one dropped)."""
-    from grpo.loop.metrics import MetricsLogger
+    from grpo.core.metrics import MetricsLogger
 
     run = small_disk / "run"
     logger = MetricsLogger(run)

@@ -23,8 +23,8 @@ from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2F
 
 from grpo.algorithm.advantages import weighted_rewards
 from grpo.config import GRPOConfig
-from grpo.loop.metrics import read_jsonl
-from grpo.loop.trainer import Trainer
+from grpo.core.metrics import read_jsonl
+from grpo.core.trainer import Trainer
 from grpo.tiny_model import IM_START, build_tokenizer, save_tiny_model
 from rewards import parse_reward_specs, score_completions
 from rewards.reward_model import RewardModel

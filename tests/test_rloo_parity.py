@@ -26,7 +26,7 @@ datasets = pytest.importorskip("datasets")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from grpo.config import GRPOConfig  # noqa: E402
-from grpo.loop.trainer import Trainer  # noqa: E402
+from grpo.core.trainer import Trainer  # noqa: E402
 from rewards import RewardSpec  # noqa: E402
 from tests.test_trl_parity import (ADAM_EPS, LR, MAX_LEN, PROMPTS, WEIGHTS, fixed_completions, model_dir,  # noqa: E402
                                    our_step, reward_none_for_one_row, reward_sometimes_none, rows)

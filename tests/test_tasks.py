@@ -7,7 +7,7 @@ import torch
 
 import train
 from data import DataError, load_task_rows
-from grpo.loop.metrics import read_jsonl
+from grpo.core.metrics import read_jsonl
 from rewards import parse_reward_specs
 
 REWARD_FILE = '''
@@ -111,7 +111,7 @@ def test_eval_py_on_a_prompt_task_with_a_scorer_file(tmp_path, tiny_model_dir, c
 def test_transformers_generate_backend_behind_the_seam(tiny_model_and_tokenizer):
     # Greedy decoding has one answer: model.generate behind the seam must give our sampler's tokens, mask and
     # truncation flags, grouped the same way, and the log-probs of the tokens it drew.
-    from grpo.loop.rollout import GroupSampler, TransformersGenerate
+    from grpo.generation.rollout import GroupSampler, TransformersGenerate
     from grpo.algorithm.sampler import SamplingParams
 
     model, tokenizer = tiny_model_and_tokenizer
@@ -136,7 +136,7 @@ def test_transformers_generate_backend_behind_the_seam(tiny_model_and_tokenizer)
 @pytest.mark.slow
 def test_training_through_the_transformers_backend(tmp_path):
     from grpo.config import GRPOConfig
-    from grpo.loop.trainer import Trainer
+    from grpo.core.trainer import Trainer
 
     config = GRPOConfig(model="tiny", dataset="synthetic:16", output_dir=str(tmp_path / "run"), max_steps=2,
                         prompts_per_step=2, num_generations=4, micro_batch_size=8, max_completion_length=8,

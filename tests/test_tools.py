@@ -1,4 +1,4 @@
-"""Tool calls in the rollout (grpo/loop/tools.py): parsing, running, the result's tokens, and the sampler's loop.
+"""Tool calls in the rollout (grpo/multiturn/tools.py): parsing, running, the result's tokens, and the sampler's loop.
 
 The sampler tests drive the tiny model's KV cache with scripted logits: each row writes a planned completion
 (its turns), and where the plan has nothing (the tool result's positions) the model would write `FILLER`, so a
@@ -16,10 +16,10 @@ import torch
 from data.calculator import calculator
 from rewards.tools import tool_call_format, tool_success
 from grpo.config import GRPOConfig
-from grpo.loop.rollout import make_generation_backend
+from grpo.generation.rollout import make_generation_backend
 from tests.conftest import record_updates
 from grpo.algorithm.sampler import SamplingParams, sample_groups
-from grpo.loop.tools import ToolSet, load_tools, parse_tool_calls, run_tool_call, tool_suffix_ids
+from grpo.multiturn.tools import ToolSet, load_tools, parse_tool_calls, run_tool_call, tool_suffix_ids
 
 FILLER = 7
 
@@ -269,8 +269,8 @@ def test_a_training_step_on_tool_rollouts(tmp_path):
     """The trainer with --tools: the scripted policy calls the calculator in some rows; the rollout's loss mask
     leaves the results out, the rewards see the turns as messages, and the tool metrics are logged."""
     from grpo.config import GRPOConfig
-    from grpo.loop.metrics import read_jsonl
-    from grpo.loop.trainer import Trainer
+    from grpo.core.metrics import read_jsonl
+    from grpo.core.trainer import Trainer
 
     seen = {}
 
@@ -283,7 +283,7 @@ def test_a_training_step_on_tool_rollouts(tmp_path):
                         max_completion_length=160, device="cpu", precision="fp32", save_steps=0, eval_steps=0,
                         log_completions_steps=0, tools=["data.calculator:calculator"], reward=["int"], beta=0.04)
     trainer = Trainer(config, reward_functions=[spy])
-    tokenizer, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
+    tokenizer, eos = trainer.data.tokenizer, trainer.data.tokenizer.eos_token_id
     call = encode(tokenizer, call_text("calculator", expression="2 + 3"))
     answer = encode(tokenizer, "<answer>5</answer>")
     result = suffix(tokenizer, "5", name="calculator")
@@ -303,7 +303,7 @@ def test_a_training_step_on_tool_rollouts(tmp_path):
 
 
 def test_rollout_from_token_lists_keeps_tool_results_out_of_the_loss_mask():
-    from grpo.loop.rollout import Rollout
+    from grpo.generation.rollout import Rollout
 
     eos, pad = 2, 0
     completions = [[5, eos, 9, eos, 6, 7, eos], [5, 6, eos]]  # row 0: a turn, a result (9, EOS) and a second turn
@@ -317,7 +317,7 @@ def test_rollout_from_token_lists_keeps_tool_results_out_of_the_loss_mask():
 
 
 def test_string_arguments_take_the_type_their_schema_declares():
-    from grpo.loop.tools import coerce_arguments, tool_parameters, typed_calls
+    from grpo.multiturn.tools import coerce_arguments, tool_parameters, typed_calls
 
     parameters = {"a": {"type": "integer"}, "b": {"type": "number"}, "c": {"type": "boolean"}, "d": {"type": "string"},
                   "e": {"type": "array"}, "f": {"type": ["integer", "null"]}}

@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM
 
 from grpo.config import GRPOConfig
 from grpo.algorithm.loss import LossOptions
-from grpo.loop.metrics import read_jsonl
-from grpo.loop.rollout import Rollout
-from grpo.loop.trainer import Trainer
+from grpo.core.metrics import read_jsonl
+from grpo.generation.rollout import Rollout
+from grpo.core.trainer import Trainer
 from tests.conftest import batch_indices, record_updates
 
 pytestmark = pytest.mark.usefixtures("both_kernels")  # every test under --kernels auto and plain (conftest.py)
@@ -29,16 +29,16 @@ def fixed_rollout(trainer: Trainer, seed: int = 0, num_prompts: int | None = Non
     """A rollout with random completions and rewards, the same for every trainer given the same seed."""
     g = torch.Generator().manual_seed(seed)
     cfg = trainer.config
-    vocab = len(trainer.tokenizer)
+    vocab = len(trainer.data.tokenizer)
     prompts, completions = [], []
     for index in range(num_prompts or cfg.prompts_per_step):
-        prompt = trainer.train_prompt_ids[index]
+        prompt = trainer.data.train_prompt_ids[index]
         for _ in range(cfg.num_generations):
             length = int(torch.randint(2, cfg.max_completion_length + 1, (1,), generator=g))
             prompts.append(prompt)
             completions.append(torch.randint(3, vocab, (length,), generator=g).tolist())
     rewards = torch.rand(len(completions), generator=g)
-    return Rollout.from_token_lists(prompts, completions, rewards, trainer.eos_token_ids, trainer.tokenizer.pad_token_id)
+    return Rollout.from_token_lists(prompts, completions, rewards, trainer.loop.sampling.eos_token_ids, trainer.data.tokenizer.pad_token_id)
 
 
 def params_of(model):
@@ -48,7 +48,7 @@ def params_of(model):
 def refresh_kernels(trainer: Trainer) -> None:
     """After a test changed trainer.kernels' flags: the functions the update calls, built again from them."""
     cfg = trainer.config
-    trainer.functions = trainer.kernels.step_functions(LossOptions.from_config(cfg), cfg.temperature,
+    trainer.functions = trainer.kernels.step_functions(cfg.loss_options(), cfg.temperature,
                                                        cfg.logprob_chunk_size, cfg.cast_lm_head_to_fp32)
 
 
@@ -234,7 +234,7 @@ def test_plain_string_prompts_get_string_completions(tmp_path):
 
     rows = [{"prompt": f"Question {i}: 2 + {i} =", "question": f"2 + {i}", "answer": f"#### {2 + i}"} for i in range(4)]
     trainer = Trainer(make_config(tmp_path, max_steps=1), reward_functions=[spy], train_rows=rows)
-    assert trainer.train_prompt_ids[0] == trainer.tokenizer("Question 0: 2 + 0 =", add_special_tokens=False)["input_ids"]
+    assert trainer.data.train_prompt_ids[0] == trainer.data.tokenizer("Question 0: 2 + 0 =", add_special_tokens=False)["input_ids"]
     trainer.train()
     assert isinstance(seen["prompt"], str) and isinstance(seen["completion"], str)
 
@@ -351,7 +351,7 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
     # grpo.kernels.batching: each update's rows sorted by completion length before the split into micro-batches.
     # Against the random micro-batches of the same rows (everything else the same kernels): the same loss and
     # gradient at every update, other micro-batches, and fewer padded positions.
-    import grpo.loop.update as update_module
+    import grpo.core.update as update_module
 
     cells, grads, metrics, losses = {}, {}, {}, {}
     original = update_module.micro_batch
@@ -434,7 +434,6 @@ def test_packed_or_shared_prompt_passes_give_the_padded_steps_gradients(tmp_path
 
 def test_length_grouping_steps_aside_where_the_grouping_changes_the_loss(tmp_path):
     from grpo.kernels import select_kernels
-    from grpo.algorithm.loss import LossOptions
 
     cpu = torch.device("cpu")
     assert select_kernels("auto", cpu, LossOptions(loss_type="grpo")).length_grouping
@@ -451,10 +450,10 @@ def test_length_grouping_steps_aside_where_the_grouping_changes_the_loss(tmp_pat
 @pytest.mark.own_kernels
 def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     from grpo.cli import config_from_args
-    from grpo.loop.rollout import GroupSampler
+    from grpo.generation.rollout import GroupSampler
     from grpo.kernels.sampling import FastSampler
     from grpo.algorithm.sampler import sample_groups
-    from grpo.loop.update import plain_step_functions
+    from grpo.algorithm.step import plain_step_functions
 
     trainer = Trainer(make_config(tmp_path))  # the default: auto
     assert isinstance(trainer.generation, GroupSampler) and isinstance(trainer.generation.sample, FastSampler)
@@ -463,13 +462,13 @@ def test_kernels_setting_and_the_options_it_replaced(tmp_path):
     plain = Trainer(make_config(tmp_path, kernels="plain", overwrite=True))
     assert plain.generation.sample is sample_groups and plain.kernels is None
     # under plain the update calls grpo/'s own functions
-    own = plain_step_functions(LossOptions.from_config(plain.config), plain.config.temperature)
+    own = plain_step_functions(plain.config.loss_options(), plain.config.temperature)
     assert plain.functions.batches is own.batches and plain.functions.update_batches is own.update_batches
     assert plain.functions.logprobs.func is own.logprobs.func  # grpo.algorithm.logprobs.completion_logprobs
     assert trainer.functions.logprobs.func is not own.logprobs.func  # auto: the kernel's
     with pytest.raises(ValueError, match="kernels must be one of"):
         make_config(tmp_path, kernels="fast").validate()
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['fused_loss'\]"):  # a config file with a key we lack
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) fused_loss"):  # a config file with a key we lack
         GRPOConfig.from_dict({"fused_loss": True})
     with pytest.raises(SystemExit):  # argparse: unrecognized arguments
         config_from_args(["--preset", "smoke", "--static-cache"])
@@ -503,12 +502,12 @@ def test_one_generation_feeds_several_updates(tmp_path):
     config = make_config(tmp_path, steps_per_generation=2, num_iterations=1, max_steps=0, epochs=1.0)
     trainer = Trainer(config)
     assert (config.updates_per_generation, config.prompts_per_generation) == (2, 4)
-    assert trainer.total_steps == 64 // 4 and len(batch_indices(trainer, 0)) == 4
+    assert trainer.loop.total_steps == 64 // 4 and len(batch_indices(trainer, 0)) == 4
     with pytest.raises(ValueError, match="a rollout needs 4 prompts x num_generations = 16 rows"):
         trainer.train_on_rollout(fixed_rollout(trainer))
     records = record_updates(trainer)
     metrics = trainer.train()
-    assert trainer.state.updates == 2 * trainer.total_steps and metrics["status"] == "finished"
+    assert trainer.state.updates == 2 * trainer.loop.total_steps and metrics["status"] == "finished"
     assert records[-1].old_logps is not None  # the second update is off-policy
     with pytest.raises(ValueError, match="steps_per_generation must be a positive multiple of the accumulation steps"):
         make_config(tmp_path, steps_per_generation=3, micro_batch_size=4).validate()
@@ -526,8 +525,8 @@ def test_data_order_is_a_seeded_permutation_per_epoch_or_the_datasets_own(tmp_pa
     assert epochs[0] != list(range(64)) and epochs[0] != epochs[1]
     in_order = Trainer(make_config(tmp_path / "b", shuffle_dataset=False, steps_per_generation=2))  # 4 prompts a step
     assert [batch_indices(in_order, step) for step in (0, 1, 16)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
-    assert [in_order.train_rows[i]["prompt"] for i in batch_indices(in_order, 1)] == \
-        [shuffled.train_rows[i]["prompt"] for i in range(4, 8)]  # the dataset's rows in its order
+    assert [in_order.data.train_rows[i]["prompt"] for i in batch_indices(in_order, 1)] == \
+        [shuffled.data.train_rows[i]["prompt"] for i in range(4, 8)]  # the dataset's rows in its order
 
 
 def _rewards_tied_for_some_prompts(prompts, completions, **kwargs):
@@ -542,7 +541,7 @@ def _tied_prompt(prompt) -> bool:
 
 @pytest.mark.own_kernels
 def test_dynamic_sampling_keeps_informative_groups(tmp_path):
-    from grpo.loop.dynamic_sampling import FIRST_ROUND
+    from grpo.generation.dynamic_sampling import FIRST_ROUND
     from rewards import RewardSpec
 
     spec = [RewardSpec("tied_sometimes", _rewards_tied_for_some_prompts)]
@@ -551,7 +550,7 @@ def test_dynamic_sampling_keeps_informative_groups(tmp_path):
     trainer = Trainer(config, reward_functions=spec)
     rollout, prompts, texts, metrics = trainer.collect_rollout(0)
     rewards = rollout.rewards_per_func[:, 0].view(4, 4)
-    first = [trainer.train_rows[i]["prompt"] for i in batch_indices(trainer, 0)]
+    first = [trainer.data.train_rows[i]["prompt"] for i in batch_indices(trainer, 0)]
     tied_first = sum(_tied_prompt(p) for p in first)
     assert 0 < tied_first < 4  # the first round has tied groups to drop (else this test checks nothing)
     assert metrics["dynamic_sampling/rounds"] >= 2
@@ -597,7 +596,7 @@ def test_schedules_are_the_ones_transformers_computes(name):
     # bitsandbytes when they are installed); it must give get_scheduler's factors step for step.
     from transformers import get_scheduler
 
-    from grpo.loop.update import make_scheduler
+    from grpo.core.update import make_scheduler
 
     for warmup, total in [(0, 10), (3, 17), (5, 5), (2, 3)]:
         ours = make_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup, total)
@@ -665,7 +664,7 @@ def test_generation_reuse_updates_on_disjoint_slices(tmp_path):
 
     # steps_per_generation 2: the rollout's rows are split between the two updates, each row trained on once.
     trainer = Trainer(make_config(tmp_path, steps_per_generation=4, micro_batch_size=4))  # 2 micro-batches an update
-    pad = trainer.tokenizer.pad_token_id
+    pad = trainer.data.tokenizer.pad_token_id
     updates, trained = [], []
     original_loss, original_step = trainer.functions.update_loss, trainer.optimizer.step
 

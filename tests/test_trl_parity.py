@@ -36,13 +36,13 @@ datasets = pytest.importorskip("datasets")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from data import add_prompts, make_synthetic_gsm8k  # noqa: E402
-import grpo.loop.update  # noqa: E402
+import grpo.core.update  # noqa: E402
 from grpo.config import GRPOConfig  # noqa: E402
 from grpo.algorithm.loss import CLIPPED_LOSS_TYPES  # noqa: E402
-from grpo.loop.prompts import encode_prompt  # noqa: E402
-from grpo.loop.rollout import Rollout  # noqa: E402
+from grpo.generation.prompts import encode_prompt  # noqa: E402
+from grpo.generation.rollout import Rollout  # noqa: E402
 from grpo.tiny_model import save_tiny_model  # noqa: E402
-from grpo.loop.trainer import Trainer  # noqa: E402
+from grpo.core.trainer import Trainer  # noqa: E402
 from rewards import RewardSpec, completion_text, score_completions  # noqa: E402
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
@@ -265,7 +265,7 @@ def make_ours(model_dir, rows, settings, tmp_path, kernels, max_len=MAX_LEN, lr=
 
 
 def our_step(trainer, inputs, completions, grads_out, tool_masks=None, behaviour=None):
-    tokenizer = trainer.tokenizer
+    tokenizer = trainer.data.tokenizer
     prompts = [row["prompt"] for row in inputs]
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     chat = [[{"role": "assistant", "content": t}] for t in texts]
@@ -273,7 +273,7 @@ def our_step(trainer, inputs, completions, grads_out, tool_masks=None, behaviour
                "completion_ids": completions}
     rewards = score_completions(trainer.rewards, prompts, chat, columns)
     rollout = Rollout.from_token_lists([encode_prompt(tokenizer, p) for p in prompts], completions, rewards,
-                                       trainer.eos_token_ids, tokenizer.pad_token_id, tool_masks)
+                                       trainer.loop.sampling.eos_token_ids, tokenizer.pad_token_id, tool_masks)
     if behaviour is not None:  # the behaviour policy's log-probs, as a backend hands them with its tokens
         rollout.sampler_logprobs = torch.zeros(rollout.completion_ids.shape)
         for row, values in enumerate(behaviour):
@@ -293,14 +293,14 @@ def update_in_rollout_order(trainer, rollout, grads_out):
 
     # trl cuts each update's micro-batches from consecutive rows: ours takes the rows in rollout order too (no
     # seeded shuffle, no length grouping), then the public call that returns every intermediate value.
-    order, functions = grpo.loop.update.micro_batch_order, trainer.functions
-    grpo.loop.update.micro_batch_order = lambda num_rows, *seeds: torch.arange(num_rows)
-    trainer.functions = dataclasses.replace(functions, update_batches=grpo.loop.update.plain_update_batches)
+    order, functions = grpo.core.update.micro_batch_order, trainer.functions
+    grpo.core.update.micro_batch_order = lambda num_rows, *seeds: torch.arange(num_rows)
+    trainer.functions = dataclasses.replace(functions, update_batches=grpo.algorithm.step.plain_update_batches)
     trainer.optimizer.step = capture
     try:
         return trainer.update(rollout)
     finally:
-        trainer.optimizer.step, grpo.loop.update.micro_batch_order, trainer.functions = step, order, functions
+        trainer.optimizer.step, grpo.core.update.micro_batch_order, trainer.functions = step, order, functions
 
 
 BASE = dict(loss_type="grpo", scale="group", beta=0.04, bias_kl=True, iterations=1, epsilon=0.2, epsilon_high=0.2,

@@ -1,4 +1,4 @@
-"""One optimizer update (grpo/loop/update.py) against a naive float64 reference written from the equations.
+"""One optimizer update (grpo/core/update.py) against a naive float64 reference written from the equations.
 
 The kernel-vs-plain, accumulation and resume tests compare the update with itself; this one does not share its
 code: every row is run alone and unpadded through a float64 copy of the model, the advantages, the clipped
@@ -13,8 +13,8 @@ import copy
 import pytest
 import torch
 
-from grpo.loop.rollout import Rollout
-from grpo.loop.trainer import Trainer
+from grpo.generation.rollout import Rollout
+from grpo.core.trainer import Trainer
 from tests.test_trainer import fixed_rollout, make_config
 
 pytestmark = [pytest.mark.usefixtures("both_kernels"),  # the step below wraps optimizer.step to read the gradient
@@ -27,8 +27,8 @@ def rollout_with_ended_and_truncated_rows(trainer: Trainer, seed: int = 0) -> Ro
     """Random completions of 2 to max_completion_length tokens, every other one ending with EOS (so half are
     truncated), and random rewards."""
     g = torch.Generator().manual_seed(seed)
-    cfg, eos = trainer.config, trainer.eos_token_ids
-    vocab = len(trainer.tokenizer)
+    cfg, eos = trainer.config, trainer.loop.sampling.eos_token_ids
+    vocab = len(trainer.data.tokenizer)
     prompts, completions = [], []
     for index in range(cfg.prompts_per_step):
         for member in range(cfg.num_generations):
@@ -36,10 +36,10 @@ def rollout_with_ended_and_truncated_rows(trainer: Trainer, seed: int = 0) -> Ro
             tokens = [t for t in torch.randint(3, vocab, (3 * length,), generator=g).tolist() if t not in eos][:length]
             if member % 2 == 0:
                 tokens[-1] = eos[0]
-            prompts.append(trainer.train_prompt_ids[index])
+            prompts.append(trainer.data.train_prompt_ids[index])
             completions.append(tokens)
     rewards = torch.rand(len(completions), generator=g)
-    rollout = Rollout.from_token_lists(prompts, completions, rewards, eos, trainer.tokenizer.pad_token_id)
+    rollout = Rollout.from_token_lists(prompts, completions, rewards, eos, trainer.data.tokenizer.pad_token_id)
     assert rollout.truncated.any() and not rollout.truncated.all()
     return rollout
 
@@ -176,10 +176,10 @@ def test_a_non_finite_loss_under_finite_gradients_skips_the_update(tmp_path, cap
     """The mirror case: the reference gives one token log-prob -inf (a token it cannot emit), so that token's
     KL exp(ref - logp) - (ref - logp) - 1 is +inf while its gradient, 1 - exp(ref - logp), is finite. The loss
     says the step is broken although every gradient is finite: skipped all the same, its norm logged as nan."""
-    import grpo.loop.update
+    import grpo.core.update
 
     trainer = Trainer(make_config(tmp_path, beta=0.04))
-    real = grpo.loop.update.no_grad_logprobs
+    real = grpo.core.update.no_grad_logprobs
 
     def reference_cannot_emit_one_token(call, *args, **kwargs):
         logps = real(call, *args, **kwargs)  # (N, T)
@@ -187,7 +187,7 @@ def test_a_non_finite_loss_under_finite_gradients_skips_the_update(tmp_path, cap
             logps[0, 0] = float("-inf")
         return logps
 
-    monkeypatch.setattr(grpo.loop.update, "no_grad_logprobs", reference_cannot_emit_one_token)
+    monkeypatch.setattr(grpo.core.update, "no_grad_logprobs", reference_cannot_emit_one_token)
     before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
     captured = []
     for param in trainer.policy.parameters():
@@ -236,7 +236,7 @@ def test_train_on_rollout_called_as_a_function_makes_one_update(tmp_path):
     from grpo import train_on_rollout
 
     trainer = Trainer(make_config(tmp_path))
-    result = train_on_rollout(fixed_rollout(trainer), trainer.config, trainer.models, trainer.optimizer,
+    result = train_on_rollout(fixed_rollout(trainer), trainer.update_options, trainer.models, trainer.optimizer,
                               trainer.scheduler, trainer.state, trainer.world, trainer.functions, trainer.rewards)
     assert len(result.grad_norms) == 1 and trainer.state.updates == 1
 
@@ -244,7 +244,7 @@ def test_train_on_rollout_called_as_a_function_makes_one_update(tmp_path):
 def test_reference_sync_mixes_each_parameter_and_refuses_models_that_do_not_pair_up():
     """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter; a reference with other
     parameters than the policy (a LoRA-wrapped policy beside a plain copy, say) is an error, not a partial mix."""
-    from grpo.loop.update import sync_reference
+    from grpo.core.update import sync_reference
 
     policy, reference = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     expected = [0.25 * p.detach() + 0.75 * r.detach() for p, r in zip(policy.parameters(), reference.parameters())]

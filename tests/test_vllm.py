@@ -1,4 +1,4 @@
-"""Generation on vLLM (grpo/loop/vllm_generation.py), on the CPU build: both placements, weight sync checked through
+"""Generation on vLLM (grpo/generation/vllm.py), on the CPU build: both placements, weight sync checked through
 the engine, staleness 0 against the synchronous run, tools token in and token out, and the faults.
 
 The engine runs in subprocesses (tests/distributed_worker.py, train.py): an in-process engine joins a
@@ -20,7 +20,7 @@ import torch
 
 from grpo.algorithm.sampler import SamplingParams
 from grpo.config import GRPOConfig
-from grpo.loop.tools import ToolSet
+from grpo.multiturn.tools import ToolSet
 from tests.test_distributed import ROOT, launch
 from tests.test_tools import add, broken, call_text, encode, suffix
 
@@ -29,7 +29,7 @@ REQUIRED = os.environ.get("GRPO_REQUIRE_VLLM") == "1"
 
 def _vllm_error() -> str | None:
     try:
-        from grpo.loop.vllm_generation import import_vllm
+        from grpo.generation.vllm import import_vllm
 
         import_vllm()
     except ValueError as error:  # EngineError: not installed, or its torchvision breaks it
@@ -77,7 +77,7 @@ def test_use_vllm_is_trls_switch_and_the_options_are_checked():
 
 
 def test_placement_refusals():
-    from grpo.loop.setup import vllm_engine
+    from grpo.core.setup import vllm_engine
 
     world = SimpleNamespace(size=1)
     with pytest.raises(ValueError, match="needs generation processes"):
@@ -96,7 +96,7 @@ def test_placement_refusals():
 def test_an_architecture_vllm_does_not_implement_is_refused_naming_it():
     from transformers import Qwen2Config
 
-    from grpo.loop.vllm_generation import EngineError, check_architecture
+    from grpo.generation.vllm import EngineError, check_architecture
 
     config = Qwen2Config(architectures=["NoSuchModelForCausalLM"])
     with pytest.raises(EngineError, match="NoSuchModelForCausalLM.*--vllm-model-impl transformers"):
@@ -110,8 +110,8 @@ def test_inference_weights_are_the_checkpoint_names_with_lora_merged_in(tiny_mod
     layer with the adapter merged in out of place (the model's own weights untouched), tied weights once."""
     import copy
 
-    from grpo.loop.lora import add_lora
-    from grpo.loop.vllm_generation import inference_weights
+    from grpo.lora import add_lora
+    from grpo.generation.vllm import inference_weights
 
     model = copy.deepcopy(tiny_model_and_tokenizer[0])
     plain = {name: tensor.clone() for name, tensor in inference_weights(model)}
@@ -166,7 +166,7 @@ class PlannedEngine:
 @needs_vllm
 def test_tool_results_continue_the_same_token_sequence(tiny_model_and_tokenizer):
     """The tools path of tests/test_tools.py through the vllm backend: the same completions, masks and calls."""
-    from grpo.loop.vllm_generation import VLLMGenerate
+    from grpo.generation.vllm import VLLMGenerate
 
     model, tokenizer = tiny_model_and_tokenizer
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tools=[add, broken],

@@ -48,7 +48,7 @@ Built in, by verl's names (verl/trainer/ppo/core_algos.py, `@register_adv_est`):
 whiten_tokens(x) = (x - mean) / sqrt(var + 1e-8) with the mean and the unbiased variance over every real token of
 the batch (verl's masked_whiten): a long completion counts once per token.
 
-The KL penalty in the reward (--kl-in-reward; grpo.loop.update.advantage_batch forms it once): the reward minus
+The KL penalty in the reward (--kl-in-reward; grpo.core.update.advantage_batch forms it once): the reward minus
 beta times the completion's first-order KL against the reference, summed over its tokens (the "k1" estimator, as
 trl's RLOOTrainer, OpenRLHF and verl put it in the reward), from the log-probs of the policy that sampled:
     r_i <- r_i - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))
@@ -64,7 +64,7 @@ from typing import Callable
 
 import torch
 
-from grpo.plugins import NoSignalError, PluginError, guarded, source_file
+from grpo.errors import NoSignalError, PluginError, guarded, source_file
 
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -82,7 +82,8 @@ def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) 
 
 def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """(N, K) rewards and (K,) weights -> (N,) weighted sum; NaN for rows where every function gave None."""
-    assert rewards_per_func.dim() == 2 and weights.shape == (rewards_per_func.shape[1],), (rewards_per_func.shape, weights.shape)
+    assert rewards_per_func.dim() == 2 and weights.shape == (rewards_per_func.shape[1],), \
+        (rewards_per_func.shape, weights.shape)
     rewards = (rewards_per_func * weights[None, :]).nansum(dim=1)  # (N,)
     unscorable = torch.isnan(rewards_per_func).all(dim=1)  # (N,)
     return rewards.masked_fill(unscorable, float("nan"))
@@ -328,7 +329,7 @@ class EstimatorOutputError(PluginError, ValueError):
 
 def checked(estimator: Callable, name: str) -> Callable:
     """A plug-in estimator that reads a copy of the batch (what it changes in place reaches nothing else), whose
-    exceptions become one PluginError naming it and its file (grpo.plugins.guarded), and whose output is checked at
+    exceptions become one PluginError naming it and its file (grpo.errors.guarded), and whose output is checked at
     every call as it was at start: its shape (check_advantages), and a signal: advantages that are all NaN raise
     NoSignalError (the update skips such a step and counts it, as a non-finite one)."""
     call = guarded(estimator, "advantage_estimator", name)
@@ -368,9 +369,12 @@ def estimate_advantages(estimator: Callable, batch: AdvantageBatch,
     if normalize:
         advantages = normalized(advantages, batch.completion_mask)
     # 0 where no reward function scored the row (its weighted reward is NaN), on each of its tokens; (N, 1) or (N, T)
-    advantages = torch.nan_to_num(advantages.view(len(batch.rewards), -1).masked_fill(torch.isnan(batch.rewards)[:, None], 0.0))
+    unscorable = torch.isnan(batch.rewards)[:, None]  # (N, 1)
+    advantages = torch.nan_to_num(advantages.view(len(batch.rewards), -1).masked_fill(unscorable, 0.0))
     # the estimator's own statistics (grpo's, as trl logs them) when it read the plain weighted rewards
-    return advantages, metrics if "reward" in metrics and batch.plain_rewards is None else {**metrics, **reward_statistics(batch, advantages)}
+    if "reward" in metrics and batch.plain_rewards is None:
+        return advantages, metrics
+    return advantages, {**metrics, **reward_statistics(batch, advantages)}
 
 
 def normalized(advantages: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                     "lm_head_multiplier")
 
 
 def check_plain_output_head(config) -> None:
@@ -35,6 +36,15 @@ def check_plain_output_head(config) -> None:
             raise NotImplementedError(
                 f"the model's config sets {name}={value}: its logits are not W h, which grpo.algorithm.logprobs assumes"
             )
+
+
+def logit_divisor(temperature: float) -> float:
+    """What the logits are divided by before the softmax that samples a token and that scores it: the sampling
+    temperature (trl's log-probs too: the trained policy is the distribution that sampled); greedy decoding
+    (temperature 0) samples the raw logits. The one place this rule lives: the plain log-probs and sampler, the
+    log-prob and loss kernels (grpo.kernels.logprobs, grpo.kernels.fused_loss) and the kernel sampler
+    (grpo.kernels.sampling) all divide by what it returns."""
+    return temperature if temperature > 0 else 1.0
 
 
 def check_temperature(temperature: float) -> None:
@@ -72,7 +82,8 @@ def completion_hidden(model, input_ids, attention_mask, completion_mask, inputs_
     Returns (hidden (M, H), targets (M,), keep (N, T) bool, output weight (V, H)).
     """
     total_len, completion_len = input_ids.shape[1], completion_mask.shape[1]
-    assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
+    assert attention_mask.shape == input_ids.shape and completion_len < total_len, \
+        (input_ids.shape, completion_mask.shape)
     weight = plain_output_weight(model)  # before the trunk runs, not after
     trunk = getattr(model, model.base_model_prefix)
     inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
@@ -99,9 +110,9 @@ def chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     fp32_head: the product in fp32 outside autocast (cast_lm_head_to_fp32)."""
     if fp32_head:
         with torch.autocast(hidden.device.type, enabled=False):
-            logits = (hidden.float() @ weight.float().T) / temperature  # (c, V)
+            logits = (hidden.float() @ weight.float().T) / logit_divisor(temperature)  # (c, V)
     else:
-        logits = (hidden @ weight.T).float() / temperature  # (c, V), fp32 for the log-softmax
+        logits = (hidden @ weight.T).float() / logit_divisor(temperature)  # (c, V), fp32 for the log-softmax
     log_probs = torch.log_softmax(logits, dim=-1)  # (c, V)
     logps = log_probs.gather(-1, targets[:, None]).squeeze(-1)  # (c,)
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # (c,)
@@ -123,6 +134,9 @@ def completion_logprobs(
     input_ids, attention_mask: (N, P + T), prompts left-padded, completions right-padded.
     completion_mask: (N, T), 1 for real completion tokens. Returns (logps, entropy or None), fp32.
     chunk_size: rows of logits computed at once (default: `default_chunk_size`, 192 at Qwen's vocabulary).
+    The kernels keep their own copy of this softmax (grpo.kernels.logprobs and grpo.kernels.fused_loss: base-2
+    exponentials, relative to the target's logit); tests/test_kernels.py and tests/test_logprobs.py fail when the
+    two drift. The temperature's rule (logit_divisor) they share.
     fp32_head: the output projection in fp32 outside autocast (trl's cast_lm_head_to_fp32).
     """
     check_temperature(temperature)

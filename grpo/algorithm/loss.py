@@ -53,7 +53,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from grpo.plugins import PluginError, guarded
+from grpo.errors import PluginError, guarded
 
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "rloo")  # the PPO clipped surrogate
@@ -115,12 +115,6 @@ class LossOptions:
         """Whether the loss itself (not only the logs) reads the token entropies."""
         return self.top_entropy_quantile < 1.0
 
-    @classmethod
-    def from_config(cls, config) -> "LossOptions":
-        """The loss's settings of a GRPOConfig; beta is the loss's KL coefficient, 0 when the KL is in the reward."""
-        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.init}
-        return cls(**{**values, "beta": 0.0 if getattr(config, "kl_in_reward", False) else config.beta})
-
 
 # ----------------------------------------------------------------------------- token entropy ("80/20", Skywork-OR1)
 
@@ -164,11 +158,6 @@ class EntropyControl:
     delta: float = 0.005
     target: float = 0.2
     last_entropy: float = math.inf
-
-    @classmethod
-    def from_config(cls, config) -> "EntropyControl":
-        return cls(config.entropy_coef, config.use_adaptive_entropy, config.entropy_coef_min, config.entropy_coef_max,
-                   config.entropy_coef_delta, config.entropy_target)
 
     @property
     def enabled(self) -> bool:
@@ -316,13 +305,13 @@ def resolve_objective(loss_type: str) -> tuple[Callable, str]:
     objective = load_function(loss_type, "loss_type")
     aggregation = getattr(objective, "aggregation", "dapo")
     if aggregation not in LOSS_TYPES:
-        raise ValueError(f"loss_type {loss_type!r}: its `aggregation` must be a built-in loss type whose aggregation it "
-                         f"takes, one of {LOSS_TYPES}, got {aggregation!r}")
+        raise ValueError(f"loss_type {loss_type!r}: its `aggregation` must be a built-in loss type whose "
+                         f"aggregation it takes, one of {LOSS_TYPES}, got {aggregation!r}")
     return checked_objective(objective, loss_type), aggregation
 
 
 def checked_objective(objective: Callable, loss_type: str) -> Callable:
-    """A plug-in objective whose exceptions become one PluginError naming it and its file (grpo.plugins.guarded) and
+    """A plug-in objective whose exceptions become one PluginError naming it and its file (grpo.errors.guarded) and
     whose term is checked at every call: (n, T) or (n, 1) of the micro-batch."""
     call = guarded(objective, "loss_type", loss_type)
 
@@ -568,7 +557,8 @@ def terms_statistics(terms: LossTerms, advantages: torch.Tensor, mask: torch.Ten
     ratio = torch.exp(terms.inputs.log_ratio.detach()).clamp(max=options.ratio_cap)  # (n, T) or (n, 1)
     stats = LossStats(kl=None if kl is None else _masked_mean(kl, mask), clip_low=None, clip_high=None,
                       clip_region=None, entropy=None if entropy is None else _masked_mean(entropy.detach(), mask),
-                      tokens=mask.sum().item(), rows=float(mask.shape[0]), per_row=ratio.shape[-1] == advantages.shape[-1] == 1)
+                      tokens=mask.sum().item(), rows=float(mask.shape[0]),
+                      per_row=ratio.shape[-1] == advantages.shape[-1] == 1)
     if options.loss_type in CLIPPED_LOSS_TYPES:
         is_low = (ratio < 1 - options.epsilon) & (advantages < 0)
         is_high = (ratio > 1 + options.clip_high) & (advantages > 0)

@@ -62,7 +62,7 @@ def behaviour_weights(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, ma
 def mismatch_statistics(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor,
                         weights: torch.Tensor) -> dict[str, torch.Tensor]:
     """What trl logs of the behaviour / old mismatch, plus its KL, as sums and extremes over this rank's tokens
-    (grpo.loop.metrics reduces them over ranks):
+    (grpo.core.metrics reduces them over ranks):
 
         |logp_old - logp_b|             sampling/sampling_logp_difference/{mean,max}   (trl's names)
         w                               sampling/importance_sampling_ratio/{min,mean,max}
@@ -80,5 +80,5 @@ def mismatch_statistics(old_logps: torch.Tensor, behaviour_logps: torch.Tensor, 
     zero = old_logps.new_zeros(())
     return dict(diff_sum=diff.sum(), diff_max=diff.max() if diff.numel() else zero, tokens=zero + diff.numel(),
                 kl_sum=(torch.exp(log_r) - 1 - log_r).sum(), w_sum=flat_w.sum(),
-                w_min=flat_w.min() if flat_w.numel() else zero + float("inf"), w_max=flat_w.max() if flat_w.numel() else zero,
-                w_count=zero + flat_w.numel())
+                w_min=flat_w.min() if flat_w.numel() else zero + float("inf"),
+                w_max=flat_w.max() if flat_w.numel() else zero, w_count=zero + flat_w.numel())

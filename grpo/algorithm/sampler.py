@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grpo.algorithm.logprobs import position_ids_from_mask
+from grpo.algorithm.logprobs import logit_divisor, position_ids_from_mask
 
 
 @dataclass
@@ -63,7 +63,7 @@ class GroupSample:
     truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
     num_generated_tokens: int  # real completion tokens (sum of completion_mask)
     logprobs: torch.Tensor | None = None  # (N, T) log-probs of the chosen tokens under softmax(logits / temperature)
-    tool_mask: torch.Tensor | None = None  # (N, T) with tools (grpo.loop.tools): 0 on the tool results fed in
+    tool_mask: torch.Tensor | None = None  # (N, T) with tools (grpo.multiturn.tools): 0 on the tool results fed in
     tool_calls: torch.Tensor | None = None  # (N, 3) with tools: calls made, calls failed, assistant turns
     messages: list[list[dict]] | None = None  # with tools: each row's turns as chat messages
 
@@ -84,6 +84,12 @@ def left_pad(sequences: list[list[int]], pad_token_id: int, device) -> tuple[tor
         ids[row, length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
         mask[row, length - len(tokens) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def filters_apply(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> bool:
+    """Whether these settings filter the distribution (filter_logits); without, the kernel sampler takes its
+    unfiltered fast path (grpo.kernels.sampling)."""
+    return bool(top_k) or top_p < 1.0 or min_p > 0.0
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
@@ -111,7 +117,7 @@ class RowUniforms:
     """Uniform numbers drawn in advance, (N, T): row n's t-th token is sampled with values[n, t].
 
     Drawn per prompt from the prompt's own seed (`per_prompt`), a prompt's completions do not depend on which
-    other prompts share the batch, so not on how many processes split the step (grpo.loop.distributed). The
+    other prompts share the batch, so not on how many processes split the step (grpo.parallel.distributed). The
     samplers accept one of these or a torch.Generator (one stream for the whole batch) as `generator`.
     """
 
@@ -161,10 +167,13 @@ def sample_next_token(
 
     Draws one uniform u per row (N, 1) (or takes `uniform`) and returns the first token whose cumulative
     probability exceeds u times the total. A token of probability 0 occupies an empty interval and is never drawn.
+    The kernel sampler keeps its own copy of this draw (grpo.kernels.sampling: `_inverse_cdf`, `_sample_base2`, a
+    two-level search in base 2); tests/test_kernels.py and tests/test_sampler.py fail when the two draw different
+    tokens from the same uniforms. Temperature (logit_divisor), filters and EOS are shared.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p, min_p)  # (N, V)
+    logits = filter_logits(logits.float() / logit_divisor(temperature), top_k, top_p, min_p)  # (N, V)
     # float64 sums: in fp32 a cumulative sum over 151,936 probabilities drifts by more than one token's share
     cdf = torch.softmax(logits, dim=-1).double().cumsum(dim=-1)  # (N, V)
     if uniform is None:
@@ -177,7 +186,7 @@ def sample_next_token(
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """(N,) log-probs of `tokens` under softmax(logits / temperature), unfiltered (the log-probs training uses)."""
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)  # (N, V)
+    scaled = logits.float() / logit_divisor(temperature)  # (N, V)
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -204,8 +213,8 @@ def sample_groups(
 ) -> GroupSample:
     """Sample `group_size` completions for each prompt (token id lists); see the module docstring.
 
-    `tools` (a grpo.loop.tools.ToolSet): a row
-    whose turn calls a tool takes the result as its next tokens, then samples on (grpo.loop.tools).
+    `tools` (a grpo.multiturn.tools.ToolSet): a row
+    whose turn calls a tool takes the result as its next tokens, then samples on (grpo.multiturn.tools).
     """
     prompt_ids, prompt_mask, num_rows = prepare_prompts(model, prompts, group_size, params, pad_token_id)  # (B, P)
     device, max_new = prompt_ids.device, params.max_completion_length
@@ -236,7 +245,7 @@ def sample_groups(
         completion_ids[:, step] = tokens
         if return_logprobs:
             logprobs[:, step] = token_logprobs(logits, tokens, params.temperature) * ~done
-        hit_eos = torch.isin(tokens, eos) & ~done
+        hit_eos = ends_row(tokens, eos, ~done)
         if turns is not None:  # a turn that called a tool does not end its row
             hit_eos = turns.end_turns(step, completion_ids, hit_eos)
         lengths = torch.where(hit_eos, step + 1, lengths)
@@ -252,10 +261,17 @@ def sample_groups(
     return sample if turns is None else turns.finish(sample)
 
 
+def ends_row(tokens: torch.Tensor, eos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: the rows the drawn tokens end, an EOS id drawn by a row still decoding (the EOS counts in the
+    completion; finish_sample's mask includes it). The kernel sampler ends its rows by this rule too."""
+    return torch.isin(tokens, eos) & live
+
+
 def finish_sample(prompt_ids, prompt_mask, completion_ids, lengths, done, logprobs, steps: int) -> GroupSample:
     """The GroupSample of a decode loop that ran `steps` steps: (N, T_max) buffers trimmed to the longest row,
     the completion mask from each row's length (up to and including its EOS), truncated = no EOS drawn."""
     completion_mask = (torch.arange(steps, device=lengths.device)[None, :] < lengths[:, None]).long()  # (N, T)
     return GroupSample(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids[:, :steps],
-                       completion_mask=completion_mask, truncated=~done, num_generated_tokens=int(completion_mask.sum()),
+                       completion_mask=completion_mask, truncated=~done,
+                       num_generated_tokens=int(completion_mask.sum()),
                        logprobs=None if logprobs is None else logprobs[:, :steps])

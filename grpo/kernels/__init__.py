@@ -1,23 +1,23 @@
 """Fast paths beside the plain code, and the one place that decides which of them run.
 
-    module                         replaces (same numbers)                          applies
-    grpo.kernels.sampling          grpo.algorithm.sampler.sample_groups                      every device (FastSampler)
-    grpo.kernels.lean_decode       the trunk's forward in a CPU decode step          Qwen2/Qwen3/Llama, SDPA, eager CPU
-    grpo.kernels.compiled_decode   the decode step (static cache, CUDA graphs)       CUDA
-    grpo.kernels.logprobs          grpo.algorithm.logprobs.completion_logprobs                 every device
-    grpo.kernels.fused_loss        completion_logprobs -> per_token_loss -> aggregate_loss   token-level ratios
-    grpo.kernels.batching          random micro-batches (rows of similar length together)   not bnpo, entropy terms
-    grpo.kernels.packing           the padded trunk pass of the log-prob kernels (packed rows)   flash / flex attention
-    grpo.kernels.prefix            the same, each distinct prompt once                  not FSDP2 (update: no checkpointing)
-    grpo.kernels.unpadded          the shared-prompt pass, per-token work on real tokens only   with it; lean_decode's trunks
-    grpo.kernels.buffers           reused CPU storage, owned by the objects that run the kernels
+    module                        replaces (same numbers)                           applies
+    grpo.kernels.sampling         algorithm.sampler.sample_groups (FastSampler)     every device
+    grpo.kernels.lean_decode      the trunk's forward in a CPU decode step          Qwen2/Qwen3/Llama, SDPA, eager CPU
+    grpo.kernels.compiled_decode  the decode step (static cache, CUDA graphs)       CUDA
+    grpo.kernels.logprobs         algorithm.logprobs.completion_logprobs            every device
+    grpo.kernels.fused_loss       log-probs -> per_token_loss -> aggregate_loss     token-level ratios
+    grpo.kernels.batching         random micro-batches (similar lengths together)   not bnpo, entropy terms
+    grpo.kernels.packing          the log-prob kernels' padded trunk pass           flash / flex attention
+    grpo.kernels.prefix           the same, each distinct prompt once               not FSDP2, not checkpointed
+    grpo.kernels.unpadded         the shared-prompt pass on real tokens only        with it; lean_decode's trunks
+    grpo.kernels.buffers          reused CPU storage, owned by the kernels' objects
 
 `--kernels plain` runs the plain path everywhere (the definition a reader checks against the paper);
 `--kernels auto` (the default) takes each kernel where it applies. `select_kernels` is the only place
 that decides. The `KernelChoice` it returns says which kernels apply (and why the others do not), and
-hands the run the functions it calls: `step_functions()` for the update (grpo.loop.update.StepFunctions) and
+hands the run the functions it calls: `step_functions()` for the update (grpo.algorithm.step.StepFunctions) and
 `sampler()` for the generation seam; the loop never asks which. A run with `--kernels plain` never imports
-this package (grpo.loop.setup.step_functions hands it grpo/'s own functions). tests/test_kernels.py pins every
+this package (grpo.core.setup.step_functions hands it grpo/'s own functions). tests/test_kernels.py pins every
 kernel to the plain path. Importing this package changes nothing outside it; `prepare_model` is an explicit
 call.
 """
@@ -32,7 +32,7 @@ import torch
 
 from grpo.config import KERNEL_CHOICES
 from grpo.kernels.buffers import Buffers
-from grpo.loop.update import StepFunctions, logprob_loss, plain_step_functions
+from grpo.algorithm.step import StepFunctions, logprob_loss, plain_step_functions
 
 logger = logging.getLogger("grpo")
 
@@ -44,7 +44,8 @@ class KernelChoice:
 
     fast_sampler: bool = False  # grpo.kernels.sampling.FastSampler instead of grpo.algorithm.sampler.sample_groups
     compile_decode: bool = False  # inside FastSampler: static cache + compiled decode step (CUDA)
-    fast_logprobs: bool = False  # grpo.kernels.logprobs instead of grpo.algorithm.logprobs (reference and old log-probs)
+    # grpo.kernels.logprobs instead of grpo.algorithm.logprobs (reference and old log-probs)
+    fast_logprobs: bool = False
     update_logprobs: bool = False  # the same in the update pass, where the loss may differentiate the entropy
     fused_loss: bool = False  # grpo.kernels.fused_loss instead of log-probs -> per_token_loss -> aggregate_loss
     length_grouping: bool = False  # grpo.kernels.batching: update micro-batches of rows of similar length
@@ -66,7 +67,7 @@ class KernelChoice:
 
     def step_functions(self, options=None, temperature: float = 1.0, chunk_size: int | None = None,
                        fp32_head: bool = False) -> StepFunctions:
-        """The update's log-prob, loss and micro-batch functions: grpo.loop.update.plain_step_functions where no
+        """The update's log-prob, loss and micro-batch functions: grpo.algorithm.step.plain_step_functions where no
         kernel applies, each kernel's same-number version where one does."""
         from grpo.kernels.batching import length_grouped, length_sorted
         from grpo.kernels.logprobs import completion_logprobs
@@ -118,7 +119,7 @@ class KernelChoice:
 def _fused_update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation,
                        entropy_coef=None, behaviour_logps=None, is_weights=None, *, options, **kernel_args):
     """grpo.kernels.fused_loss with the aggregation's weights: the same loss and statistics as
-    grpo.loop.update.logprob_loss (the weights are 0 on the tokens the loss mask leaves out, such as tool results).
+    grpo.algorithm.step.logprob_loss (the weights are 0 on the tokens the loss mask leaves out, such as tool results).
     select_kernels leaves it off with an entropy bonus (entropy_coef is then None) and with the off-policy mask
     (the only reader of behaviour_logps besides the weights)."""
     from grpo.kernels.fused_loss import fused_completion_loss
@@ -145,7 +146,8 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
                    gradient_checkpointing: bool = False) -> KernelChoice:
     """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table).
 
-    loss_options (grpo.algorithm.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it needs
+    loss_options (grpo.algorithm.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it
+    needs
     a token's loss to depend on that token's log-prob only. entropy_bonus: the loss differentiates the entropy,
     which the log-prob kernels compute for the logs only, so the update pass takes the plain log-probs.
     fp32_head (cast_lm_head_to_fp32): the kernels run the output projection in the autocast dtype; the plain
@@ -183,7 +185,8 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         coupled.append("cast_lm_head_to_fp32 (an fp32 output projection)")
     if coupled:
         choice.fused_loss = False
-        choice.reasons["fused_loss"] = "; ".join(coupled) + ": the plain log-probs -> per_token_loss -> aggregate_loss path runs"
+        choice.reasons["fused_loss"] = "; ".join(coupled) + (": the plain log-probs -> per_token_loss -> "
+                                                             "aggregate_loss path runs")
     plain_update = _holding(
         (entropy_bonus, "the entropy bonus differentiates the entropy, which the log-prob kernel computes for the "
                         "logs only"),

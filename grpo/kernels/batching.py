@@ -1,6 +1,6 @@
 """Same losses and gradients as the plain path's micro-batches, less padding: rows of similar length together.
 
-A micro-batch's sequences are as wide as its longest prompt plus its longest completion (grpo.loop.trainer trims the
+A micro-batch's sequences are as wide as its longest prompt plus its longest completion (grpo.core.trainer trims the
 columns that are padding in every row), so a micro-batch that mixes a 20-token completion with a 250-token one
 runs the trunk over 230 padding positions for the short row. Real runs end their completions anywhere in the
 budget, and this padding is where much of the log-prob passes' time goes.
@@ -23,7 +23,7 @@ import torch
 
 
 def length_grouped(rows: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
-    """One update's micro-batches: as grpo.loop.update.plain_update_batches cuts `rows` (N / k,), after sorting them
+    """One update's micro-batches: as grpo.algorithm.step.plain_update_batches cuts `rows` (N / k,), after sorting them
     by lengths[row] (stable), so each update sees the same rows, in other micro-batches."""
     return list(rows[torch.sort(lengths[rows], stable=True).indices].split(micro_batch_size))
 

@@ -5,7 +5,7 @@ Same result as the decode step of `grpo.algorithm.sampler.sample_groups` (the mo
 with a DynamicCache), faster on GPUs because a small model's decode step is bound by kernel launches,
 which a CUDA graph replays without Python. Chosen by `--kernels auto` on CUDA (grpo.kernels.select),
 through `grpo.kernels.sampling.FastSampler`; a compile failure is reported once and decoding continues
-eagerly (grpo.loop.rollout). Pinned to the plain path by tests/test_kernels.py and tests/test_sampler.py
+eagerly (grpo.generation.rollout). Pinned to the plain path by tests/test_kernels.py and tests/test_sampler.py
 (the static and compiled steps give the same tokens and logits as the dynamic cache; on CPU the compile
 runs the trunk only) and tests/test_gpu.py on a GPU.
 
@@ -20,7 +20,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, StaticCache
+from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -49,7 +49,8 @@ def packed_decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, s
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     packed = query.reshape(batch, heads // groups, groups, query.shape[-1])  # (N, H_kv, G, D)
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)  # (N, H_kv, G, Dv)
+    # (N, H_kv, G, Dv)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(out.shape[0], 1, heads, value.shape[-1]), None  # (N, 1, H, Dv), as sdpa_attention_forward
 
 
@@ -138,7 +139,8 @@ class StaticDecoder:
         """(N, V) fp32 logits of the next token (`head_kwargs`, the buffered head's shift and scale: see
         grpo.kernels.sampling._DecodeHead)."""
         cache_position = torch.tensor([self.prompt_len + step], device=tokens.device)
-        if self.compiled_step is None or (self.run_trunk is not None and head.buffered):  # eager, or CPU's compiled trunk
+        # eager, or CPU's compiled trunk
+        if self.compiled_step is None or (self.run_trunk is not None and head.buffered):
             return self._step(model, head, tokens, position_ids, cache_position, self.attention_mask, **head_kwargs)
         if head_kwargs:
             raise ValueError("the compiled decode step computes plain logits: no shift or scale")

@@ -25,7 +25,7 @@ import torch
 
 from grpo.kernels.buffers import Buffers
 from grpo.kernels.logprobs import _LN_2, _add_chunk_grads, _chunk_forward, _compute_dtype, choose_trunk_pass
-from grpo.algorithm.logprobs import check_temperature, default_chunk_size, scatter_rows
+from grpo.algorithm.logprobs import check_temperature, default_chunk_size, logit_divisor, scatter_rows
 from grpo.algorithm.loss import LossOptions, token_loss
 
 
@@ -110,7 +110,8 @@ class _FusedTokenLoss(torch.autograd.Function):
             for start in range(0, num_rows, chunk_size):
                 rows = slice(start, start + chunk_size)
                 h, exps, chunk_logps, shift, total, _, _ = _chunk_forward(
-                    buffers, hidden, w, targets, rows, temperature, dtype, with_entropy=False, keep_exps=True)  # exps (c, V)
+                    # exps (c, V)
+                    buffers, hidden, w, targets, rows, temperature, dtype, with_entropy=False, keep_exps=True)
                 logps[rows] = chunk_logps
                 probe = chunk_logps.detach().requires_grad_()
                 with torch.enable_grad():
@@ -165,7 +166,8 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
     in row-major order of the real tokens (`completion_mask.bool()`), and returns that chunk's scalar loss.
     Gradients are formed chunk by chunk in the forward pass (`_FusedTokenLoss`); `loss.backward()` sends them
     into the trunk and the output projection. Returns (loss scalar, logps (N, T) detached, entropy (N, T) or
-    None); the other inputs as `grpo.algorithm.logprobs.completion_logprobs`; packed, shared_prompts, unpadded: the trunk pass
+    None); the other inputs as `grpo.algorithm.logprobs.completion_logprobs`; packed, shared_prompts, unpadded: the
+    trunk pass
     (grpo.kernels.logprobs.choose_trunk_pass).
     """
     check_temperature(temperature)
@@ -177,9 +179,9 @@ def completion_token_loss(model, input_ids, attention_mask, completion_mask, los
         embeds = _TiedEmbedding.apply(embedding.weight, input_ids, embedding.padding_idx, tied)
     trunk_pass = choose_trunk_pass(packed, shared_prompts, unpadded)
     hidden, targets, keep, weight = trunk_pass(model, input_ids, attention_mask, completion_mask, embeds)
-    loss, token_logps, token_entropy = _FusedTokenLoss.apply(
-        hidden, weight, targets, float(temperature), chunk_size or default_chunk_size(weight.shape[0]), with_entropy,
-        loss_fn, tied, buffers)
+    loss, token_logps, token_entropy = _FusedTokenLoss.apply(  # the logits divided as the plain path's
+        hidden, weight, targets, float(logit_divisor(temperature)), chunk_size or default_chunk_size(weight.shape[0]),
+        with_entropy, loss_fn, tied, buffers)
     return loss, scatter_rows(keep, token_logps), scatter_rows(keep, token_entropy)
 
 

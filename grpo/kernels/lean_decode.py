@@ -23,7 +23,8 @@ Same modules and the same operations as transformers' forward (the decoder layer
 `grpo.kernels.compiled_decode.packed_decode_sdpa`'s attention call), so its hidden states equal
 transformers' (tests/test_lean_decode.py compares them to within fp32 rounding over 6 steps).
 
-Chosen by `--kernels auto` through grpo.kernels.sampling.FastSampler for eager CPU decoding of the model classes in `_FAMILIES`, with transformers' SDPA
+Chosen by `--kernels auto` through grpo.kernels.sampling.FastSampler for eager CPU decoding of the model classes in
+`_FAMILIES`, with transformers' SDPA
 attention (ours or theirs) and full attention in every layer; anything else (other architectures,
 sliding-window layers, attention dropout in training mode, other attention implementations) decodes
 with transformers' forward: `unsupported_reason` says why.

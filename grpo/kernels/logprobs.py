@@ -26,7 +26,8 @@ from grpo.kernels.buffers import Buffers
 from grpo.kernels.packing import packed_completion_hidden
 from grpo.kernels.prefix import shared_prompt_hidden
 from grpo.kernels.unpadded import unpadded_shared_prompt_hidden
-from grpo.algorithm.logprobs import check_temperature, completion_hidden, default_chunk_size, scatter_rows
+from grpo.algorithm.logprobs import (check_temperature, completion_hidden, default_chunk_size, logit_divisor,
+                                     scatter_rows)
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -180,7 +181,8 @@ def _chunk_forward(buffers, hidden, w, targets, rows, temperature, dtype, with_e
     -ln 2 log2(total), and no pass over the (memory-bound) row looks for its max. In fp32 (the columns layout) y_t
     is taken first as the dot product h2 . W[target] and the projection writes y - y_t directly, so no pass
     subtracts it either (the product's own y_t may differ from the dot product's by rounding: the log-prob reads
-    the product's, logp = ln 2 ((y_t - shift) - log2 total), consistent with the total). As y_t <= max, no term underflows
+    the product's, logp = ln 2 ((y_t - shift) - log2 total), consistent with the total). As y_t <= max, no term
+    underflows
     relative to the largest. A row whose total exceeds 2^_MAX_SHIFT_GAP V (its max is then more than _MAX_SHIFT_GAP
     above y_t: a target probability under ~5e-20) or is not finite is redone from its logits with its max as the
     shift. Accelerators shift by the row max (one cheap kernel; the redo test would cost a host sync per chunk).
@@ -210,7 +212,8 @@ def _chunk_forward(buffers, hidden, w, targets, rows, temperature, dtype, with_e
         fresh = _redo_logits(h2, w, index)  # (r, V) the rows' logits again (the buffer may hold exps)
         row_shift = fresh.amax(-1)  # (r,)
         target_rel[index] = fresh.gather(-1, chunk_targets[index, None]).squeeze(-1) - row_shift
-        row_total, row_entropy = _softmax_pass(buffers, fresh, row_shift, with_entropy, keep_exps)  # fresh: exps if keep_exps
+        # fresh: exps if keep_exps
+        row_total, row_entropy = _softmax_pass(buffers, fresh, row_shift, with_entropy, keep_exps)
         if keep_exps:
             logits[index] = fresh.to(logits.dtype)
         shift[index], total[index] = row_shift, row_total
@@ -269,7 +272,8 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool, buffers: Buffers):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool,
+                buffers: Buffers):
         dtype = _compute_dtype(weight)
         num_rows = hidden.shape[0]
         logps, shift, total = (hidden.new_empty(num_rows, dtype=torch.float32) for _ in range(3))  # (M,) each
@@ -297,13 +301,15 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         temperature, chunk_size, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
         w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32,
+                                  device=weight.device) if ctx.needs_input_grad[1] else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
                 h, h2 = _chunk_inputs(hidden, rows, temperature, dtype)  # (chunk, H) each
                 g = grad_logps[rows].float()  # (chunk,)
-                exps = _shifted_logits(ctx.buffers, h2, w, shift[rows]).exp2_()  # (chunk, V) fp32: the forward's exp(z - shift)
+                # (chunk, V) fp32: the forward's exp(z - shift)
+                exps = _shifted_logits(ctx.buffers, h2, w, shift[rows]).exp2_()
                 index = redone[rows].nonzero().squeeze(-1) if _shift_by_target(redone.device) else None  # (r,)
                 if index is not None and index.numel():  # recomputed as the forward did
                     exps[index] = torch.exp2(_redo_logits(h2, w, index) - shift[rows][index, None])
@@ -334,7 +340,8 @@ def choose_trunk_pass(packed: bool = False, shared_prompts: bool = False, unpadd
 def completion_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
                         with_entropy: bool = False, chunk_size: int | None = None, buffers: Buffers | None = None,
                         packed: bool = False, shared_prompts: bool = False, unpadded: bool = False):
-    """Same inputs and result as `grpo.algorithm.logprobs.completion_logprobs`; `buffers` holds the reused chunk storage.
+    """Same inputs and result as `grpo.algorithm.logprobs.completion_logprobs`; `buffers` holds the reused chunk
+    storage.
     packed: the trunk runs on the real tokens packed into one row (grpo.kernels.packing). shared_prompts: each
     distinct prompt's trunk pass runs once (grpo.kernels.prefix); unpadded: on its real tokens only
     (grpo.kernels.unpadded)."""
@@ -342,6 +349,6 @@ def completion_logprobs(model, input_ids, attention_mask, completion_mask, tempe
     trunk_pass = choose_trunk_pass(packed, shared_prompts, unpadded)
     hidden, targets, keep, weight = trunk_pass(model, input_ids, attention_mask, completion_mask)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
-    token_logps, token_entropy = _ChunkedTokenLogProbs.apply(
-        hidden, weight, targets, float(temperature), chunk_size, with_entropy, buffers or Buffers())  # (M,), (M,)
+    token_logps, token_entropy = _ChunkedTokenLogProbs.apply(  # (M,), (M,): the logits divided as the plain path's
+        hidden, weight, targets, float(logit_divisor(temperature)), chunk_size, with_entropy, buffers or Buffers())
     return scatter_rows(keep, token_logps), scatter_rows(keep, token_entropy)

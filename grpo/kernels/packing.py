@@ -1,4 +1,5 @@
-"""Same result as `grpo.algorithm.logprobs.completion_hidden`, without padding: a micro-batch's real tokens packed into one row.
+"""Same result as `grpo.algorithm.logprobs.completion_hidden`, without padding: a micro-batch's real tokens packed into
+one row.
 
     padded   (n, P' + T') rows, prompts left-padded, completions right-padded: the trunk runs on every position
     packed   (1, R) the R real tokens of the n rows one after the other, position ids restarting at 0 for each row
@@ -38,12 +39,14 @@ def packed_completion_hidden(model, input_ids, attention_mask, completion_mask, 
     bool, output weight (V, H)), in completion_hidden's order (row by row, token by token).
     """
     total_len, completion_len = input_ids.shape[1], completion_mask.shape[1]
-    assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
+    assert attention_mask.shape == input_ids.shape and completion_len < total_len, \
+        (input_ids.shape, completion_mask.shape)
     weight = plain_output_weight(model)  # before the trunk runs
     trunk = getattr(model, model.base_model_prefix)
     real = attention_mask.bool()  # (n, L)
     positions = position_ids_from_mask(attention_mask)[real][None]  # (1, R): 0, 1, ... within each row
-    inputs = {"input_ids": input_ids[real][None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[real][None]}
+    inputs = {"input_ids": input_ids[real][None]} if inputs_embeds is None else \
+        {"inputs_embeds": inputs_embeds[real][None]}
     packed = trunk(**inputs, position_ids=positions, use_cache=False).last_hidden_state[0]  # (R, H)
     keep = completion_mask.bool()  # (n, T')
     # Position t - 1 predicts token t: mark the positions before each real completion token, then find each one's

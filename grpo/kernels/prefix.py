@@ -1,4 +1,5 @@
-"""Same result as `grpo.algorithm.logprobs.completion_hidden`, with each distinct prompt's trunk pass run once: the rows of a
+"""Same result as `grpo.algorithm.logprobs.completion_hidden`, with each distinct prompt's trunk pass run once: the rows
+of a
 GRPO group share their prompt, so the log-prob passes (reference, old policy, update) give it its keys and values
 once.
 
@@ -37,7 +38,8 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tup
 
 
 def shared_prompt_hidden(model, input_ids, attention_mask, completion_mask, inputs_embeds=None):
-    """`grpo.algorithm.logprobs.completion_hidden` with the distinct prompts' trunk pass run once (see the module docstring).
+    """`grpo.algorithm.logprobs.completion_hidden` with the distinct prompts' trunk pass run once (see the module
+    docstring).
 
     input_ids, attention_mask (n, P' + T'), prompts left-padded; completion_mask (n, T'); `inputs_embeds` (n, P' + T',
     H), if given, replaces the embedding lookup (grpo.kernels.fused_loss). With grad, each prompt's activations get
@@ -45,7 +47,8 @@ def shared_prompt_hidden(model, input_ids, attention_mask, completion_mask, inpu
     targets (M,), keep (n, T') bool, output weight (V, H)).
     """
     total_len, completion_len = input_ids.shape[1], completion_mask.shape[1]
-    assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
+    assert attention_mask.shape == input_ids.shape and completion_len < total_len, \
+        (input_ids.shape, completion_mask.shape)
     prompt_len = total_len - completion_len
     weight = plain_output_weight(model)  # before the trunk runs
     trunk = getattr(model, model.base_model_prefix)

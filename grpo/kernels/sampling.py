@@ -36,9 +36,9 @@ from grpo.kernels.buffers import Buffers
 from grpo.kernels.compiled_decode import StaticDecoder
 from grpo.kernels.lean_decode import LeanDecodeStep, unsupported_reason
 from grpo.kernels.logprobs import _LN_2, _LOG2_E, _column_storage
-from grpo.algorithm.logprobs import check_plain_output_head, position_ids_from_mask
-from grpo.algorithm.sampler import (GroupSample, SamplingParams, cache_kwarg, draw_uniform, filter_logits, finish_sample,
-                          prepare_prompts)
+from grpo.algorithm.logprobs import check_plain_output_head, logit_divisor, position_ids_from_mask
+from grpo.algorithm.sampler import (GroupSample, SamplingParams, cache_kwarg, draw_uniform, ends_row, filter_logits,
+                                    filters_apply, finish_sample, prepare_prompts, token_logprobs)
 
 logger = logging.getLogger("grpo")
 
@@ -82,7 +82,8 @@ class _DecodeHead:
         """(B * G, V) logits of (B, H) hidden states, each row repeated G times (the prefill's, one row per prompt),
         in the reused buffer. The product runs on the B rows (W h^T: for a few rows much faster than h W^T)."""
         shape = (self.weight.shape[0], hidden.shape[0])  # (V, B)
-        logits = torch.mm(self.weight, hidden.T, out=self.buffers.get("prefill_logits", *shape, torch.float32, hidden.device))
+        logits = torch.mm(self.weight, hidden.T, out=self.buffers.get("prefill_logits", *shape, torch.float32,
+                                                                      hidden.device))
         out = self.output(hidden.shape[0] * group_size)  # (N, V)
         out.view(hidden.shape[0], group_size, -1).copy_(logits.T[:, None, :])
         return out
@@ -98,7 +99,8 @@ class _DecodeHead:
                 raise ValueError("a shift or scale needs the buffered decode head (CPU, fp32, logits = W h)")
             return self.model(**inputs, use_cache=True, **{self.cache_kwarg: cache}).logits[:, -1].float()
         inputs = {**inputs, "use_cache": True, self.cache_kwarg: cache}
-        hidden = (run_trunk(self.trunk, **inputs) if run_trunk else self.trunk(**inputs)).last_hidden_state[:, -1]  # (N, H)
+        # (N, H)
+        hidden = (run_trunk(self.trunk, **inputs) if run_trunk else self.trunk(**inputs)).last_hidden_state[:, -1]
         return self.project(hidden, shift, scale)
 
     def project(self, hidden: torch.Tensor, shift: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
@@ -184,9 +186,9 @@ def sample_next_token(
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float()
-    scale = _LOG2_E / temperature
-    if top_k or top_p < 1.0 or min_p > 0.0:
-        logits, scale = filter_logits(logits / temperature, top_k, top_p, min_p), _LOG2_E
+    scale = _LOG2_E / logit_divisor(temperature)
+    if filters_apply(top_k, top_p, min_p):
+        logits, scale = filter_logits(logits / logit_divisor(temperature), top_k, top_p, min_p), _LOG2_E
     if out is not None and out.stride() != logits.stride():
         out = None
     # Unnormalised probabilities exp((z - max) / T) = 2^(z s - max s) with s = log2(e) / T: one pass, then torch's
@@ -326,7 +328,8 @@ class FastSampler:
 
     def __call__(self, model, prompts, group_size, params, pad_token_id, generator=None,
                  return_logprobs=False) -> GroupSample:
-        """`sample_groups` with this sampler's settings, called as grpo.algorithm.sampler.sample_groups is. If the compiled
+        """`sample_groups` with this sampler's settings, called as grpo.algorithm.sampler.sample_groups is. If the
+        compiled
         decode step fails, it says so once and decodes eagerly from then on."""
         try:
             return self.sample_groups(model, prompts, group_size, params, pad_token_id, generator, return_logprobs,
@@ -377,17 +380,17 @@ class FastSampler:
         cache, cache_name = DynamicCache(config=model.config), cache_kwarg(model)
         # (V, N) logits storage when the sampler reads it in place: unfiltered sampling (greedy argmax and the
         # filters' sorts prefer rows). return_logprobs reads it too, so turning it on changes no drawn token.
-        plain_sampling = params.temperature > 0 and not (params.top_k or params.top_p < 1.0 or params.min_p > 0.0)
+        plain_sampling = params.temperature > 0 and not filters_apply(params.top_k, params.top_p, params.min_p)
         head = _DecodeHead(model, cache_name, self.buffers, transposed=plain_sampling)
         # Shifted steps (CPU, fp32, plain sampling; see _sample_base2): `logits` holds base-2 logits y = z s - shift,
         # s = log2(e) / T, formed by the head's product; the first step's are the prefill's, scaled (shift 0).
         shifted = plain_sampling and head.buffered
-        scale = _LOG2_E / params.temperature if shifted else 1.0
+        scale = _LOG2_E / logit_divisor(params.temperature) if shifted else 1.0
         shift = None  # (N,) c of the next step's logits, from the second step on
 
         # Prefill each distinct prompt once.
-        prefill = dict(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                       use_cache=True, **{cache_name: cache})
+        prefill = dict(input_ids=prompt_ids, attention_mask=prompt_mask,
+                       position_ids=position_ids_from_mask(prompt_mask), use_cache=True, **{cache_name: cache})
         if shifted:  # the trunk, then the head's product for the B prompts, copied to their groups' rows
             logits = head.expand(head.trunk(**prefill).last_hidden_state[:, -1] * scale, group_size)  # (N, V) y = z s
         else:
@@ -399,7 +402,8 @@ class FastSampler:
         if not static:
             _reserve(cache, max_new)
         attention_mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (N, P)
-        # Eager buffered decoding of a Qwen2/Qwen3/Llama trunk: the model's modules without transformers' per-call framework.
+        # Eager buffered decoding of a Qwen2/Qwen3/Llama trunk: the model's modules without transformers'
+        # per-call framework.
         lean = None
         if head.buffered and not static and unsupported_reason(head.trunk) is None:
             lean = LeanDecodeStep(head.trunk, cache, attention_mask, max_new)
@@ -410,7 +414,8 @@ class FastSampler:
             decoder = self._static_decoder(model, num_rows, cache_len, compile_decode)
             decoder.start(cache, attention_mask)
         # fp32 scratch for the sampling weights, laid out like the logits (shifted steps: reused between calls)
-        scratch = self.buffers.get("decode_weights", logits.shape[1], num_rows, torch.float32, device).T if shifted else None
+        scratch = self.buffers.get("decode_weights", logits.shape[1], num_rows, torch.float32,
+                                   device).T if shifted else None
 
         eos = torch.tensor(sorted(set(params.eos_token_ids)), device=device)
         completion_ids = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
@@ -441,9 +446,8 @@ class FastSampler:
             if return_logprobs and shifted:  # log p = ln 2 (y_token - log2 sum_j 2^y_j)
                 logprobs[active, step] = (logits.gather(-1, tokens[:, None]).squeeze(-1) - log2_total) * _LN_2 * live
             elif return_logprobs:
-                temperature = params.temperature if params.temperature > 0 else 1.0
-                logprobs[active, step] = torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1) * live
-            hit_eos = torch.isin(tokens, eos) & live  # (n,)
+                logprobs[active, step] = token_logprobs(logits, tokens, params.temperature) * live
+            hit_eos = ends_row(tokens, eos, live)  # (n,)
             lengths[active] = torch.where(hit_eos, step + 1, lengths[active])
             done[active] |= hit_eos
             live &= ~hit_eos
@@ -462,14 +466,16 @@ class FastSampler:
                 if lean is not None:
                     lean.keep_rows(keep)
                 if shifted:
-                    scratch = self.buffers.get("decode_weights", logits.shape[1], active.shape[0], torch.float32, device).T
+                    scratch = self.buffers.get("decode_weights", logits.shape[1], active.shape[0], torch.float32,
+                                               device).T
             head_kwargs = {"shift": shift, "scale": scale} if shifted else {}
             if decoder is not None:
                 logits = decoder(model, head, tokens[:, None], positions, step, **head_kwargs)
             elif lean is not None:
                 logits = head.project(lean(tokens[:, None], positions), **head_kwargs)  # (n, V)
             else:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(active.shape[0], 1)], dim=1)  # (n, P + t + 1)
+                # (n, P + t + 1)
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(active.shape[0], 1)], dim=1)
                 logits = head(cache, input_ids=tokens[:, None], attention_mask=attention_mask,
                               position_ids=positions, **head_kwargs)  # (n, V)
             positions = positions + 1

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grpo.kernels.lean_decode import _FAMILIES, unsupported_reason
+from grpo.kernels.lean_decode import _FAMILIES
 from grpo.kernels.prefix import distinct_prompts
 from grpo.algorithm.logprobs import plain_output_weight, position_ids_from_mask
 
@@ -108,7 +108,8 @@ def unpadded_shared_prompt_hidden(model, input_ids, attention_mask, completion_m
     lookup. Returns (hidden (M, H), targets (M,), keep (n, T') bool, output weight (V, H)).
     """
     total_len, completion_len = input_ids.shape[1], completion_mask.shape[1]
-    assert attention_mask.shape == input_ids.shape and completion_len < total_len, (input_ids.shape, completion_mask.shape)
+    assert attention_mask.shape == input_ids.shape and completion_len < total_len, \
+        (input_ids.shape, completion_mask.shape)
     prompt_len = total_len - completion_len
     keep = completion_mask.bool()  # (n, T')
     if not torch.equal(attention_mask[:, prompt_len:].bool(), keep) or bool((keep[:, 1:] & ~keep[:, :-1]).any()):
@@ -128,7 +129,8 @@ def unpadded_shared_prompt_hidden(model, input_ids, attention_mask, completion_m
     prompt_real = real[first, :prompt_len]  # (u, P')
     prompts, cache = real_token_layers(trunk, embed(first, slice(None, prompt_len), prompt_real), prompt_real,
                                        positions[first, :prompt_len][prompt_real], keep_cache=True)  # (Rp, H)
-    past = [(keys.index_select(0, inverse), values.index_select(0, inverse)) for keys, values in cache]  # (n, Hkv, P', D)
+    # (n, Hkv, P', D)
+    past = [(keys.index_select(0, inverse), values.index_select(0, inverse)) for keys, values in cache]
     completions, _ = real_token_layers(trunk, embed(slice(None), slice(prompt_len, None), keep), keep,
                                        positions[:, prompt_len:][keep], past, real[:, :prompt_len])  # (Rc, H)
     # Position t - 1 predicts token t: the prompt's last position predicts the first completion token, a

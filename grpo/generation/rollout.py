@@ -16,10 +16,10 @@ The generation seam, the one way the trainer and evaluation get completions:
 Backends (`--generation-backend`):
     sampler        ours: grpo.algorithm.sampler.sample_groups, or grpo.kernels.sampling.FastSampler with --kernels auto
                    (on CUDA with the compiled decode step; if compiling fails it says so once and decodes
-                   eagerly from then on); grpo.loop.setup.step_functions says which
+                   eagerly from then on); grpo.core.setup.step_functions says which
     transformers   `model.generate`, for models our sampler does not support; the prompt is prefilled G
                    times, as trl does without vLLM
-    vllm           a vLLM engine (grpo.loop.vllm_generation), with its own copy of the weights, loaded from the
+    vllm           a vLLM engine (grpo.generation.vllm), with its own copy of the weights, loaded from the
                    policy before the first generation after an update
 All return rows grouped [prompt 0 x G, prompt 1 x G, ...], the completion mask up to and including the
 first EOS, and (when asked) the sampler's per-token log-probs under softmax(logits / temperature) (vLLM's: after its
@@ -41,7 +41,6 @@ from rewards import score_rows
 
 logger = logging.getLogger("grpo")
 
-GENERATION_BACKENDS = ("sampler", "transformers", "vllm")
 
 
 # ----------------------------------------------------------------------------- seeds and the step's prompts
@@ -149,10 +148,10 @@ class Rollout:
 
 def sample_rollout(generation, tokenizer, reward_specs, rows: list[dict], prompt_ids: list[list[int]], group: int,
                    params, noise, return_logprobs: bool = False) -> tuple[Rollout, list, list]:
-    """G completions for each of the B rows' prompts from the generation backend (grpo.loop.rollout), decoded and
+    """G completions for each of the B rows' prompts from the generation backend (grpo.generation.rollout), decoded and
     scored by every reward function (rewards.score_rows). Returns (rollout, prompts, texts), N = B * G rows;
     return_logprobs: the rollout keeps the sampler's log-probs (the behaviour policy's, grpo.algorithm.off_policy).
-    With environments, grpo.loop.environments.EnvironmentRollouts.sample_rollout takes the same arguments."""
+    With environments, grpo.multiturn.environments.EnvironmentRollouts.sample_rollout takes the same arguments."""
     sample = generation.generate(prompt_ids, group, params, noise, return_logprobs=return_logprobs)
     return rollout_from_sample(sample, tokenizer, reward_specs, rows, group)
 
@@ -188,14 +187,14 @@ class GenerationBackend(Protocol):
 class GroupSampler:
     """Our group sampler (one prefill per prompt): `sample` is grpo.algorithm.sampler.sample_groups, or the kernel the
     run's KernelChoice hands over (grpo.kernels.sampling.FastSampler), called the same way. With `tools`
-    (grpo.loop.tools.ToolSet) it is sample_groups, whose loop feeds tool results to the rows that call one."""
+    (grpo.multiturn.tools.ToolSet) it is sample_groups, whose loop feeds tool results to the rows that call one."""
 
     def __init__(self, model, pad_token_id: int, sample=sample_groups, tools=None):
         self.model, self.pad_token_id, self.sample, self.tools = model, pad_token_id, sample, tools
 
     def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False,
                  tools=None) -> GroupSample:
-        """`tools`: this call's own (an environment batch's, grpo.loop.environments), instead of the run's."""
+        """`tools`: this call's own (an environment batch's, grpo.multiturn.environments), instead of the run's."""
         tools = tools if tools is not None else self.tools
         if tools is not None:
             return sample_groups(self.model, prompt_ids, num_generations, params, self.pad_token_id, generator,
@@ -256,9 +255,9 @@ class TransformersGenerate:
 
 def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups,
                             tools=None, engine=None) -> GenerationBackend:
-    """`sample`: the group sampler our backend calls (grpo.loop.setup.step_functions says which); `tools`:
-    grpo.loop.tools.ToolSet, which our sampler and vLLM can feed (GRPOConfig.validate checks that); `engine`:
-    vllm's backend with its placement and settings, given the model (grpo.loop.setup.vllm_engine)."""
+    """`sample`: the group sampler our backend calls (grpo.core.setup.step_functions says which); `tools`:
+    grpo.multiturn.tools.ToolSet, which our sampler and vLLM can feed (GRPOConfig.validate checks that); `engine`:
+    vllm's backend with its placement and settings, given the model (grpo.core.setup.vllm_engine)."""
     if name == "transformers":
         return TransformersGenerate(model, pad_token_id)
     if name == "vllm":

@@ -169,7 +169,8 @@ class ToolSet:
 
 class ToolTurns:
     """One sampling call's tool state, N rows: results waiting to be fed, the tool mask, calls, messages.
-    `row_tools`: each row's own {name: function} (environments, grpo.loop.environments); default the run's tools."""
+    `row_tools`: each row's own {name: function} (environments, grpo.multiturn.environments); default the run's
+    tools."""
 
     def __init__(self, toolset: ToolSet, num_rows: int, max_new: int, device, row_tools: list[dict] | None = None):
         self.toolset, self.max_new = toolset, max_new

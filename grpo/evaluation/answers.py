@@ -19,7 +19,7 @@ Evaluation (eval.py; `prior_summary`): the share of the model's most common answ
 best constant answer on the same problems (each candidate scored by the same scorer as the model), with the
 model's accuracy on the problems that constant does not solve: a rise there is not the prior.
 
-An answer is what the task's extraction finds in a completion (grpo.loop.evaluation.sample_answer: the last
+An answer is what the task's extraction finds in a completion (grpo.evaluation.evaluate.sample_answer: the last
 <answer>, as a number for GSM8K, by --answer-extraction for reasoning-gym); a completion without one gives None,
 which is never counted as an answer.
 """

@@ -4,9 +4,9 @@ checkpoint it resumes from (train.py adds the command that resumes).
 The trainer runs each write into the run folder (run_config.json, metrics.jsonl and samples.jsonl, eval/,
 checkpoints/) inside `writing(run_dir, what)`, which turns a failure that is the disk being full into DiskFullError,
 a TrainingError: the trainer adds the last good checkpoint and train.py prints one `error:` line. Nothing is lost:
-checkpoints are atomic (grpo.loop.checkpoint), so a save that ran out of space leaves the previous checkpoint
+checkpoints are atomic (grpo.core.checkpoint), so a save that ran out of space leaves the previous checkpoint
 complete and its own `.tmp-` folder, which the next save removes; a resumed run drops the log lines past its
-checkpoint (grpo.loop.metrics).
+checkpoint (grpo.core.metrics).
 
 Writers report a full disk in three ways; `no_space` looks for each:
     Python's own writes                     OSError with errno ENOSPC (EDQUOT: a quota), or such an error as the
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import CheckpointException
 
-from grpo.loop.update import TrainingError
+from grpo.errors import TrainingError
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 FULL_BELOW = 1 << 20  # bytes free under which a failed write without an errno counts as a full disk

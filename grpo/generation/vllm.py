@@ -11,10 +11,10 @@
                the behaviour policy of the importance-sampling correction (grpo.algorithm.off_policy)
     weights    after an optimizer update the engine is stale; the next `generate` loads the policy's weights into
                it first, one parameter at a time (FSDP2 gathers each one on every rank; a LoRA layer's weight is
-               sent with its adapters merged in, out of place), under the names of the model's own checkpoint. Every engine
-               parameter must be reached, or the run stops naming the ones that were not
-    tools      a row whose turn calls a tool gets the result as tokens (grpo.loop.tools) and goes on in a new request
-               whose prompt is the prompt, its turns so far and the result, as token ids
+               sent with its adapters merged in, out of place), under the names of the model's own checkpoint.
+               Every engine parameter must be reached, or the run stops naming the ones that were not
+    tools      a row whose turn calls a tool gets the result as tokens (grpo.multiturn.tools) and goes on in a new
+               request whose prompt is the prompt, its turns so far and the result, as token ids
 
 Placements (docs/vllm.md):
     colocate          an engine inside each training process (`external_launcher` under torchrun, as trl)
@@ -36,7 +36,7 @@ import torch
 
 from grpo.algorithm.sampler import GroupSample, left_pad, row_seeds
 
-WORKER_EXTENSION = "grpo.loop.vllm_worker.WeightLoader"
+WORKER_EXTENSION = "grpo.generation.vllm_worker.WeightLoader"
 SHARED_MEMORY = "/dev/shm"  # where the weights for an engine in another process are written, when it exists
 CHUNK_BYTES = 256 * 2**20  # weights handed to an engine in another process per file
 
@@ -212,7 +212,7 @@ def _this_ranks_gpus(count: int):
 def engine_errors():
     """An engine that fails or dies mid-run stops the step as a TrainingError naming the cause (the run's last
     checkpoint stays as it was; --resume goes on from it)."""
-    from grpo.loop.update import TrainingError
+    from grpo.errors import TrainingError
 
     try:
         yield
@@ -229,7 +229,7 @@ def inference_weights(model: torch.nn.Module):
     weight is never touched, so no rounding from a merge and unmerge drifts the frozen base); the adapters
     themselves are not weights of the served model. FSDP2's sharded parameters are gathered one at a time (a
     collective: every rank iterates)."""
-    from grpo.loop.distributed import full_tensor
+    from grpo.parallel.distributed import full_tensor
 
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -256,7 +256,8 @@ def inference_weights(model: torch.nn.Module):
             if adapter in getattr(layer, "lora_A", {}):
                 if getattr(layer, "lora_variant", {}).get(adapter) or getattr(layer, "lora_bias", {}).get(adapter):
                     raise NotImplementedError(f"adapter {adapter!r} is a LoRA variant (DoRA, ...) or trains a bias: "
-                                              "its merged weights are not sent to vLLM; use --generation-backend sampler")
+                                              "its merged weights are not sent to vLLM; use --generation-backend "
+                                              "sampler")
                 weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
         return weight
 
@@ -264,7 +265,7 @@ def inference_weights(model: torch.nn.Module):
 
 
 class VLLMGenerate:
-    """vLLM behind the generation seam (grpo.loop.rollout): `generate` as our sampler's, `after_update` marks the
+    """vLLM behind the generation seam (grpo.generation.rollout): `generate` as our sampler's, `after_update` marks the
     engine's weights stale."""
 
     own_weights = True  # the trainer does not gather FSDP2's weights for it (Trainer.decode_weights)
@@ -424,9 +425,10 @@ class VLLMGenerate:
 
     @staticmethod
     def _takes_tool_result(turns, row, completions, logprobs, budget) -> bool:
-        """grpo.loop.tools decides whether the row's turn called a tool; if so its result is appended, masked."""
+        """grpo.multiturn.tools decides whether the row's turn called a tool; if so its result is appended, masked."""
         step = len(completions[row]) - 1  # the EOS that ended the turn
-        ids = torch.tensor(completions[row] + [0] * (budget - len(completions[row])))[None].expand(len(turns.waiting), -1)
+        padded = completions[row] + [0] * (budget - len(completions[row]))
+        ids = torch.tensor(padded)[None].expand(len(turns.waiting), -1)
         ids = ids.to(turns.fed.device)
         hit = torch.zeros(len(turns.waiting), dtype=torch.bool, device=turns.fed.device)
         hit[row] = True
@@ -442,7 +444,7 @@ class VLLMGenerate:
 def pack(prompt, prompt_mask, completions: list[list[int]], logprobs: list[list[float]] | None, eos_token_ids,
          pad_token_id: int, device) -> GroupSample:
     """Token lists -> a GroupSample: right-padded (N, T), the mask up to and including the first EOS (an EOS inside
-    a tool result ends nothing: grpo.loop.tools masks it), truncated where the last token is not an EOS."""
+    a tool result ends nothing: grpo.multiturn.tools masks it), truncated where the last token is not an EOS."""
     num_rows, steps = len(completions), max(1, max(len(c) for c in completions))
     ids = torch.full((num_rows, steps), pad_token_id, dtype=torch.long)
     values = torch.zeros(num_rows, steps)

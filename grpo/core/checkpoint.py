@@ -21,7 +21,7 @@ number of processes resumes on any other number (the optimizer state is resharde
 
 A kill at any moment leaves either the previous checkpoints untouched or the new one complete:
 a half-written folder keeps its `.tmp-` name and is ignored (and cleaned up by the next save). A save that a full
-disk refused ends the same way; the trainer reports it as one error (grpo.loop.disk_full).
+disk refused ends the same way; the trainer reports it as one error (grpo.core.disk_full).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def _fsync_tree(folder: Path) -> None:
         os.close(descriptor)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_state: dict, run_config: dict, keep: int = 0,
-                    reference=None, merged=None) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, trainer_state: dict, run_config: dict,
+                    keep: int = 0, reference=None, merged=None) -> Path:
     """Write checkpoint `step` atomically and keep only the newest `keep` (0 = all). Returns its folder.
 
     `reference`: a reference model that changes during the run (sync_ref_model), saved in `reference/`;
@@ -142,13 +142,13 @@ def save_distributed_checkpoint(run_dir: str | Path, step: int, world, call, opt
 
 
 def _strip_call_prefix(state: dict) -> dict:
-    """`model.` (grpo.loop.distributed.ModelCall) removed from the keys: the Hugging Face model's own names."""
+    """`model.` (grpo.parallel.distributed.ModelCall) removed from the keys: the Hugging Face model's own names."""
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 
 def load_sharded_optimizer(checkpoint: Path, call, optimizer, group=None) -> None:
     """The optimizer state of a checkpoint saved under torchrun, resharded for this world (any size); `group`:
-    the training ranks' process group (grpo.loop.distributed.World.group)."""
+    the training ranks' process group (grpo.parallel.distributed.World.group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 

@@ -7,18 +7,19 @@
                 estimator (functions.advantage_estimator: grpo's group-   grpo.algorithm.advantages (DeepSeekMath
                 relative ones by default) on the weighted rewards         4.1.2; --advantage-estimator)
     behaviour   w = pi_old / pi_b from the rollout's sampler log-probs,   grpo.algorithm.off_policy
-                when the correction applies (GRPOConfig.corrects_behaviour)
+                when the correction applies (UpdateOptions.corrects_behaviour)
     update      for each of num_iterations x k updates, over its slice of the rows:
                   micro-batches -> log-probs -> per-token loss -> aggregate   functions.update_loss, grpo.algorithm.loss
                   (- entropy bonus) -> backward, the gradients accumulating
                 -> clip the norm -> AdamW -> LR step (-> TR-DPO reference sync, entropy control)
-    metrics     trl's names, over every rank's tokens and rows              grpo.loop.metrics
+    metrics     trl's names, over every rank's tokens and rows              grpo.core.metrics
 
-`train_on_rollout` takes what it reads as arguments: the config, the models (`Models`), the optimizer and
-its schedule, the step's counters (`StepState`, the only thing it changes besides the weights), the world
-(collectives, identities at world size one) and `functions` (StepFunctions): the calls that compute
-log-probs, the loss and the micro-batches. Under `--kernels plain` these are `plain_step_functions` below;
-under `auto`, grpo.kernels hands over functions that compute the same numbers. It returns an `UpdateResult`:
+`train_on_rollout` takes what it reads as arguments: its settings (`UpdateOptions`, built once at set-up), the models
+(`Models`), the optimizer and its schedule, the step's counters (`StepState`, the only thing it changes besides the
+weights), the world (collectives, identities at world size one) and `functions` (grpo.algorithm.step.StepFunctions):
+the calls that compute log-probs, the loss and the micro-batches. Under `--kernels plain` these are
+grpo.algorithm.step.plain_step_functions; under `auto`, grpo.kernels hands over functions that compute the same
+numbers. It returns an `UpdateResult`:
 the step's metrics and every intermediate value (advantages, old and reference log-probs, each micro-batch's
 loss and statistics), for researchers and for the parity tests.
 
@@ -36,23 +37,42 @@ from typing import Callable
 
 import torch
 
-from grpo.algorithm.advantages import AdvantageBatch, estimate_advantages, grpo, reward_statistics, weighted_rewards
-from grpo.loop.distributed import World, accumulating, full_tensor
-from grpo.algorithm.logprobs import completion_logprobs
-from grpo.algorithm.loss import (EntropyControl, LossOptions, LossStats, aggregate_loss, entropy_bonus, loss_terms,
-                       policy_loss_value, terms_statistics)
+from grpo.algorithm.advantages import AdvantageBatch, estimate_advantages, reward_statistics, weighted_rewards
+from grpo.algorithm.loss import EntropyControl, LossStats
 from grpo.algorithm.off_policy import behaviour_weights, mismatch_statistics
-from grpo.loop.metrics import sampling_metrics, step_metrics
-from grpo.loop.rollout import Rollout, seeded
-from grpo.plugins import NoSignalError
+from grpo.algorithm.step import StepFunctions
+from grpo.core.metrics import sampling_metrics, step_metrics
+from grpo.errors import NoSignalError, TrainingError
+from grpo.generation.rollout import Rollout, seeded
+from grpo.parallel.distributed import World, accumulating, full_tensor
 
 logger = logging.getLogger("grpo")
 
-LR_SCHEDULERS = ("cosine", "constant", "linear")  # --lr-scheduler-type (make_scheduler)
+@dataclass(frozen=True)
+class UpdateOptions:
+    """What an update reads of the run's settings, built once at set-up (grpo.core.setup.update_options)."""
 
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. too many consecutive non-finite steps); the last good checkpoint is kept."""
+    prompts_per_step: int  # B prompts of one optimizer update (over every rank)
+    group_size: int  # G completions per prompt
+    micro_batch_size: int  # completions per forward/backward
+    num_iterations: int  # optimizer updates per rollout slice
+    max_completion_length: int  # T_max, dr_grpo's divisor
+    seed: int  # the micro-batch order's
+    beta: float  # the KL coefficient (0: no reference)
+    kl_in_reward: bool  # the KL penalty in the reward (k1) rather than the loss (k3)
+    reward_clip_range: tuple[float, float] | None
+    scale_rewards: str
+    normalize_advantages: bool
+    mask_truncated_completions: bool
+    corrects_behaviour: bool  # multiply by w = pi_old / pi_b (the sampler's log-probs)
+    importance_sampling_mode: str
+    importance_sampling_clip_min: float | None
+    importance_sampling_clip_max: float | None
+    max_grad_norm: float  # 0: no clipping
+    max_bad_steps: int  # skipped updates in a row that stop the run
+    sync_ref_model: bool  # TR-DPO: ref <- alpha policy + (1 - alpha) ref every ref_model_sync_steps updates
+    ref_model_sync_steps: int
+    ref_model_mixup_alpha: float
 
 
 @dataclass
@@ -69,7 +89,7 @@ class StepState:
 @dataclass
 class Models:
     """The models an update calls. `*_call`: as the loop calls them (ModelCall, or a DDP / FSDP2 wrapper under
-    torchrun): `call(fn, *args)` = fn(model, *args) inside the wrapper's forward (grpo.loop.distributed)."""
+    torchrun): `call(fn, *args)` = fn(model, *args) inside the wrapper's forward (grpo.parallel.distributed)."""
 
     policy: torch.nn.Module  # the trained weights (clipping, the reference sync)
     policy_call: torch.nn.Module
@@ -78,21 +98,7 @@ class Models:
     device: torch.device = torch.device("cpu")  # where the rollout's tensors go
     autocast: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)  # bf16 or nothing
     peft_model: torch.nn.Module | None = None  # LoRA: the adapted model, saved in peft's format
-    distributed: str = "none"  # how the *_call wrappers were made: none, ddp or fsdp (grpo.loop.distributed)
-
-
-@dataclass
-class StepFunctions:
-    """What the update calls to get log-probs, a micro-batch's loss and the micro-batches (chosen once)."""
-
-    logprobs: Callable  # (model, ids, attention_mask, completion_mask) -> ((n, T) logps, None); no grad passes
-    update_loss: Callable  # (model, ids, attention_mask, loss_mask, advantages (n, 1) or (n, T), old, ref, aggregation,
-    #                        entropy_coef, behaviour, is_weights) -> (loss, LossStats); old None when on-policy;
-    #                        entropy_coef None: no bonus; behaviour / is_weights None: no correction
-    #                        (grpo.algorithm.off_policy); the completion is attention_mask's last T columns
-    batches: Callable  # (lengths (N,), micro_batch_size) -> [rows]: the reference / old passes' micro-batches
-    update_batches: Callable  # (rows (N/k,), lengths (N,), micro_batch_size) -> [rows]: one update's micro-batches
-    advantage_estimator: Callable = grpo  # (AdvantageBatch) -> (N,) or (N, T) advantages (grpo.algorithm.advantages)
+    distributed: str = "none"  # how the *_call wrappers were made: none, ddp or fsdp (grpo.parallel.distributed)
 
 
 @dataclass
@@ -113,50 +119,11 @@ class UpdateResult:
     num_items_in_batch: float = 0.0  # real completion tokens of one optimizer update over every rank
 
 
-def plain_batches(lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
-    """Consecutive rows."""
-    return list(torch.arange(lengths.shape[0], device=lengths.device).split(micro_batch_size))
-
-
-def plain_update_batches(rows: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
-    """One update's rows, in their random order, cut into consecutive micro-batches (`lengths`: for kernels that
-    group rows by length, grpo.kernels.batching)."""
-    return list(rows.split(micro_batch_size))
-
-
-def logprob_loss(logprobs: Callable, options: LossOptions) -> Callable:
-    """The update loss as the paper writes it: log-probs -> per-token loss -> aggregation (- entropy bonus)."""
-
-    def update_loss(model, ids, attention_mask, loss_mask, advantages, old_logps, ref_logps, aggregation,
-                    entropy_coef=None, behaviour_logps=None, is_weights=None):
-        completion_mask = attention_mask[:, -loss_mask.shape[1]:]  # (n, T) tool results included
-        logps, entropy = logprobs(model, ids, attention_mask, completion_mask, with_entropy=True)  # (n, T)
-        old = logps.detach() if old_logps is None else old_logps  # on-policy: rho = 1
-        mask = loss_mask.to(logps.dtype)  # (n, T)
-        terms = loss_terms(logps, old, advantages, mask, ref_logps, options, entropy, behaviour_logps, is_weights)
-        loss = aggregate_loss(terms.loss, mask, options.aggregation, **aggregation)
-        stats = terms_statistics(terms, advantages, mask, options, entropy)
-        if entropy_coef is not None:  # loss - coef * mean entropy over the tokens the policy loss keeps
-            num_micro = aggregation["num_micro_batches"]
-            stats.policy_loss = policy_loss_value(loss.item(), options.aggregation, num_micro)
-            acting = mask if terms.entropy_mask is None else mask * terms.entropy_mask
-            loss = loss - entropy_coef * entropy_bonus(entropy, acting, num_micro)
-        return loss, stats
-
-    return update_loss
-
-
-def plain_step_functions(options: LossOptions, temperature: float, chunk_size: int | None = None,
-                         fp32_head: bool = False) -> StepFunctions:
-    """grpo/'s own functions (`--kernels plain`)."""
-    logprobs = partial(completion_logprobs, temperature=temperature, chunk_size=chunk_size, fp32_head=fp32_head)
-    return StepFunctions(logprobs, logprob_loss(logprobs, options), plain_batches, plain_update_batches)
-
-
 def micro_batch(tensors, rows):
     """The rows' (n, P' + T') sequences, attention mask and (n, T') loss mask, trimmed of the columns that are
     padding in every one of these rows (left of prompts, right of completions). `tensors`: the rollout's
-    prompt ids, prompt mask, completion ids, completion mask and loss mask (grpo.loop.rollout.Rollout.loss_mask)."""
+    prompt ids, prompt mask, completion ids, completion mask and loss mask
+    (grpo.generation.rollout.Rollout.loss_mask)."""
     prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask = (tensor[rows] for tensor in tensors)
     prompt_len = int(prompt_mask.sum(-1).max())
     completion_len = max(1, int(completion_mask.sum(-1).max()))
@@ -165,20 +132,21 @@ def micro_batch(tensors, rows):
     return ids, attention_mask, loss_mask[:, :completion_len]  # (n, T')
 
 
-def advantage_batch(rollout: Rollout, loss_mask: torch.Tensor, old_logps, ref_logps, weights: torch.Tensor, config,
-                    world: World) -> AdvantageBatch:
+def advantage_batch(rollout: Rollout, loss_mask: torch.Tensor, old_logps, ref_logps, weights: torch.Tensor,
+                    options: UpdateOptions, world: World) -> AdvantageBatch:
     """The estimator's inputs over every rank's rows (on the CPU, padded to the widest rank's T): the weighted
     rewards, clipped to reward_clip_range, then with kl_in_reward minus the KL penalty, beta times the first-order
     KL of the policy that sampled against the reference, summed over the completion's tokens (trl's RLOOTrainer):
         r_i <- clip(sum_k w_k r_ik) - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))"""
     per_func = world.gather_rows(rollout.rewards_per_func)  # (N_all, K); a plug-in estimator gets a copy of the batch
     plain = weighted_rewards(per_func, weights)  # (N_all,)
-    rewards = plain.clamp(*config.reward_clip_range) if config.reward_clip_range else plain  # NaN (unscorable) stays
-    # k1 per token, times beta; gather_rows pads each rank's T to the widest
-    penalty = world.gather_rows(config.beta * (old_logps - ref_logps) * loss_mask).cpu() if config.kl_in_reward else None
-    return AdvantageBatch(rewards if penalty is None else rewards - penalty.sum(-1), per_func, weights, config.num_generations,
-                          world.gather_rows(loss_mask.float()).cpu(), penalty, config.scale_rewards,  # (N_all, T_max)
-                          None if rewards is plain and penalty is None else plain, config.beta)
+    rewards = plain.clamp(*options.reward_clip_range) if options.reward_clip_range else plain  # NaN stays NaN
+    penalty = None
+    if options.kl_in_reward:  # k1 per token, times beta; gather_rows pads each rank's T to the widest
+        penalty = world.gather_rows(options.beta * (old_logps - ref_logps) * loss_mask).cpu()
+    return AdvantageBatch(rewards if penalty is None else rewards - penalty.sum(-1), per_func, weights,
+                          options.group_size, world.gather_rows(loss_mask.float()).cpu(), penalty,  # (N_all, T_max)
+                          options.scale_rewards, None if rewards is plain and penalty is None else plain, options.beta)
 
 
 @torch.no_grad()
@@ -224,23 +192,23 @@ def sync_reference(ref_model, policy, alpha: float) -> None:
             ref_param.mul_(1.0 - alpha).add_(param.to(ref_param.dtype), alpha=alpha)
 
 
-def apply_update(config, models: Models, optimizer, scheduler, state: StepState, world: World, finite: bool,
-                 stats: list[LossStats], after_update: Callable[[], None]) -> float:
+def apply_update(options: UpdateOptions, models: Models, optimizer, scheduler, state: StepState, world: World,
+                 finite: bool, stats: list[LossStats], after_update: Callable[[], None]) -> float:
     """Clip the accumulated gradient, then AdamW and the LR step (skipped, everywhere, when any rank's loss or
     the norm is not finite); the reference sync and entropy control after a step. Returns the gradient norm."""
     finite = not world.any(not finite)  # a non-finite loss on any rank skips the update everywhere
-    max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+    max_norm = options.max_grad_norm if options.max_grad_norm > 0 else float("inf")
     grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(models.policy.parameters(), max_norm)).item()
     if not finite or not math.isfinite(grad_norm):
-        skip_update(state, grad_norm if finite else float("nan"), config.max_bad_steps)
+        skip_update(state, grad_norm if finite else float("nan"), options.max_bad_steps)
     else:
         optimizer.step()
         scheduler.step()
         state.updates += 1
         state.consecutive_bad_steps = 0
         after_update()  # a generation backend with its own copy of the weights refreshes it
-        if config.sync_ref_model and state.updates % config.ref_model_sync_steps == 0:
-            sync_reference(models.reference, models.policy, config.ref_model_mixup_alpha)
+        if options.sync_ref_model and state.updates % options.ref_model_sync_steps == 0:
+            sync_reference(models.reference, models.policy, options.ref_model_mixup_alpha)
         if state.entropy.adaptive:  # the update's entropy over every rank's tokens
             state.entropy.update(world.sum(sum(s.entropy_sum for s in stats)),
                                  world.sum(sum(s.entropy_count for s in stats)))
@@ -261,30 +229,31 @@ def skip_update(state: StepState, grad_norm: float, max_bad_steps: int) -> None:
                             "rate, check the reward functions and plug-ins, or use --precision fp32.")
 
 
-def check_rollout(config, world: World, rollout: Rollout, num_updates: int) -> None:
-    prompts = config.prompts_per_step * num_updates // world.size  # this rank's share of k * B prompts
-    if rollout.num_rows != prompts * config.num_generations:
-        raise ValueError(f"a rollout needs {prompts} prompts x num_generations = {prompts * config.num_generations} "
-                         f"rows grouped by {config.num_generations} (per process, of {world.size}), "
+def check_rollout(options: UpdateOptions, world: World, rollout: Rollout, num_updates: int) -> None:
+    prompts = options.prompts_per_step * num_updates // world.size  # this rank's share of k * B prompts
+    if rollout.num_rows != prompts * options.group_size:
+        raise ValueError(f"a rollout needs {prompts} prompts x num_generations = {prompts * options.group_size} "
+                         f"rows grouped by {options.group_size} (per process, of {world.size}), "
                          f"got {rollout.num_rows}")
 
 
-def behaviour_correction(rollout: Rollout, old_logps: torch.Tensor, loss_mask: torch.Tensor, config,
+def behaviour_correction(rollout: Rollout, old_logps: torch.Tensor, loss_mask: torch.Tensor, options: UpdateOptions,
                          world: World) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The behaviour policy's log-probs pi_b (N, T) from the rollout, w = pi_old / pi_b truncated or masked (trl
     1.16's modes; (N, T) or (N, 1)), and trl's sampling/* metrics of the mismatch over every rank's tokens."""
     if rollout.sampler_logprobs is None:
         raise ValueError("the importance-sampling correction needs the rollout's sampler_logprobs (the behaviour "
-                         "policy's per-token log-probs): build it with them, or pass --no-importance-sampling-correction")
+                         "policy's per-token log-probs): build it with them, or pass "
+                         "--no-importance-sampling-correction")
     behaviour = rollout.sampler_logprobs.to(old_logps.device)  # (N, T)
-    is_weights = behaviour_weights(old_logps, behaviour, loss_mask, config.importance_sampling_mode,
-                                   config.importance_sampling_clip_min, config.importance_sampling_clip_max)
-    return behaviour, is_weights, sampling_metrics(world, mismatch_statistics(old_logps, behaviour, loss_mask,
-                                                                              is_weights))
+    is_weights = behaviour_weights(old_logps, behaviour, loss_mask, options.importance_sampling_mode,
+                                   options.importance_sampling_clip_min, options.importance_sampling_clip_max)
+    statistics = mismatch_statistics(old_logps, behaviour, loss_mask, is_weights)
+    return behaviour, is_weights, sampling_metrics(world, statistics)
 
 
-def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, scheduler, state: StepState,
-                     world: World, functions: StepFunctions, reward_specs, num_updates: int = 1,
+def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, optimizer, scheduler,
+                     state: StepState, world: World, functions: StepFunctions, reward_specs, num_updates: int = 1,
                      after_update=lambda: None) -> UpdateResult:
     """Advantages, reference/old log-probs, then num_iterations x k optimizer updates on one rollout.
 
@@ -292,13 +261,13 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
     rollout's micro-batches are split into k disjoint slices, one per update. Micro-batch losses are summed
     into the accumulated gradient, so each update equals the full-slice one (grpo.algorithm.loss.aggregate_loss says
     exactly when); DDP / FSDP2 average it over ranks. `reward_specs` (rewards.RewardSpec): the weights and
-    names of the reward columns. `num_updates`: k (GRPOConfig.updates_per_generation). `after_update`: called
+    names of the reward columns. `num_updates`: k (the run's updates per generation). `after_update`: called
     after each optimizer update (the generation backend's).
     """
-    check_rollout(config, world, rollout, num_updates)
+    check_rollout(options, world, rollout, num_updates)
     device, num_rows = models.device, rollout.num_rows
     completion_mask, loss_mask = rollout.completion_mask.to(device), rollout.loss_mask.to(device)  # (N, T)
-    if config.mask_truncated_completions:  # drops them from attention and loss, as trl
+    if options.mask_truncated_completions:  # drops them from attention and loss, as trl
         kept = (~rollout.truncated.to(device))[:, None]
         completion_mask, loss_mask = completion_mask * kept, loss_mask * kept
     tensors = (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
@@ -306,54 +275,58 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
 
     # --- reference and old log-probs, without grad ---
     passes = partial(no_grad_logprobs, tensors=tensors, logprobs=functions.logprobs, batches=functions.batches,
-                     micro_batch_size=config.micro_batch_size, autocast=models.autocast)
-    ref_logps = passes(models.reference_call) if config.beta != 0.0 else None
+                     micro_batch_size=options.micro_batch_size, autocast=models.autocast)
+    ref_logps = passes(models.reference_call) if options.beta != 0.0 else None
     # old log-probs when some update runs after the policy moved, when w = pi_old / pi_b needs them, or the KL
     # penalty in the reward (of the policy that sampled)
-    old_logps = passes(models.policy_call) if config.num_iterations * num_updates > 1 or config.corrects_behaviour or config.kl_in_reward else None  # noqa: E501
+    reused = options.num_iterations * num_updates > 1
+    old_logps = passes(models.policy_call) if reused or options.corrects_behaviour or options.kl_in_reward else None
 
     # --- advantages: over every rank's rows, as one process would compute them ---
     weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)  # (K,)
-    batch = advantage_batch(rollout, loss_mask, old_logps, ref_logps, weights, config, world)
+    batch = advantage_batch(rollout, loss_mask, old_logps, ref_logps, weights, options, world)
     try:
         all_advantages, reward_stats = estimate_advantages(functions.advantage_estimator, batch,
-                                                           config.normalize_advantages)
+                                                           options.normalize_advantages)
         signal = True
     except NoSignalError as error:  # a plug-in estimator gave nothing to learn from: skipped as a non-finite step
         logger.warning("step %d: %s; its updates are skipped", state.step + 1, error)
         all_advantages, reward_stats, signal = torch.zeros(batch.rewards.shape[0], 1), reward_statistics(batch), False
     advantages = world.local_rows(all_advantages).to(device)  # (N, 1), or (N, T_max) from a per-token estimator
-    behaviour, is_weights, sampling_stats = (behaviour_correction(rollout, old_logps, loss_mask, config, world)
-                                             if config.corrects_behaviour else (None, None, {}))
+    behaviour, is_weights, sampling_stats = None, None, {}
+    if options.corrects_behaviour:
+        behaviour, is_weights, sampling_stats = behaviour_correction(rollout, old_logps, loss_mask, options, world)
 
     # --- num_iterations x k x (micro-batches -> loss -> backward; clip; AdamW; LR) ---
     # dapo / cispo / vespo divide by the real tokens of one update over all ranks (the rollout's / k, as trl),
     # / world size because DDP and FSDP2 average the ranks' gradients
     num_items_in_batch = world.sum(loss_mask.sum().item()) / num_updates / world.size
-    num_micro = num_rows // num_updates // config.micro_batch_size  # micro-batches of one update on this rank
-    aggregation = dict(num_micro_batches=num_micro, max_completion_length=config.max_completion_length,
+    num_micro = num_rows // num_updates // options.micro_batch_size  # micro-batches of one update on this rank
+    aggregation = dict(num_micro_batches=num_micro, max_completion_length=options.max_completion_length,
                        num_items_in_batch=num_items_in_batch)
     lengths = completion_mask.sum(-1).cpu()  # (N,)
-    result = UpdateResult({}, advantages, ref_logps, old_logps, is_weights, num_items_in_batch=num_items_in_batch * world.size)
-    for iteration in range(config.num_iterations):
-        order = micro_batch_order(num_rows, config.seed, state.step, iteration, world.rank)  # (N,)
+    result = UpdateResult({}, advantages, ref_logps, old_logps, is_weights,
+                          num_items_in_batch=num_items_in_batch * world.size)
+    per_row = (advantages, old_logps, ref_logps, behaviour, is_weights)  # each (N, 1), (N, T) or None
+    for iteration in range(options.num_iterations):
+        order = micro_batch_order(num_rows, options.seed, state.step, iteration, world.rank)  # (N,)
         for update_rows in order.chunk(num_updates):  # (N / k,) each update its own slice of the rows
             coef = state.entropy.applied()  # the same for the whole update; None: no entropy bonus
             finite, losses = signal, []
-            for index, rows in enumerate(functions.update_batches(update_rows, lengths, config.micro_batch_size)):
+            for index, rows in enumerate(functions.update_batches(update_rows, lengths, options.micro_batch_size)):
                 rows = rows.to(device)
                 ids, attention_mask, mask = micro_batch(tensors, rows)
-                advantage, ref, old, sampled, weights = (None if per_row is None else per_row[rows, : mask.shape[1]]
-                                                         for per_row in (advantages, ref_logps, old_logps, behaviour, is_weights))
+                advantage, old, ref, sampled, weights = (None if values is None else values[rows, : mask.shape[1]]
+                                                         for values in per_row)  # (n, 1) or (n, T') each
                 with accumulating(models.policy_call, last=index == num_micro - 1):  # DDP: one all-reduce
                     with models.autocast:
-                        loss, stats = models.policy_call(functions.update_loss, ids, attention_mask, mask, advantage, old,
-                                                         ref, aggregation, coef, sampled, weights)  # (n, 1) or (n, T')
+                        loss, stats = models.policy_call(functions.update_loss, ids, attention_mask, mask, advantage,
+                                                         old, ref, aggregation, coef, sampled, weights)
                     finite = finite and bool(torch.isfinite(loss))
                     loss.backward()  # also when not finite: every rank takes part in each gradient sync
                 losses.append(loss.item())
                 result.micro_batch_stats.append(stats)
-            result.grad_norms.append(apply_update(config, models, optimizer, scheduler, state, world, finite,
+            result.grad_norms.append(apply_update(options, models, optimizer, scheduler, state, world, finite,
                                                   result.micro_batch_stats[-num_micro:], after_update))
             if coef is not None:
                 result.entropy_coefs.append(state.entropy.coef)
@@ -361,7 +334,8 @@ def train_on_rollout(rollout: Rollout, config, models: Models, optimizer, schedu
             result.micro_batch_losses += losses
 
     # the estimator's statistics last: a per-token estimator's advantages/abs_mean is over the real tokens
-    result.metrics = {**sampling_stats, **step_metrics(world, rollout, loss_mask, batch.rewards_per_func, all_advantages, result,
-                                                     [spec.name for spec in reward_specs],
-                                                     scheduler.get_last_lr()[0], state.skipped_updates), **reward_stats}
+    names = [spec.name for spec in reward_specs]
+    metrics = step_metrics(world, rollout, loss_mask, batch.rewards_per_func, all_advantages, result, names,
+                           scheduler.get_last_lr()[0], state.skipped_updates)
+    result.metrics = {**sampling_stats, **metrics, **reward_stats}
     return result

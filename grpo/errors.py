@@ -1,10 +1,13 @@
-"""A plug-in fails the same way wherever it fails.
+"""The errors a run ends with mid-way, each one line for the user; and a plug-in fails the same way wherever it fails.
+
+TrainingError: the run cannot go on (too many skipped updates, a full disk, a plug-in's or a reward's fault at a step);
+the last good checkpoint is kept, and train.py prints the command that resumes from it.
 
 Plug-ins are the code a user names in a setting, `module:function` or `path/to/file.py:function`: an advantage
 estimator (--advantage-estimator), a loss objective (--loss-type), an evaluation scorer (--eval-scorer). `guarded`
 wraps one so that whatever it raises becomes one PluginError naming the setting, the plug-in, the file and line where
 it raised, and the exception. The start-of-run probe adds "on a probe batch", the trainer adds the step, the last
-checkpoint and the command that resumes (grpo.loop.trainer.Trainer.train), so the user reads one `error:` line either
+checkpoint and the command that resumes (grpo.core.trainer.Trainer.train), so the user reads one `error:` line either
 way. Reward functions fail as rewards.RewardError (rewards/scoring.py), which the trainer reports the same way.
 """
 
@@ -14,6 +17,10 @@ import functools
 import inspect
 import traceback
 from collections.abc import Callable
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many consecutive non-finite steps); the last good checkpoint is kept."""
 
 
 class PluginError(RuntimeError):

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from grpo.config import DISTRIBUTED_CHOICES
+
 logger = logging.getLogger("grpo")
 
-DISTRIBUTED_CHOICES = ("auto", "ddp", "fsdp")
 
 
 @dataclass
@@ -173,7 +174,8 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     trunk = getattr(model, model.base_model_prefix, model)
     layers = getattr(trunk, "layers", None)
     if layers is None:
-        raise NotImplementedError(f"{type(model).__name__}: no decoder layers found at {model.base_model_prefix}.layers")
+        raise NotImplementedError(f"{type(model).__name__}: no decoder layers found at "
+                                  f"{model.base_model_prefix}.layers")
     return list(layers)
 
 

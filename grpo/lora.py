@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from grpo.loop.distributed import ModelCall
+from grpo.parallel.distributed import ModelCall
 
 REFERENCE_ADAPTER = "ref"
 
@@ -31,29 +32,41 @@ def _peft():
     return peft
 
 
-def add_lora(model, config, adapter: str | None = None, reference_adapter: str | None = None):
-    """The peft model around `model`: a fresh LoRA adapter from the config's lora_* settings, or `adapter`
-    (a peft folder or hub id) to keep training. `reference_adapter`: loaded frozen as `ref` (the reference
-    of a run that started from an adapter)."""
+@dataclass(frozen=True)
+class LoraSettings:
+    """A fresh adapter's shape (the run's lora_* settings) and the seed of its random init."""
+
+    r: int
+    alpha: int
+    dropout: float
+    target_modules: tuple[str, ...]
+    seed: int
+
+
+def add_lora(model, settings: LoraSettings, adapter: str | None = None, reference_adapter: str | None = None):
+    """The peft model around `model`: a fresh LoRA adapter of `settings`, or `adapter` (a peft folder or hub id) to
+    keep training. `reference_adapter`: loaded frozen as `ref` (the reference of a run that started from an
+    adapter)."""
     peft = _peft()
+    targets = list(settings.target_modules)
     if adapter is not None:
         wrapped = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
     else:
-        lora = peft.LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                               target_modules=list(config.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+        lora = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                               target_modules=targets, bias="none", task_type="CAUSAL_LM")
         with torch.random.fork_rng(devices=[]):  # A's random init from the run's seed, the caller's stream untouched
-            torch.manual_seed(config.seed)
+            torch.manual_seed(settings.seed)
             try:
                 wrapped = peft.get_peft_model(model, lora)
             except ValueError as error:
-                raise ValueError(f"--lora-target-modules {list(config.lora_target_modules)} match no module of the "
-                                 f"model (peft: {error})") from error
+                raise ValueError(f"--lora-target-modules {targets} match no module of the model (peft: {error})") \
+                    from error
     if reference_adapter is not None:
         wrapped.load_adapter(reference_adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         wrapped.set_adapter("default")
     targeted = [name for name, module in wrapped.named_modules() if hasattr(module, "lora_A")]
     if not targeted:
-        raise ValueError(f"lora_target_modules {list(config.lora_target_modules)} match no module of the model")
+        raise ValueError(f"lora_target_modules {targets} match no module of the model")
     return wrapped
 
 
@@ -75,7 +88,7 @@ def reference_weights(peft_model):
 
 
 class AdaptersOff(ModelCall):
-    """ModelCall whose calls see the reference weights (grpo.loop.distributed.ModelCall's `fn(model, *args)`)."""
+    """ModelCall whose calls see the reference weights (grpo.parallel.distributed.ModelCall's `fn(model, *args)`)."""
 
     def __init__(self, model, peft_model):
         super().__init__(model)

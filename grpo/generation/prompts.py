@@ -10,7 +10,6 @@ from tqdm import tqdm
 
 logger = logging.getLogger("grpo")
 
-LONG_PROMPTS = ("truncate", "skip")  # what happens to a prompt longer than max_prompt_length
 
 
 def encode_prompt(tokenizer, messages: list[dict] | str, chat_template_kwargs: dict | None = None) -> list[int]:
@@ -28,8 +27,8 @@ def encode_prompt(tokenizer, messages: list[dict] | str, chat_template_kwargs: d
     return list(ids)
 
 
-def encode_prompts(tokenizer, rows: list[dict], max_prompt_length: int, long_prompts: str = "truncate", where: str = "dataset",
-                   progress: bool = True, chat_template_kwargs: dict | None = None):
+def encode_prompts(tokenizer, rows: list[dict], max_prompt_length: int, long_prompts: str = "truncate",
+                   where: str = "dataset", progress: bool = True, chat_template_kwargs: dict | None = None):
     """Token ids for each row's `prompt`; long prompts are truncated from the left or skipped (counted).
 
     Returns (token id lists, the rows kept, number of prompts truncated or skipped). Raises

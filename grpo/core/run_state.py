@@ -1,11 +1,11 @@
 """A run's state beyond its weights, saved with every checkpoint and restored on --resume.
 
     step, optimizer updates, skipped-update counters, the LR schedule, the entropy coefficient
-    (grpo.loop.update.StepState), every random generator (torch, CUDA, Python), the world size it was saved at
+    (grpo.core.update.StepState), every random generator (torch, CUDA, Python), the world size it was saved at
     the optimizer state, keyed by parameter names (torch.distributed.checkpoint.state_dict), so any world
     size can load it; under torchrun the optimizer is saved sharded and each rank's generators apart
 
-Checkpoints are written atomically by grpo.loop.checkpoint; the trainer state is read back with weights_only=True.
+Checkpoints are written atomically by grpo.core.checkpoint; the trainer state is read back with weights_only=True.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from grpo.loop.checkpoint import (REFERENCE, SHARDED, load_sharded_optimizer, load_trainer_state, save_checkpoint,
+from dataclasses import dataclass
+
+from grpo.core.checkpoint import (REFERENCE, SHARDED, load_sharded_optimizer, load_trainer_state, save_checkpoint,
                              save_distributed_checkpoint)
-from grpo.loop.lora import merged_model
-from grpo.loop.update import Models, StepState
-from rewards import describe_rewards
+from grpo.lora import merged_model
+from grpo.core.update import Models, StepState
 
 logger = logging.getLogger("grpo")
 
@@ -51,33 +52,33 @@ def trainer_state(state: StepState, scheduler, world, optimizer=None, policy_cal
     return saved
 
 
-def run_record(config, reward_specs, task: str, kernels, generation: str, world_size: int, distributed: str) -> dict:
-    """The settings and what actually ran: the reward functions (also those passed from Python), the task,
-    the kernels (a grpo.kernels.KernelChoice, None under --kernels plain) and the generation backend
-    (run_config.json, and each checkpoint's)."""
-    used, off = (kernels.used(), kernels.reasons) if kernels is not None else ({}, {"all": "--kernels plain"})
-    return {**config.to_dict(), "reward_functions": describe_rewards(reward_specs), "task": task,
-            "kernels_used": used, "kernels_off": off, "generation": generation, "world_size": world_size,
-            "distributed_mode": distributed}
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What a checkpoint holds beside the weights and the trainer state, and how many are kept."""
+
+    keep: int  # the newest checkpoints kept (0: all); --save-total-limit
+    merged: bool  # LoRA: also the base weights with the adapter folded in (--save-merged)
+    reference: bool  # TR-DPO's mixed reference model (--sync-ref-model), state of the run
 
 
-def save(run_dir: Path, config, state: StepState, models: Models, optimizer, scheduler, world, tokenizer,
-         record: dict) -> Path:
+def save(run_dir: Path, options: CheckpointOptions, state: StepState, models: Models, optimizer, scheduler, world,
+         tokenizer, record: dict) -> Path:
     """An atomic checkpoint of the run at its current step; returns its folder. `record`: run_record's."""
-    sync = config.sync_ref_model  # TR-DPO's mixed reference is state
+    sync = options.reference  # TR-DPO's mixed reference is state
     model = models.peft_model if models.peft_model is not None else models.policy  # LoRA: the adapter, peft's format
-    merged = merged_model(models.peft_model) if config.save_merged and world.is_main else None
+    merged = merged_model(models.peft_model) if options.merged and world.is_main else None
     if models.distributed != "none":  # DDP / FSDP2 (also at one process): sharded state, gathered weights
         return save_distributed_checkpoint(
             run_dir, state.step, world, models.policy_call, optimizer, model, tokenizer,
-            trainer_state(state, scheduler, world), rng_state(), record, config.save_total_limit,
+            trainer_state(state, scheduler, world), rng_state(), record, options.keep,
             reference_call=models.reference_call if sync else None, merged=merged)
     return save_checkpoint(run_dir, state.step, model, tokenizer,
                            trainer_state(state, scheduler, world, optimizer, models.policy_call), record,
-                           config.save_total_limit, reference=models.reference if sync else None, merged=merged)
+                           options.keep, reference=models.reference if sync else None, merged=merged)
 
 
-def restore(checkpoint: Path, state: StepState, models: Models, optimizer, scheduler, world, config) -> None:
+def restore(checkpoint: Path, state: StepState, models: Models, optimizer, scheduler, world,
+            sync_ref_model: bool = False) -> None:
     """Load a checkpoint's trainer state into `state`, the optimizer and the schedule (its weights were loaded
     with the models), and every random generator."""
     saved = load_trainer_state(checkpoint)
@@ -98,7 +99,7 @@ def restore(checkpoint: Path, state: StepState, models: Models, optimizer, sched
     state.skipped_updates = saved["skipped_updates"]
     state.updates = saved["updates"]
     state.entropy.load_state_dict(saved["entropy_control"])
-    if config.sync_ref_model and not (checkpoint / REFERENCE).is_dir():
+    if sync_ref_model and not (checkpoint / REFERENCE).is_dir():
         logger.warning("%s holds no synced reference model (%s/): the reference restarts from --model",
                        checkpoint, REFERENCE)
     saved_world = saved.get("world_size", 1)

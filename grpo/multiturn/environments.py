@@ -6,7 +6,7 @@
     reset        `reset(**row)` for each rollout before it samples: None, or a string appended to the last user
                  message of the row's prompt (so rollouts may start from different prompts)
     tools        the environment's public methods (not `reset`, `get_reward` or `_private`) are the rollout's tools,
-                 run through grpo.loop.tools: the chat template shows their schemas, a turn that calls one gets the
+                 run through grpo.multiturn.tools: the chat template shows their schemas, a turn that calls one gets the
                  result as forced tokens (tool_mask 0) and samples on
     get_reward   optional: called once when the rollout ends; a reward column named after the class, weight 1,
                  beside --reward (which may then be empty); None for rows of another environment
@@ -46,7 +46,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from grpo.loop.tools import ToolCallFailed, ToolSet, ToolTurns, tool_parameters
+from grpo.multiturn.tools import ToolCallFailed, ToolSet, ToolTurns, tool_parameters
 from rewards.scoring import FLOAT32_MAX, Unscorable
 
 logger = logging.getLogger("grpo")
@@ -452,7 +452,7 @@ class Episodes:
 
 @dataclass
 class EnvironmentRollouts:
-    """What grpo.loop.rollout.sample_rollout needs to play a batch: the environments, the run's ToolSet (its
+    """What grpo.generation.rollout.sample_rollout needs to play a batch: the environments, the run's ToolSet (its
     standalone --tools, maybe none; the result tokens, the turn limit) and how prompts are encoded."""
 
     environments: Environments
@@ -464,7 +464,7 @@ class EnvironmentRollouts:
         """Start N = len(rows) * group environments; returns (episodes, prompt token ids, completions per prompt,
         each rollout's prompt). Rollouts whose reset said the same share one prompt (one prefill per group);
         otherwise every rollout has its own."""
-        from grpo.loop.prompts import encode_prompt
+        from grpo.generation.prompts import encode_prompt
 
         episodes = self.environments.start(rows, group, seeds)
         try:
@@ -474,7 +474,9 @@ class EnvironmentRollouts:
                                  episodes.template_kwargs(rollout, self.toolset.tools, self.template_kwargs))
                    for rollout, prompt in enumerate(prompts)]
             too_long = [len(encoded) for encoded in ids if len(encoded) > self.max_prompt_length]
-            if too_long:  # as grpo.loop.prompts.encode_prompts: keep the end, the question and the assistant header
+            # as grpo.generation.prompts.encode_prompts: keep the end, the question and the assistant
+            # header
+            if too_long:
                 logger.warning("%d of %d prompts with their environment's text and tools are longer than "
                                "max_prompt_length=%d (up to %d tokens) and were truncated from the left",
                                len(too_long), len(ids), self.max_prompt_length, max(too_long))
@@ -488,11 +490,11 @@ class EnvironmentRollouts:
 
     def sample_rollout(self, generation, tokenizer, reward_specs, rows: list[dict], prompt_ids, group: int, params,
                        noise, return_logprobs: bool = False):
-        """grpo.loop.rollout.sample_rollout with environments (its arguments; `prompt_ids` unused, the prompts are
+        """grpo.generation.rollout.sample_rollout with environments (its arguments; `prompt_ids` unused, the prompts are
         encoded here with each reset's text): start one per completion, sample with their tools, score (reward
         functions get them as `environments`), then stop them all. Returns (rollout, prompts, texts)."""
         from grpo.algorithm.sampler import row_seeds
-        from grpo.loop.rollout import rollout_from_sample
+        from grpo.generation.rollout import rollout_from_sample
 
         episodes, prompt_ids, per_prompt, prompts = self.begin(rows, group, row_seeds(noise, len(rows) * group))
         try:
@@ -526,7 +528,7 @@ class EpisodeTools:
 def _remote(handle: EnvironmentHandle, name: str, parameters: dict) -> Callable:
     def call(**arguments):
         return handle._call(name, **arguments)
-    call.__name__, call.parameters = name, parameters  # the schema is the probe's method's (grpo.loop.tools)
+    call.__name__, call.parameters = name, parameters  # the schema is the probe's method's (grpo.multiturn.tools)
     return call
 
 

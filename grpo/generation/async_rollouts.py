@@ -163,7 +163,7 @@ def split_world(world, generation_processes: int):
     and the generators: the weights travel as CPU tensors, which an NCCL group cannot carry, and a generator
     waits on it while the trainers train, evaluate and save, so its timeout is long (a dead peer is found by
     torchrun and the heartbeats instead)."""
-    from grpo.loop.distributed import World
+    from grpo.parallel.distributed import World
 
     if generation_processes >= world.size:
         raise ValueError(f"--generation-processes {generation_processes} leaves no training process among "
@@ -267,7 +267,7 @@ class ProcessRollouts:
 
     def publish(self, steps_done: int, version: int, model: torch.nn.Module) -> None:
         """Every training rank (FSDP2 gathers the full weights); rank 0 sends them."""
-        from grpo.loop.distributed import full_tensor
+        from grpo.parallel.distributed import full_tensor
 
         parts = []  # one full parameter at a time, freed at once: FSDP2 never holds the unsharded model
         for param in model.parameters():

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from grpo.algorithm.advantages import tied_groups, weighted_rewards
-from grpo.loop.rollout import Rollout
+from grpo.generation.rollout import Rollout
 
 logger = logging.getLogger("grpo")
 

@@ -1,5 +1,5 @@
 """Evaluation: greedy completions from the generation backend, scored by the task's scorer; with `num_samples` k > 1,
-also k sampled completions per problem at a temperature, reported as pass@1..k and maj@k (grpo/loop/pass_at_k.py).
+also k sampled completions per problem at a temperature, reported as pass@1..k and maj@k (grpo/evaluation/pass_at_k.py).
 
 Scorers (`--eval-scorer`), each giving numbers per completion whose means are the summary:
     gsm8k      strict_accuracy (the number in the last <answer> equals the gold number), lenient_accuracy (the
@@ -18,7 +18,6 @@ casting none.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -30,12 +29,12 @@ from tqdm import tqdm
 from data.answers import canonical_number, extract_last_number, gold_from_column
 from grpo.config import ConfigMixin, option, shared
 from grpo.config_types import type_problems
-from grpo.plugins import guarded
-from grpo.loop.prompts import encode_prompts
+from grpo.errors import guarded
+from grpo.generation.prompts import encode_prompts
 from grpo.algorithm.sampler import SamplingParams
 from grpo.algorithm.advantages import weighted_rewards
-from grpo.loop.pass_at_k import summarize_samples
-from grpo.loop.rollout import GroupSampler
+from grpo.evaluation.pass_at_k import summarize_samples
+from grpo.generation.rollout import GroupSampler
 from rewards import load_function, score_rows
 from rewards.gsm8k import extract_xml_answer, strict_format
 from rewards.reasoning_gym import extract_answer as extract_task_answer
@@ -46,14 +45,19 @@ from rewards.sandbox import check_isolation
 class EvalConfig(ConfigMixin):
     """Every setting of an evaluation run (the flags are generated from these fields)."""
 
-    model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder, `tiny`, or a trained run: its folder (its newest complete checkpoint) or a checkpoint folder, whose run_config.json gives every evaluation setting not given here (printed at start)")
-    compare: str | None = option(None, "a second model evaluated on the same problems under the same settings, printed side by side")
+    model: str = option("Qwen/Qwen2.5-0.5B-Instruct", "hub id, local folder, `tiny`, or a trained run: its folder "
+                        "(its newest complete checkpoint) or a checkpoint folder, whose run_config.json gives every "
+                        "evaluation setting not given here (printed at start)")
+    compare: str | None = option(None, "a second model evaluated on the same problems under the same settings, "
+                                 "printed side by side")
     dataset: str = shared("dataset")
     split: str = option("test", "dataset split (a trained run's: its --eval-split)", from_run="eval_split")
     limit: int = option(0, "evaluate the first N problems (0 = all)")
     system_prompt: str | None = shared("system_prompt")
     one_shot: bool = shared("one_shot")
-    chat_template: str | None = shared("chat_template", help="a Jinja chat template file, for tokenizers that have none (a checkpoint keeps the one it trained with); used for --model and --compare", from_run=None)
+    chat_template: str | None = shared("chat_template", help="a Jinja chat template file, for tokenizers that have "
+                                       "none (a checkpoint keeps the one it trained with); used for --model and "
+                                       "--compare", from_run=None)
     chat_template_kwargs: dict | None = shared("chat_template_kwargs")
     task_settings: dict | None = shared("task_settings")
     task_seed: int = shared("task_seed")
@@ -63,16 +67,30 @@ class EvalConfig(ConfigMixin):
     max_tool_calling_iterations: int | None = shared("max_tool_calling_iterations")
     environment: list[str] = shared("environment")
     environment_timeout: float = shared("environment_timeout")
-    scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, rewards otherwise (a trained run's: its --eval-scorer)", from_run="eval_scorer")
-    reward: list[str] | None = shared("reward", help="reward functions for --scorer rewards (names, module:function or file.py:function, or a reward model: its folder or model:ORG/NAME), each with an optional weight; default: a trained run's own, else the data's, as train.py's (task_solved for reasoning-gym:NAME, the environment's get_reward alone with --environment, else correctness)")
+    scorer: str = option("auto", "gsm8k, rewards (the mean of each --reward function), module:function or "
+                         "file.py:function (fn(completion, row) -> dict of numbers); auto = gsm8k for GSM8K data, "
+                         "rewards otherwise (a trained run's: its --eval-scorer)", from_run="eval_scorer")
+    reward: list[str] | None = shared("reward", help="reward functions for --scorer rewards (names, module:function "
+                                      "or file.py:function, or a reward model: its folder or model:ORG/NAME), each "
+                                      "with an optional weight; default: a trained run's own, else the data's, as "
+                                      "train.py's (task_solved for reasoning-gym:NAME, the environment's get_reward "
+                                      "alone with --environment, else correctness)")
     sandbox_isolation: str = shared("sandbox_isolation")
     max_prompt_length: int = shared("max_prompt_length", default=512)
-    max_completion_length: int = option(512, "completion token budget (a trained run's: its --eval-max-completion-length, else its --max-completion-length)", from_run=("eval_max_completion_length", "max_completion_length"))
-    batch_size: int = option(32, "prompts decoded together (greedy); with --num-samples, batch_size // k prompts of k completions each (a trained run's: its --eval-batch-size)", from_run="eval_batch_size")
-    num_samples: int = option(1, "k: completions sampled per problem at --temperature, beside the greedy one; k > 1 reports pass@1..k (Chen et al.'s unbiased estimator) and maj@k, each with a 95% interval over the problems")
-    temperature: float = option(1.0, "sampling temperature of the --num-samples completions (the greedy scores do not use it)")
+    max_completion_length: int = option(512, "completion token budget (a trained run's: its "
+                                        "--eval-max-completion-length, else its --max-completion-length)",
+                                        from_run=("eval_max_completion_length", "max_completion_length"))
+    batch_size: int = option(32, "prompts decoded together (greedy); with --num-samples, batch_size // k prompts of k "
+                             "completions each (a trained run's: its --eval-batch-size)", from_run="eval_batch_size")
+    num_samples: int = option(1, "k: completions sampled per problem at --temperature, beside the greedy one; k > 1 "
+                              "reports pass@1..k (Chen et al.'s unbiased estimator) and maj@k, each with a 95% "
+                              "interval over the problems")
+    temperature: float = option(1.0, "sampling temperature of the --num-samples completions (the greedy scores do not "
+                                "use it)")
     seed: int = option(0, "seed of the sampled completions")
-    pass_key: str | None = option(None, "the score that makes a sample correct for pass@k and maj@k; default: strict_accuracy (gsm8k scorer) or the first --reward's value (rewards scorer); a custom scorer names one of its keys")
+    pass_key: str | None = option(None, "the score that makes a sample correct for pass@k and maj@k; default: "
+                                  "strict_accuracy (gsm8k scorer) or the first --reward's value (rewards scorer); a "
+                                  "custom scorer names one of its keys")
     pass_threshold: float = option(1.0, "a sample is correct when its --pass-key score is at least this")
     device: str = shared("device", from_run=None)
     kernels: str = shared("kernels", from_run=None)
@@ -100,41 +118,6 @@ class EvalConfig(ConfigMixin):
         problems += self.task_problems()
         self.raise_problems(problems)
         return self
-
-
-TASK_BOUND = ("split", "task_settings", "task_seed", "trust_task_verifier", "reward", "scorer")  # the run's task's
-
-
-def run_settings(values: dict) -> tuple[dict, dict, Path | None]:
-    """eval.py on a trained run: (`values` with every evaluation setting they do not give taken from the run's
-    run_config.json, what was taken: setting -> value, the run_config.json read or None). `values["model"]` may name
-    a run folder (its newest complete checkpoint is evaluated) or a checkpoint folder; anything else is no run. The
-    settings taken are EvalConfig's fields with a `from_run` (the training setting of that name, or the first of
-    several that is set); with another dataset than the run's, the run's task's own settings (TASK_BOUND) are not."""
-    from data.reasoning_gym import task_name
-    from grpo.loop.checkpoint import latest_checkpoint
-
-    model = values.get("model")
-    folder = Path(str(model)).expanduser() if model else None
-    if folder is None or not folder.is_dir():
-        return values, {}, None
-    checkpoint = latest_checkpoint(folder)  # the folder itself when it is a checkpoint
-    record_file = None if checkpoint is None else checkpoint / "run_config.json"
-    if record_file is None or not record_file.is_file():
-        return values, {}, None
-    run = json.loads(record_file.read_text())
-    values, taken = dict(values, model=str(checkpoint)), {}
-    other_task = "dataset" in values and task_name(values["dataset"]) != task_name(run.get("dataset"))
-    for f in dataclasses.fields(EvalConfig):
-        sources = f.metadata.get("from_run")
-        sources = (sources,) if isinstance(sources, str) else sources or ()
-        if f.name in values or (other_task and f.name in TASK_BOUND):
-            continue
-        found = [run[name] for name in sources if run.get(name) is not None]
-        if found and found[0] != f.default and not (f.default_factory is not dataclasses.MISSING
-                                                      and found[0] == f.default_factory()):
-            values[f.name] = taken[f.name] = found[0]
-    return values, taken, record_file
 
 
 def unused_settings(config: EvalConfig, task: str) -> list[str]:
@@ -245,16 +228,16 @@ def evaluate(
 ) -> tuple[list[dict], dict]:
     """Greedy completions for rows with a `prompt` column; returns (per-sample records, summary of means).
 
-    `backend`: a grpo.loop.rollout backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
-    `chat_template_kwargs`: as in training (grpo.loop.prompts.encode_prompt); `environments`
-    (grpo.loop.environments.EnvironmentRollouts): each completion plays its own, and is scored by `reward_specs`
+    `backend`: a grpo.generation.rollout backend (default: our plain sampler); `scorer`: as `make_scorer` returns;
+    `chat_template_kwargs`: as in training (grpo.generation.prompts.encode_prompt); `environments`
+    (grpo.multiturn.environments.EnvironmentRollouts): each completion plays its own, and is scored by `reward_specs`
     (the environments' get_reward among them) instead of `scorer`.
     """
     backend = backend or GroupSampler(model, tokenizer.pad_token_id)
     was_training = model.training
     model.eval()
-    prompt_ids, rows, _ = encode_prompts(tokenizer, rows, max_prompt_length, "truncate", where="eval", progress=progress,
-                                         chat_template_kwargs=chat_template_kwargs)
+    prompt_ids, rows, _ = encode_prompts(tokenizer, rows, max_prompt_length, "truncate", where="eval",
+                                         progress=progress, chat_template_kwargs=chat_template_kwargs)
     params = SamplingParams(max_completion_length=max_completion_length, temperature=0.0, eos_token_ids=eos_token_ids)
     records = []
     bar = tqdm(total=len(rows), desc="eval", disable=not progress, leave=False)
@@ -304,7 +287,7 @@ def evaluate_samples(model, tokenizer, rows: list[dict], eos_token_ids: tuple[in
                      reward_specs=None) -> tuple[list[dict], dict]:
     """k = `num_samples` completions per row at `temperature` (seed the global RNG first), scored by `scorer`;
     returns (one record per problem: its completions, scores, votes and correct count; pass@1..k and maj@k with
-    95% intervals, grpo.loop.pass_at_k). `environments`, `reward_specs`: as `evaluate`'s."""
+    95% intervals, grpo.evaluation.pass_at_k). `environments`, `reward_specs`: as `evaluate`'s."""
     backend = backend or GroupSampler(model, tokenizer.pad_token_id)
     was_training = model.training
     model.eval()
@@ -342,7 +325,7 @@ def evaluate_samples(model, tokenizer, rows: list[dict], eos_token_ids: tuple[in
 def complete_and_score(backend, tokenizer, rows: list[dict], prompt_ids: list[list[int]], per_row: int, params,
                        scorer, environments=None, reward_specs=None) -> tuple[list[str], list[list[int]], list[dict]]:
     """`per_row` completions of each row, grouped by row: (texts, token ids, a dict of scores each). With
-    environments they are played and scored as in training (grpo.loop.rollout.sample_rollout), with the rewards
+    environments they are played and scored as in training (grpo.generation.rollout.sample_rollout), with the rewards
     scorer's records."""
     if environments is not None:
         rollout, _, texts = environments.sample_rollout(backend, tokenizer, reward_specs, rows, prompt_ids, per_row,
@@ -369,7 +352,8 @@ def _prompt_text(prompt) -> str:
 
 def summarize(records: list[dict]) -> dict:
     """num_samples, the mean of every score (NaN values left out) and the mean completion length."""
-    score_keys = [key for key in (records[0] if records else {}) if key not in ("question", "gold", "completion", "length")]
+    described = ("question", "gold", "completion", "length")  # what a record says besides its scores
+    score_keys = [key for key in (records[0] if records else {}) if key not in described]
     summary = {"num_samples": len(records)}
     for key in score_keys:
         values = [r[key] for r in records if isinstance(r[key], (int, float)) and not math.isnan(r[key])]

@@ -83,7 +83,8 @@ class _WandB:
         except ImportError as error:  # pragma: no cover - depends on the environment
             raise RuntimeError("--report-to wandb needs `pip install wandb` (the [wandb] extra)") from error
         # Without credentials, log offline instead of stopping to ask for a login.
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") or _wandb_logged_in() else "offline")
+        logged_in = os.environ.get("WANDB_API_KEY") or _wandb_logged_in()
+        mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
         run_id_file = run_dir / "wandb_run_id"
         run_id = run_id_file.read_text().strip() if resume_step is not None and run_id_file.exists() else None
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo"), dir=str(run_dir), config=config,
@@ -103,13 +104,13 @@ def _wandb_logged_in() -> bool:
     return (_Path.home() / ".netrc").exists() and "api.wandb.ai" in (_Path.home() / ".netrc").read_text()
 
 
-REPORT_TO = ("none", "tensorboard", "wandb")
 
 
 class MetricsLogger:
     """Writes <run>/metrics.jsonl and <run>/samples.jsonl; `resume_step` drops lines a crash left past it."""
 
-    CONSOLE_KEYS = ("reward", "reward_std", "kl", "loss", "grad_norm", "completions/mean_length", "entropy", "step_time")
+    CONSOLE_KEYS = ("reward", "reward_std", "kl", "loss", "grad_norm", "completions/mean_length", "entropy",
+                    "step_time")
 
     def __init__(self, run_dir: str | Path, report_to: str = "none", resume_step: int | None = None,
                  config: dict | None = None):
@@ -135,8 +136,8 @@ class MetricsLogger:
         self._metrics.flush()
         self.backend.add_scalars(step, metrics)
         if console:
-            shown = [f"{key}={metrics[key]:.4g}" for key in self.CONSOLE_KEYS if isinstance(metrics.get(key), (int, float))]
-            tqdm.write(f"step {step}: " + " ".join(shown))
+            keys = [key for key in self.CONSOLE_KEYS if isinstance(metrics.get(key), (int, float))]
+            tqdm.write(f"step {step}: " + " ".join(f"{key}={metrics[key]:.4g}" for key in keys))
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         for sample in samples:
@@ -173,7 +174,8 @@ def tool_metrics(world, rollout, device) -> dict:
     of a rollout with tool calls."""
     counts = world.gather_rows(rollout.tool_calls.float().to(device))  # (N_all, 3) calls, failed, turns
     calls, failed, turns = counts.sum(0).tolist()
-    return {"tools/call_frequency": calls / counts.shape[0], "tools/failure_frequency": failed / calls if calls else 0.0,
+    return {"tools/call_frequency": calls / counts.shape[0],
+            "tools/failure_frequency": failed / calls if calls else 0.0,
             "rollout/turns_mean": turns / counts.shape[0], "rollout/turns_max": counts[:, 2].max().item()}
 
 
@@ -204,7 +206,7 @@ def step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, update,
                  learning_rate: float, skipped_updates: int) -> dict:
     """A step's logged metrics, with trl's names, over every rank: rewards, advantages, the loss statistics of
     every micro-batch weighted by the tokens (or rows) they are over, lengths (the model's own tokens: tool
-    results not counted, as trl), tool calls. `update`: grpo.loop.update.UpdateResult, its losses and statistics.
+    results not counted, as trl), tool calls. `update`: grpo.core.update.UpdateResult, its losses and statistics.
     A statistic no micro-batch has (kl with beta = 0, cispo's with another loss type) is left out."""
     device = loss_mask.device
     lengths = world.gather_rows(loss_mask.sum(-1).float())  # after mask_truncated_completions
@@ -225,7 +227,8 @@ def step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, update,
         **(tool_metrics(world, rollout, device) if rollout.tool_calls is not None else {}),
     }
     for metric, name in LOSS_STAT_METRICS.items():  # over the step's tokens (or rows) on every rank
-        pairs = [(getattr(s, name), s.weights()[name]) for s in update.micro_batch_stats if getattr(s, name) is not None]
+        pairs = [(getattr(s, name), s.weights()[name]) for s in update.micro_batch_stats
+                 if getattr(s, name) is not None]
         count = world.sum(sum(weight for _, weight in pairs))
         metrics[metric] = world.sum(sum(value * weight for value, weight in pairs)) / count if count > 0 else None
     return {key: value for key, value in metrics.items() if value is not None}  # what this loss type logs
