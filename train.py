@@ -44,6 +44,7 @@ def main(argv=None) -> int:
 
     from data import DataError
     from grpo.models import ModelError
+    from grpo.core.checkpoint import latest_checkpoint
     from grpo.core.trainer import DiskFullError, Trainer, TrainingError
     from grpo.errors import PluginError
     from rewards import RewardError
@@ -61,8 +62,10 @@ def main(argv=None) -> int:
         trainer.close()
     except TrainingError as error:  # mid-run (a full disk, a plug-in's or a reward's fault, too many bad steps):
         flags = sys.argv[1:] if argv is None else argv  # nothing is lost, the run goes on from its last checkpoint
-        command = resume_command(flags, config.output_dir, torchrun="RANK" in os.environ)
-        advice = "Free some space, then resume" if isinstance(error, DiskFullError) else "Once fixed, resume"
+        start_over = config.resume is None and latest_checkpoint(config.output_dir) is None  # none was saved yet
+        command = resume_command(flags, config.output_dir, "RANK" in os.environ, start_over)
+        advice = "Free some space, then " if isinstance(error, DiskFullError) else "Once fixed, "
+        advice += "run it again (no checkpoint was saved yet)" if start_over else "resume"
         print(f"error: {error} {advice} with: {command}", file=sys.stderr)
         return 1
     except (ValueError, DataError, ModelError, RewardError, PluginError) as error:

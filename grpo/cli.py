@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import os
 import re
 import shlex
 import types
@@ -21,10 +23,12 @@ import yaml
 
 from data.calculator import SYSTEM_PROMPT as CALCULATOR_PROMPT
 from data.prompts import TASK_SYSTEM_PROMPT
-from data.reasoning_gym import task_name
+from data.reasoning_gym import is_source, task_name
 from grpo.config import MAY_CHANGE_ON_RESUME, GRPOConfig, sections
 from grpo.core.checkpoint import latest_checkpoint
 from grpo.evaluation.evaluate import EvalConfig
+
+logger = logging.getLogger("grpo")
 
 PRESETS: dict[str, dict] = {
     # The whole loop on CPU in about a minute: a tiny random-init model learns to write the format tags
@@ -155,34 +159,71 @@ class _Aliased:
 
 
 class _YAMLLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's numbers: 5e-6 and 1e3 are floats (YAML 1.1 wants a dot: 5.0e-6, and
-    reads 5e-6 as a string; trl recipes write both)."""
+    """PyYAML's safe loader read with YAML 1.2's core schema, as trl recipes are written: true / false are the only
+    booleans (not yes, on, y), numbers are written as YAML 1.2 writes them (5e-6 and 1e3 are floats; 0x1F and 0o17
+    ints; no 1_000, 0b1 or base 60), and a key given twice in one mapping is refused, not silently the last."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        twice = sorted({str(key) for key in keys if keys.count(key) > 1})
+        if twice:
+            raise yaml.constructor.ConstructorError(None, None, f"{', '.join(twice)} given twice", node.start_mark)
+        return super().construct_mapping(node, deep)
 
 
-_YAMLLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$|^[-+]?\d+\.\d*$|^[-+]?\.\d+$|^[-+]?\.(inf|Inf|INF)$"
-               r"|^\.(nan|NaN|NAN)$"),
-    list("-+0123456789."))
+_CORE_SCHEMA = {  # YAML 1.2's core schema: tag -> (pattern, first characters)
+    "tag:yaml.org,2002:bool": (r"^(true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    "tag:yaml.org,2002:int": (r"^[-+]?[0-9]+$|^0o[0-7]+$|^0x[0-9a-fA-F]+$", "-+0123456789"),
+    "tag:yaml.org,2002:float": (r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$"
+                                r"|^\.(nan|NaN|NAN)$", "-+0123456789."),
+}
+_YAMLLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in _CORE_SCHEMA]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _tag, (_pattern, _first) in _CORE_SCHEMA.items():
+    _YAMLLoader.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))
+_YAMLLoader.add_constructor("tag:yaml.org,2002:bool", lambda loader, node: node.value.lower() == "true")
+
+
+def _core_int(loader, node) -> int:
+    """A YAML 1.2 core-schema integer: decimal, or 0x hexadecimal, or 0o octal."""
+    base = {"0x": 16, "0o": 8}.get(node.value[:2], 10)
+    return int(node.value if base == 10 else node.value[2:], base)
+
+
+_YAMLLoader.add_constructor("tag:yaml.org,2002:int", _core_int)
+
+
+def _no_key_twice(pairs: list) -> dict:
+    """A JSON object whose keys are each given once (json's object_pairs_hook)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given twice")
+    return dict(pairs)
 
 
 def load_config_file(path: str, config_cls=None) -> dict:
     """The settings of a YAML or JSON file (keys are the field names; dashes are read as underscores), each read as
-    its field's type when `config_cls` is given (grpo.config_types): a wrong key or value is refused, naming the
-    file, the setting and the type."""
+    its field's type when `config_cls` is given (grpo.config_types): a wrong key or value, or a key given twice, is
+    refused, naming the file, the setting and the type."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--config {path}: no such file")
-    text = file.read_text()
+    text, is_yaml = file.read_text(), file.suffix.lower() in (".yaml", ".yml")
     try:
-        values = yaml.load(text, Loader=_YAMLLoader) if file.suffix in (".yaml", ".yml") else json.loads(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as error:
-        raise ValueError(f"--config {path}: not valid {'YAML' if file.suffix in ('.yaml', '.yml') else 'JSON'} "
+        values = yaml.load(text, Loader=_YAMLLoader) if is_yaml else json.loads(text, object_pairs_hook=_no_key_twice)
+    except (yaml.YAMLError, ValueError) as error:
+        raise ValueError(f"--config {path}: not valid {'YAML' if is_yaml else 'JSON'} "
                          f"({str(error).splitlines()[0]})") from None
     values = {} if values is None else values
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: expected a mapping of field names to values")
-    values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    named = [str(key).replace("-", "_") for key in values]
+    twice = sorted({name for name in named if named.count(name) > 1})  # max-steps and max_steps
+    if twice:
+        raise ValueError(f"--config {path}: {', '.join(twice)} given twice (once with dashes)")
+    values = dict(zip(named, values.values()))
     return values if config_cls is None else config_cls.read(values, where=f"--config {path}")
 
 
@@ -230,27 +271,42 @@ def run_settings(values: dict) -> tuple[dict, dict, Path | None]:
     if folder is None or not folder.is_dir():
         return values, {}, None
     checkpoint = latest_checkpoint(folder)  # the folder itself when it is a checkpoint
+    if checkpoint is None and ((folder / "run_config.json").is_file() or (folder / "checkpoints").is_dir()):
+        raise ValueError(f"--model {model}: a run folder that holds no complete checkpoint (looked for "
+                         f"{folder / 'checkpoints'}/step-*/COMPLETE): the run saved none yet")
     record_file = None if checkpoint is None else checkpoint / "run_config.json"
     if record_file is None or not record_file.is_file():
         return values, {}, None
     run = json.loads(record_file.read_text())
-    values, taken = dict(values, model=str(checkpoint)), {}
-    other_task = "dataset" in values and task_name(values["dataset"]) != task_name(run.get("dataset"))
+    values, taken, unrecorded = dict(values, model=str(checkpoint)), {}, []
+    other_task = "dataset" in values and _dataset(values["dataset"]) != _dataset(run.get("dataset"))
     for f in dataclasses.fields(EvalConfig):
         sources = f.metadata.get("from_run")
         sources = (sources,) if isinstance(sources, str) else sources or ()
         if f.name in values or (other_task and f.name in TASK_BOUND):
             continue
+        if sources and not any(name in run for name in sources):
+            unrecorded.append(f.name)
         found = [run[name] for name in sources if run.get(name) is not None]
         if found and found[0] != f.default and not (f.default_factory is not dataclasses.MISSING
                                                       and found[0] == f.default_factory()):
             values[f.name] = taken[f.name] = found[0]
+    if unrecorded:
+        logger.warning("%s does not record %s (an older run_config.json): eval.py's defaults stand for them",
+                       record_file, ", ".join(unrecorded))
     return values, taken, record_file
 
 
-def resume_command(argv: list[str], output_dir: str, torchrun: bool = False) -> str:
+def _dataset(dataset: str | None) -> str | None:
+    """A dataset as run_settings compares them: a reasoning-gym task by its name, a local path normalised."""
+    name = task_name(dataset)
+    return os.path.normpath(name) if name and not is_source(name) and ":" not in name else name
+
+
+def resume_command(argv: list[str], output_dir: str, torchrun: bool = False, start_over: bool = False) -> str:
     """The command that continues a run of train.py: its own flags, with `--resume OUTPUT_DIR` in place of any
-    --resume they held (the run folder's newest complete checkpoint is where it goes on)."""
+    --resume they held (the run folder's newest complete checkpoint is where it goes on). `start_over`: the run saved
+    no checkpoint yet, so the command runs it again from the start, with --overwrite (the folder holds its logs)."""
     flags, rest = [], list(argv)
     while rest:
         flag = rest.pop(0)
@@ -259,7 +315,8 @@ def resume_command(argv: list[str], output_dir: str, torchrun: bool = False) -> 
         elif flag != "--resume" and not flag.startswith("--resume="):
             flags.append(flag)
     program = "torchrun [the same torchrun options] train.py" if torchrun else "python train.py"
-    return f"{program} {shlex.join([*flags, '--resume', str(output_dir)])}"
+    ending = ["--overwrite"] if start_over else ["--resume", str(output_dir)]
+    return f"{program} {shlex.join([*(flag for flag in flags if flag != '--overwrite'), *ending])}"
 
 
 def cli_reference() -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,13 @@ class ConfigMixin:
         if chat_template is not None and not Path(chat_template).expanduser().is_file():
             problems.append(f"chat_template {chat_template}: no such file")
         return problems
+
+    @staticmethod
+    def device_problems(device: str) -> list[str]:
+        """--device names a device a run can train on: auto, cpu, cuda or cuda:N."""
+        if re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            return []
+        return [f"device must be auto, cpu, cuda or cuda:N, got {device!r}"]
 
     @staticmethod
     def template_kwargs_problems(kwargs, name: str = "chat_template_kwargs") -> list[str]:
@@ -511,7 +519,7 @@ class GRPOConfig(ConfigMixin):
     save_steps: int = option(100, "checkpoint every N steps (and at the end); 0 = only at the end")
     save_total_limit: int = option(2, "checkpoints kept (oldest deleted first); 0 = keep all")
     eval_steps: int = option(0, "evaluate on a held-out slice every N steps and at the end (0 = off)")
-    eval_limit: int = option(100, "problems in the held-out evaluation slice")
+    eval_limit: int = option(100, "problems in the held-out evaluation slice (0 = all, as eval.py's --limit)")
     eval_batch_size: int = option(32, "prompts decoded together during evaluation")
     eval_max_completion_length: int | None = option(
         None, "token budget for evaluation (default: max_completion_length)")
@@ -686,6 +694,14 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"environment_timeout must be > 0 seconds, got {self.environment_timeout}")
         if self.use_peft and not self.lora_target_modules:
             problems.append("lora_target_modules: empty; name the modules that get adapters")
+        problems += self.device_problems(self.device)
+        problems += [f"{name} must not be empty" for name in ("model", "dataset", "output_dir", "advantage_estimator")
+                     if not getattr(self, name).strip()]
+        if self.loss_type is not None and not self.loss_type.strip():
+            problems.append("loss_type must not be empty (leave it unset for the estimator's default)")
+        if self.eval_max_completion_length is not None and self.eval_max_completion_length < 1:
+            problems.append(f"eval_max_completion_length must be >= 1 (or unset: max_completion_length), got "
+                            f"{self.eval_max_completion_length}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         problems += self.path_problems(self.model, self.output_dir, self.chat_template)

@@ -56,7 +56,7 @@ def guarded(function: Callable, setting: str, spec: str) -> Callable:
             return function(*args, **kwargs)
         except PluginError:
             raise
-        except Exception as error:  # noqa: BLE001 - any exception of user code, reported with where it came from
+        except (Exception, SystemExit) as error:  # any exception of user code (sys.exit too), with where it came from
             raise PluginError(f"{setting} {spec!r} raised {type(error).__name__} at {raised_at(error, function)}: "
                               f"{error}") from error
 

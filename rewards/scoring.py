@@ -84,7 +84,7 @@ def _check_values(name: str, values, num_rows: int) -> list[float]:
 def _call(spec: RewardSpec, prompts: list, completions: list, columns: dict[str, list]) -> list:
     try:
         return spec.fn(prompts=prompts, completions=completions, **columns)
-    except Exception as batch_error:  # noqa: BLE001 - re-raised with the row that causes it
+    except (Exception, SystemExit) as batch_error:  # noqa: BLE001 - re-raised with the row that causes it
         # Find the row that fails by scoring rows one at a time, so the message can name it; rows that read something
         # gone (Unscorable) score None, and then the rows one at a time are the function's values.
         scored = []
@@ -94,7 +94,7 @@ def _call(spec: RewardSpec, prompts: list, completions: list, columns: dict[str,
                 value = spec.fn(prompts=prompts[row : row + 1], completions=completions[row : row + 1], **row_columns)
             except Unscorable:
                 value = [None]
-            except Exception as row_error:  # noqa: BLE001
+            except (Exception, SystemExit) as row_error:  # noqa: BLE001
                 raise RewardError(
                     f"reward {spec.name!r} raised {type(row_error).__name__} on row {row}: {row_error}"
                 ) from row_error

@@ -562,11 +562,127 @@ def test_run_settings_leave_another_tasks_settings_out(tmp_path):
     record = {**GRPOConfig(dataset="reasoning-gym:gcd", task_settings={"max_value": 9}, eval_split="validation",
                            answer_extraction="tag-or-last-line", eval_max_completion_length=33).to_dict()}
     (checkpoint / "run_config.json").write_text(json.dumps(record))
-    values, taken, _ = eval_cli.run_settings({"model": str(tmp_path / "run")})
+    values, taken, _ = cli.run_settings({"model": str(tmp_path / "run")})
     assert values["model"] == str(checkpoint)
     assert taken["task_settings"] == {"max_value": 9} and taken["split"] == "validation"
     assert taken["max_completion_length"] == 33 and taken["answer_extraction"] == "tag-or-last-line"
-    values, taken, _ = eval_cli.run_settings({"model": str(checkpoint), "dataset": "synthetic:8"})
+    values, taken, _ = cli.run_settings({"model": str(checkpoint), "dataset": "synthetic:8"})
     assert "task_settings" not in taken and "split" not in taken and "answer_extraction" in taken
-    assert eval_cli.run_settings({"model": "tiny"}) == ({"model": "tiny"}, {}, None)
+    assert cli.run_settings({"model": "tiny"}) == ({"model": "tiny"}, {}, None)
 
+
+
+# ============================================================================= found by an attack on the above
+
+def test_resuming_another_folders_checkpoint_into_a_folder_with_a_run_needs_overwrite(run, tmp_path, capsys):
+    folder, before = run
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    argv = [*SMOKE, "--no-overwrite", "--max-steps", "3", "--resume", str(other), "--output-dir", str(folder)]
+    assert train_cli.main(argv) == 1
+    assert "holds another run" in one_error_line(capsys) and snapshot(folder) == before
+    assert train_cli.main([*argv, "--overwrite"]) == 0  # replaced: the resumed run's three steps, nothing else
+    assert [row["step"] for row in read_jsonl(folder / "metrics.jsonl")] == [3]
+
+
+@pytest.mark.parametrize("device", ["meta", "tpu", "CPU", "cuda:x"])
+def test_a_device_that_is_none_is_refused_in_one_line(tmp_path, capsys, device):
+    assert train_cli.main([*SMOKE, "--device", device, "--output-dir", str(tmp_path / "run")]) == 2
+    assert "device must be auto, cpu, cuda or cuda:N" in one_error_line(capsys)
+
+
+def test_a_failure_before_the_first_checkpoint_says_how_to_run_again(tmp_path, monkeypatch, capsys):
+    plug_in = tmp_path / "plug.py"
+    plug_in.write_text(LATE_ESTIMATOR.format(failure='raise RuntimeError("broke")'))
+    monkeypatch.setenv("PLUG_IN_GOOD_CALLS", "1")
+    monkeypatch.delenv("PLUG_IN_CALLS", raising=False)
+    folder = tmp_path / "run"
+    argv = [*SMOKE, "--no-overwrite", "--max-steps", "3", "--save-steps", "0", "--advantage-estimator",
+            f"{plug_in}:later", "--output-dir", str(folder)]
+    assert train_cli.main(argv) == 1
+    line = one_error_line(capsys)
+    assert "none (none was saved yet)" in line and "run it again (no checkpoint was saved yet) with: python " \
+                                                   "train.py" in line
+    command = line.split("with: python train.py ", 1)[1].split()
+    assert command[-1] == "--overwrite" and "--resume" not in command
+    monkeypatch.setenv("PLUG_IN_GOOD_CALLS", "100")
+    monkeypatch.delenv("PLUG_IN_CALLS", raising=False)
+    assert train_cli.main(command) == 0
+
+
+SCORER = '''
+import os
+
+
+def scorer(completion, row):
+    calls = int(os.environ.get("SCORER_CALLS", "0")) + 1
+    os.environ["SCORER_CALLS"] = str(calls)
+    return {"length": "long"} if calls > int(os.environ["SCORER_GOOD_CALLS"]) else {"length": len(completion)}
+'''
+
+
+def test_an_eval_scorer_that_returns_a_wrong_type_at_a_step_names_itself_and_that_step(tmp_path, monkeypatch,
+                                                                                         capsys):
+    plug_in = tmp_path / "scorer.py"
+    plug_in.write_text(SCORER)
+    monkeypatch.setenv("SCORER_GOOD_CALLS", "2")  # step 1's evaluation of 2 problems
+    monkeypatch.delenv("SCORER_CALLS", raising=False)
+    folder = tmp_path / "run"
+    assert train_cli.main([*SMOKE, "--max-steps", "3", "--save-steps", "1", "--eval-steps", "1", "--eval-limit", "2",
+                           "--eval-scorer", f"{plug_in}:scorer", "--output-dir", str(folder)]) == 1
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: step 2's evaluation: eval scorer '{plug_in}:scorer' ({plug_in}) returned "
+                           "{'length': 'long'}, expected a dict of names to numbers")
+    assert f"The last good checkpoint is {folder / 'checkpoints' / 'step-000001'}." in line
+
+
+def test_a_reward_that_calls_sys_exit_is_one_error_line(tmp_path, capsys):
+    plug_in = tmp_path / "rewards.py"
+    plug_in.write_text("import sys\n\n\ndef leaving(prompts, completions, **columns):\n    sys.exit(3)\n")
+    assert train_cli.main([*SMOKE, "--reward", f"{plug_in}:leaving", "--output-dir", str(tmp_path / "run")]) == 1
+    assert "step 1: reward 'leaving' raised SystemExit on row 0: 3" in one_error_line(capsys)
+
+
+def test_a_checkpoint_that_does_not_record_a_setting_is_resumed_with_a_warning(run, caplog):
+    folder, _ = run
+    for record_file in folder.rglob("run_config.json"):
+        record = json.loads(record_file.read_text())
+        del record["beta"], record["loss_type"]
+        record_file.write_text(json.dumps(record))
+    assert train_cli.main([*SMOKE, "--max-steps", "3", "--output-dir", str(folder), "--resume", "--beta", "0.3"]) == 0
+    assert "does not record beta, loss_type" in caplog.text
+
+
+def test_an_evaluation_budget_of_zero_is_refused_and_an_eval_limit_of_zero_is_every_row(tmp_path, capsys):
+    assert train_cli.main([*SMOKE, "--eval-max-completion-length", "0", "--output-dir", str(tmp_path / "a")]) == 2
+    assert "eval_max_completion_length must be >= 1" in one_error_line(capsys)
+    folder = tmp_path / "b"
+    assert train_cli.main([*SMOKE, "--max-steps", "1", "--dataset", "synthetic:24", "--eval-steps", "1",
+                           "--eval-limit", "0", "--output-dir", str(folder)]) == 0
+    assert json.loads((folder / "eval" / "step-000001.json").read_text())["num_samples"] > 0
+
+
+def test_eval_on_a_run_folder_without_a_checkpoint_says_so(tmp_path, capsys):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "run_config.json").write_text(json.dumps(GRPOConfig().to_dict()))
+    assert eval_cli.main(["--model", str(folder), "--output-dir", str(tmp_path / "eval")]) == 2
+    assert "a run folder that holds no complete checkpoint" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("use_peft: yes\n", "use_peft must be true or false, got the string 'yes'"),
+    ("max_steps: 1_6\n", "max_steps must be a whole number, got the string '1_6'"),
+    ("max_steps: 3\nmax_steps: 4\n", "max_steps given twice"),
+    ("max-steps: 3\nmax_steps: 4\n", "max_steps given twice"),
+])
+def test_yaml_is_read_with_the_core_schema_and_a_key_twice_is_refused(tmp_path, text, problem):
+    file = tmp_path / "RUN.YAML"
+    file.write_text(text)
+    with pytest.raises(ValueError, match=problem):
+        cli.load_config_file(str(file), GRPOConfig)
+    (tmp_path / "run.json").write_text('{"beta": 0.1, "beta": 0.2}')
+    with pytest.raises(ValueError, match="beta given twice"):
+        cli.load_config_file(str(tmp_path / "run.json"), GRPOConfig)
+    (tmp_path / "ok.yaml").write_text("max_steps: 0x10\nuse_peft: True\n")
+    assert cli.load_config_file(str(tmp_path / "ok.yaml"), GRPOConfig) == dict(max_steps=16, use_peft=True)

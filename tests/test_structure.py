@@ -132,3 +132,15 @@ def test_nothing_below_set_up_reads_the_config(tmp_path, settings):
     trainer.close()
     assert not [read for read in _READS if read[0].split(".")[0] in ("grpo", "rewards", "data", "train")], _READS
     assert (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()
+
+
+def test_product_and_bench_lines_fit_120_characters_and_have_no_unused_names():
+    """The line budgets count lines of at most 120 characters: ruff (pyproject's [tool.ruff]) enforces it."""
+    ruff = pytest.importorskip("ruff")
+    import subprocess
+
+    assert ruff  # the package ships the binary that `python -m ruff` runs
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(root)],
+                          capture_output=True, text=True, cwd=root, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -307,7 +307,7 @@ def test_an_engine_that_fails_mid_run_keeps_the_checkpoint_and_resume_goes_on(tm
     (["--vllm-kv-cache-gib", "0.00001"], "--vllm-kv-cache-gib"),  # vLLM's own refusal: no block at all
     (["--vllm-kv-cache-gib", "0.001", "--num-generations", "16", "--micro-batch-size", "32",
       "--max-completion-length", "128"], "less than one group's"),  # ~1,000 tokens: one request fits, a group not
-    (["--max-prompt-length", "40000"], "--vllm-max-model-length"),  # over the model's 32,768 positions
+    (["--max-prompt-length", "40000"], "--max-prompt-length 40000 + --max-completion-length 8"),  # > 32,768 positions
 ])
 def test_an_engine_that_cannot_serve_the_run_stops_it_before_step_1(tmp_path, flags, named):
     if VLLM_ERROR is not None and not REQUIRED:

@@ -203,7 +203,7 @@ def run_data(config: GRPOConfig, folder: RunFolder, reward_specs: list[RewardSpe
     held_out, scorer = None, None
     if config.eval_steps:
         held_out, eval_task = task_rows(config, eval_rows, config.eval_split, "eval")
-        held_out = held_out[: config.eval_limit]
+        held_out = held_out[: config.eval_limit or None]  # 0: every row of the split
         if scorer_kind(config.eval_scorer, eval_task) == "rewards":  # not at the first evaluation
             check_reward_columns(reward_specs, held_out, f"{config.dataset}[{config.eval_split}]", supplied)
         scorer = make_scorer(config.eval_scorer, eval_task, reward_specs, config.sandbox_isolation)
@@ -462,13 +462,20 @@ def resume_changes(config, checkpoint: Path, reward_specs) -> list[dict]:
     """The settings of this run that differ from the checkpoint's run_config.json, `name: old -> new` each, the
     rewards (also those given from Python) by name and weight, and the settings that may change on resume
     (grpo.config.MAY_CHANGE_ON_RESUME) left out. A setting the checkpoint does not record (saved by an older version)
-    is not compared. Refused (ValueError listing them) unless config.resume_with_changed_settings; then the run's
-    history of such changes (run_config.json's `changed_on_resume`), this resume's last."""
+    cannot be compared: a warning names each. Refused (ValueError listing the changes) unless
+    config.resume_with_changed_settings; then the run's history of such changes (run_config.json's
+    `changed_on_resume`), this resume's last."""
     record_file = checkpoint / "run_config.json"
     if not record_file.is_file():
+        logger.warning("--resume %s: the checkpoint records no settings (no run_config.json): nothing checks that "
+                       "this run goes on with the settings it started with", checkpoint)
         return []
     saved = json.loads(record_file.read_text())
     now = json.loads(json.dumps(config.to_dict()))  # as the checkpoint stored it (tuples as lists)
+    unrecorded = sorted(name for name in now if name not in MAY_CHANGE_ON_RESUME and name not in saved)
+    if unrecorded:
+        logger.warning("--resume %s: the checkpoint does not record %s (an older run_config.json): they are taken "
+                       "as given now, unchecked", checkpoint, ", ".join(unrecorded))
     changes = [f"{name}: {saved[name]!r} -> {value!r}" for name, value in now.items()
                if name not in MAY_CHANGE_ON_RESUME and name in saved and saved[name] != value]
     saved_rewards = [(r["name"], r["weight"]) for r in saved.get("reward_functions", [])]
@@ -498,10 +505,15 @@ def find_resume_checkpoint(config) -> Path | None:
 
 def old_run_files(run_dir: Path, config, resume_from) -> list[str]:
     """The files of another run in the output folder, which this run replaces: refused without --overwrite (kept
-    with --resume). Nothing is removed here: `replace_old_run` does that, after every other check has passed."""
+    when --resume continues this folder's own run; a checkpoint of another folder resumed into this one replaces
+    what it holds). Nothing is removed here: `replace_old_run` does that, after every other check has passed."""
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not existing or resume_from is not None:
+    own = resume_from is not None and run_dir.resolve() in resume_from.resolve().parents
+    if not existing or own:
         return []
+    if not config.overwrite and resume_from is not None:
+        raise ValueError(f"--output-dir {run_dir} holds another run ({', '.join(existing)}) than the checkpoint "
+                         f"resumed ({resume_from}): pass --overwrite to replace it, or resume into another folder")
     if not config.overwrite:
         raise ValueError(f"--output-dir {run_dir} holds another run ({', '.join(existing)}); "
                          "pass --resume to continue it or --overwrite to replace it")

@@ -279,13 +279,16 @@ class Trainer:
         """The held-out slice, greedy and scored (every rank; FSDP2 gathers the weights), rank 0 writing
         eval/step-*.json and the samples. Returns the summary as eval/* metrics."""
         loop, data = self.loop, self.data
-        with gathered(self.decode_weights):
-            records, summary = evaluate(self.policy, data.tokenizer, data.eval_rows, loop.sampling.eos_token_ids,
-                                        loop.max_prompt_length, loop.eval_max_completion_length,
-                                        loop.eval_batch_size, autocast=self.models.autocast, scorer=data.eval_scorer,
-                                        backend=self.generation, progress=self.world.is_main,
-                                        chat_template_kwargs=data.template_kwargs, environments=data.played,
-                                        reward_specs=self.rewards)
+        try:
+            with gathered(self.decode_weights):
+                records, summary = evaluate(self.policy, data.tokenizer, data.eval_rows, loop.sampling.eos_token_ids,
+                                            loop.max_prompt_length, loop.eval_max_completion_length,
+                                            loop.eval_batch_size, autocast=self.models.autocast,
+                                            scorer=data.eval_scorer, backend=self.generation,
+                                            progress=self.world.is_main, chat_template_kwargs=data.template_kwargs,
+                                            environments=data.played, reward_specs=self.rewards)
+        except (PluginError, RewardError) as error:  # the step whose evaluation failed (its update is not saved)
+            raise TrainingError(f"step {self.step}'s evaluation: {error}") from error
         if self.world.is_main:
             with writing(self.run.path, f"eval/step-{self.step:06d}.*"):
                 save_evaluation(self.run.path, self.step, records, summary)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from data.answers import canonical_number, extract_last_number, gold_from_column
 from grpo.config import ConfigMixin, option, shared
 from grpo.config_types import type_problems
-from grpo.errors import guarded
+from grpo.errors import PluginError, guarded, source_file
 from grpo.generation.prompts import encode_prompts
 from grpo.algorithm.sampler import SamplingParams
 from grpo.algorithm.advantages import weighted_rewards
@@ -112,6 +112,7 @@ class EvalConfig(ConfigMixin):
             problems.append(f"environment_timeout must be > 0 seconds, got {self.environment_timeout}")
         if self.num_samples > 1 and not (self.temperature > 0 and math.isfinite(self.temperature)):
             problems.append(f"temperature must be a finite number > 0 for --num-samples > 1, got {self.temperature}")
+        problems += self.device_problems(self.device)
         for model in [self.model, self.compare]:
             problems += self.path_problems(model, self.output_dir, self.chat_template) if model else []
         problems += self.template_kwargs_problems(self.chat_template_kwargs)
@@ -202,8 +203,11 @@ def make_scorer(name: str, task: str, reward_specs=None, sandbox_isolation: str 
         records = []
         for text, row in zip(completions, rows, strict=True):
             value = function(text, row)
-            if not isinstance(value, dict):
-                raise ValueError(f"eval scorer {name!r} returned {type(value).__name__}, expected a dict of numbers")
+            numbers = isinstance(value, dict) and all(isinstance(key, str) and isinstance(v, (int, float))
+                                                      and not isinstance(v, bool) for key, v in value.items())
+            if not numbers:  # a plug-in's wrong output: named as its exceptions are (grpo.errors.guarded)
+                raise PluginError(f"eval scorer {name!r} ({source_file(function)}) returned {value!r:.200}, expected "
+                                  "a dict of names to numbers")
             records.append({key: float(v) for key, v in value.items()})
         return records
     return score
