@@ -36,10 +36,16 @@ from grpo.parallel.distributed import full_tensor as _full  # noqa: E402
 from grpo.core.trainer import Trainer  # noqa: E402
 from tests.conftest import batch_indices  # noqa: E402
 
+# AdamW's epsilon 1e-6 (as tests/test_trl_parity.py and test_trainer's kernel tests), not the default 1e-8: a step
+# moves a weight by lr m / (sqrt(v) + eps), whose slope in the gradient reaches lr / eps where the gradient is within
+# rounding of 0. The ranks sum each gradient in another order (~2.4e-7 of its largest entry apart); at 1e-8
+# (lr / eps = 1e5) the environments' run moved layer 1's v_proj.weight entry whose first gradient is -2.6e-9 by
+# 8.5e-3 lr apart, and step 2's gradient, taken at those weights, came 1.5e-5 of its scale apart (o_proj.weight),
+# where from the same weights it is 2.5e-7 apart. At 1e-6 that amplification is 100x smaller.
 BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_generations=4, micro_batch_size=4,
-            max_prompt_length=128, max_completion_length=8, learning_rate=1e-3, reward=["tags"], device="cpu",
-            precision="fp32", save_steps=0, log_completions_steps=0, logging_steps=100, warmup_ratio=0.0,
-            beta=0.04, max_steps=3, distributed_timeout=30.0)
+            max_prompt_length=128, max_completion_length=8, learning_rate=1e-3, adam_epsilon=1e-6, reward=["tags"],
+            device="cpu", precision="fp32", save_steps=0, log_completions_steps=0, logging_steps=100,
+            warmup_ratio=0.0, beta=0.04, max_steps=3, distributed_timeout=30.0)
 
 
 def engine_logps(trainer, token_ids: list[int]):
