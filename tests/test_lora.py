@@ -14,6 +14,7 @@ peft = pytest.importorskip("peft", reason="peft is not installed: pip install -e
 from grpo.config import GRPOConfig  # noqa: E402
 from tests.conftest import record_updates
 from grpo.lora import AdaptersOff, add_lora  # noqa: E402
+from grpo.core.setup import lora_settings  # noqa: E402
 from grpo.algorithm.logprobs import completion_logprobs  # noqa: E402
 from grpo.core.metrics import read_jsonl  # noqa: E402
 from grpo.tiny_model import build_tiny_model  # noqa: E402
@@ -47,7 +48,7 @@ def _lora_pair(targets=("q_proj", "v_proj", "down_proj")):
     config = GRPOConfig(model="tiny", lora_r=R, lora_alpha=ALPHA, lora_dropout=0.0, lora_target_modules=list(targets))
     base, _ = build_tiny_model("tiny", seed=1)
     hand = copy.deepcopy(base)
-    wrapped = add_lora(base, config)
+    wrapped = add_lora(base, lora_settings(config))
     policy = wrapped.get_base_model()
     g = torch.Generator().manual_seed(0)
     pairs = {}
@@ -190,7 +191,7 @@ def test_settings_that_cannot_work_with_lora_are_named():
     with pytest.raises(ValueError, match="need --use-peft"):
         GRPOConfig(save_merged=True).validate()
     with pytest.raises(ValueError, match="match no module"):
-        add_lora(build_tiny_model("tiny")[0], GRPOConfig(use_peft=True, lora_target_modules=["nothing_here"]))
+        add_lora(build_tiny_model("tiny")[0], lora_settings(GRPOConfig(use_peft=True, lora_target_modules=["nothing_here"])))
 
 
 def test_disable_dropout_leaves_the_adapters_dropout_as_given(tmp_path):

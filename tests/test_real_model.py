@@ -293,6 +293,7 @@ def real_floor(rounding) -> float:
 
 
 @pytest.mark.parity
+@pytest.mark.usefixtures("memory_heavy")
 @pytest.mark.parametrize("change,kernels", REAL_CONFIGURATIONS, ids=["grpo-auto", "grpo-plain", "dapo-auto", "gspo-auto"])
 def test_same_numbers_as_trl_on_the_real_model(real_dir, parity_rows, real_completions, real_floor, change, kernels,
                                                tmp_path):
@@ -315,6 +316,7 @@ def test_fp32_rounding_floor_of_the_real_model(rounding):
 
 
 @pytest.mark.parity
+@pytest.mark.usefixtures("memory_heavy")
 def test_the_real_gsm8k_benchmark_runs_end_to_end(real_dir, tmp_path, monkeypatch):
     """bench/real_gsm8k.py with tiny settings: cold start, evaluation, one step of each side, the report."""
     from bench import real_gsm8k

@@ -663,7 +663,8 @@ def _enospc(path) -> OSError:
 def test_a_disk_full_at_the_logs_or_the_evaluation_ends_in_one_error_line(tmp_path, capsys, monkeypatch, writes, step):
     """ENOSPC (injected) from metrics.jsonl's, samples.jsonl's or eval/'s write: train.py prints one `error:` line
     naming the disk, what it was writing, the run folder, the last good checkpoint (none before the first save)
-    and the command that resumes; no traceback."""
+    and the command that resumes (before the first save: that runs it again over the half-written folder); no
+    traceback."""
     import grpo.core.trainer
     import train
     from grpo.core.metrics import MetricsLogger
@@ -689,9 +690,11 @@ def test_a_disk_full_at_the_logs_or_the_evaluation_ends_in_one_error_line(tmp_pa
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     what = {"eval": "eval/step-000002.*"}.get(writes, f"step {step}'s lines of metrics.jsonl and samples.jsonl")
     last = run / "checkpoints" / "step-000001" if step == 2 else "none (none was saved yet)"
+    advice = (f"resume with: python train.py {' '.join(argv)} --resume {run}" if step == 2 else  # a checkpoint
+              f"run it again (no checkpoint was saved yet) with: python train.py {' '.join(argv)} --overwrite")
     assert line == (f"error: the disk is full (No space left on device): could not write {what} in the run folder "
                     f"{run} [OSError: [Errno 28] No space left on device: '{refused}']. The last good checkpoint is "
-                    f"{last}. Free some space, then resume with: python train.py {' '.join(argv)} --resume {run}")
+                    f"{last}. Free some space, then {advice}")
 
 
 def test_only_a_full_disk_becomes_a_disk_full_error(tmp_path, monkeypatch):

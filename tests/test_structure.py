@@ -27,6 +27,8 @@ SET_UP = {
     "grpo.cli": "the command line, presets and config files",
     "grpo.core.setup": "the set-up steps and the option objects each part reads",
     "grpo.core.trainer": "Trainer.__init__, which calls the set-up steps",
+    "grpo.trl_api.config": "trl's GRPOConfig, turned into our settings",
+    "grpo.trl_api.trainer": "trl's GRPOTrainer: our GRPOConfig from trl's, then a Trainer",
 }
 
 

@@ -64,7 +64,8 @@ def test_use_vllm_is_trls_switch_and_the_options_are_checked():
         "vllm_mode='server'": dict(generation_backend="vllm", vllm_mode="server"),
         "vllm_gpu_memory_utilization must be in": dict(generation_backend="vllm", vllm_gpu_memory_utilization=1.5),
         "vllm_kv_cache_gib must be > 0": dict(generation_backend="vllm", vllm_kv_cache_gib=0.0),
-        "vllm_max_model_length = 100 is below": dict(generation_backend="vllm", vllm_max_model_length=100,
+        "--vllm-max-model-length 100 is below the longest request, --max-prompt-length 64 \\+ "
+        "--max-completion-length 64 = 128": dict(generation_backend="vllm", vllm_max_model_length=100,
                                                      max_prompt_length=64, max_completion_length=64),
         "vllm_tensor_parallel_size must be >= 1": dict(generation_backend="vllm", vllm_tensor_parallel_size=0),
     }
@@ -77,19 +78,19 @@ def test_use_vllm_is_trls_switch_and_the_options_are_checked():
 
 
 def test_placement_refusals():
-    from grpo.core.setup import vllm_engine
+    from grpo.core.setup import Processes, vllm_engine
 
-    world = SimpleNamespace(size=1)
+    def processes(generators=()):  # one training process, with the generation ranks given
+        return Processes(SimpleNamespace(size=1), 0, list(generators), None, torch.device("cpu"), "fp32")
+
     with pytest.raises(ValueError, match="needs generation processes"):
-        vllm_engine(GRPOConfig(generation_backend="vllm", max_staleness=1).validate(), world, [], False, "fp32",
-                    None)
+        vllm_engine(GRPOConfig(generation_backend="vllm", max_staleness=1).validate(), processes(), None)
     with pytest.raises(ValueError, match="tensor-parallel-size > 1 needs generation processes"):
-        vllm_engine(GRPOConfig(generation_backend="vllm", vllm_tensor_parallel_size=2).validate(), world, [], False,
-                    "fp32", None)
+        vllm_engine(GRPOConfig(generation_backend="vllm", vllm_tensor_parallel_size=2).validate(), processes(), None)
     # a training process beside generation processes holds no engine: it evaluates with our sampler
-    assert vllm_engine(GRPOConfig(generation_backend="vllm", max_staleness=0).validate(), world, [1], False, "fp32",
+    assert vllm_engine(GRPOConfig(generation_backend="vllm", max_staleness=0).validate(), processes([1]),
                        None) == ("sampler", None)
-    assert vllm_engine(GRPOConfig().validate(), world, [], False, "fp32", None) == ("sampler", None)
+    assert vllm_engine(GRPOConfig().validate(), processes(), None) == ("sampler", None)
 
 
 @needs_vllm
@@ -110,13 +111,14 @@ def test_inference_weights_are_the_checkpoint_names_with_lora_merged_in(tiny_mod
     layer with the adapter merged in out of place (the model's own weights untouched), tied weights once."""
     import copy
 
+    from grpo.core.setup import lora_settings
     from grpo.lora import add_lora
     from grpo.generation.vllm import inference_weights
 
     model = copy.deepcopy(tiny_model_and_tokenizer[0])
     plain = {name: tensor.clone() for name, tensor in inference_weights(model)}
     assert list(plain) == [name for name, _ in model.named_parameters()]  # tied output head: once
-    peft_model = add_lora(model, GRPOConfig(use_peft=True, lora_r=2).validate())
+    peft_model = add_lora(model, lora_settings(GRPOConfig(use_peft=True, lora_r=2).validate()))
     with torch.no_grad():  # an adapter that changes the weights
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
