@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("grpo", "rewards", "data")
 TABLE_TITLE = "One step, file by file"
 LINE_BUDGET, FILE_BUDGET = 480, 12  # issues #40, #62: a plain step a reader can follow, in lines of <= 120 characters
-LOOP_BUDGET = 650  # issue #62: the whole loop, train() for 2 steps with its final save
+LOOP_BUDGET = 655  # issue #62: the whole loop, train() for 2 steps with its final save (+2: the StepHooks seam)
 # The files of one step in the order a reader meets them, and what each holds (the README's table; a file the
 # trace finds that is not listed comes last, with no description, and the README check then fails).
 READER_ORDER = {

@@ -450,6 +450,8 @@ class GRPOConfig(ConfigMixin):
     max_grad_norm: float = option(0.1, "gradient norm clip (0 = off)")
     lr_scheduler_type: str = option("cosine", "learning-rate schedule after warmup", choices=LR_SCHEDULERS)
     warmup_ratio: float = option(0.1, "fraction of the optimizer updates spent warming up linearly")
+    warmup_steps: int = option(0, "optimizer updates spent warming up linearly; > 0 takes the place of --warmup-ratio "
+                                  "(as transformers' warmup_steps >= 1)")
     max_bad_steps: int = option(3, "stop after this many consecutive steps with a non-finite loss or gradient (each "
                                 "is skipped)")
 
@@ -662,6 +664,8 @@ class GRPOConfig(ConfigMixin):
             problems.append(f"epsilon_high must be a finite number >= 0, got {self.epsilon_high}")
         if self.delta is not None and not (self.delta > 1 and math.isfinite(self.delta)):
             problems.append(f"delta must be a finite number > 1, got {self.delta}")
+        if self.warmup_steps < 0:
+            problems.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.warmup_ratio <= 1:
             problems.append(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
         if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:

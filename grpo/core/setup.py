@@ -608,8 +608,8 @@ def optimizer_and_schedule(config, policy, device, total_steps: int):
     optimizer = make_optimizer(config.optim, groups, device, config.learning_rate,
                                (config.adam_beta1, config.adam_beta2), config.adam_epsilon)
     total_updates = total_steps * config.num_iterations * config.updates_per_generation
-    scheduler = make_scheduler(config.lr_scheduler_type, optimizer, math.ceil(config.warmup_ratio * total_updates),
-                               total_updates)
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_updates)
+    scheduler = make_scheduler(config.lr_scheduler_type, optimizer, warmup, total_updates)
     return optimizer, scheduler
 
 

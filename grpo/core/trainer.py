@@ -27,7 +27,7 @@ import signal
 import time
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -62,6 +62,15 @@ class StepOutput(NamedTuple):
     texts: list[str]
 
 
+class StepHooks(NamedTuple):
+    """What `Trainer.train` calls for a caller that watches the run: `step_end(step, metrics) -> (save, stop)` after
+    each step is logged (save a checkpoint now; stop after this step, saving), and `saved(step, folder)` after each
+    checkpoint."""
+
+    step_end: Callable[[int, dict], tuple[bool, bool]]
+    saved: Callable[[int, Path], None]
+
+
 class Trainer:
     """Holds the models, optimizer, data and run folder of one GRPO run; `train()` runs it.
 
@@ -69,10 +78,12 @@ class Trainer:
     value (grpo.core.update.UpdateResult); `train_on_rollout(rollout)` returns its metrics.
     """
 
-    def train(self, until_step: int | None = None) -> dict:
-        """Run until max_steps (or `until_step`, saving there: training in pieces).
+    def train(self, until_step: int | None = None, hooks: StepHooks | None = None) -> dict:
+        """Run until max_steps (or `until_step`, saving there: training in pieces). `hooks`: a caller that watches
+        the steps and may save or stop the run after one (grpo.trl_api's callbacks).
 
-        Returns {"status": "finished" | "paused" | "interrupted", "step", "first_reward", "last_reward", "signal"}.
+        Returns {"status": "finished" | "paused" | "interrupted", "step", "first_reward", "last_reward", "signal"}:
+        paused at `until_step` or by a hook, interrupted by a signal.
         """
         loop, main = self.loop, self.world.is_main
         stop_at = min(until_step or loop.total_steps, loop.total_steps)
@@ -81,7 +92,7 @@ class Trainer:
         handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         first_reward = last_reward = metrics_logger = rollouts = None
         bar = tqdm(total=loop.total_steps, initial=self.step, desc="GRPO", dynamic_ncols=True, disable=not main)
-        stopping, run_dir = False, self.run.path
+        stopping, stop_now, run_dir = False, False, self.run.path
         try:  # every write into the run folder runs in `writing`: a full disk stops the run with one error
             if main:  # rank 0 writes the run's files; every rank trains
                 with writing(run_dir, "run_config.json, metrics.jsonl and samples.jsonl"):
@@ -115,11 +126,15 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl') or 0:.4f}",
                                 len=f"{metrics['completions/mean_length']:.0f}")
-                stopping = self.world.any(self._stop_signal is not None)  # every rank stops after the same step
-                if stopping and self._stop_signal is None:
+                save_now, stop_now = hooks.step_end(self.step, metrics) if hooks is not None else (False, False)
+                stopping = self.world.any(self._stop_signal is not None or stop_now)  # all ranks stop after one step
+                if stopping and self._stop_signal is None and not stop_now:
                     self._stop_signal = "a signal to another rank"
-                if (loop.save_steps and self.step % loop.save_steps == 0) or self.step == stop_at or stopping:
-                    self.save()
+                if (stopping or save_now or self.step == stop_at
+                        or (loop.save_steps and self.step % loop.save_steps == 0)):
+                    folder = self.save()
+                    if hooks is not None:
+                        hooks.saved(self.step, folder)
         except (TrainingError, PluginError, RewardError) as error:  # a DiskFullError stays one (train.py: resume)
             where = "" if isinstance(error, TrainingError) else f"step {self.step + 1}: "  # a plug-in's or reward's
             raise (type(error) if isinstance(error, TrainingError) else TrainingError)(
@@ -362,4 +377,4 @@ class Trainer:
             torch.distributed.barrier()
 
 
-__all__ = ["Trainer", "TrainingError", "DiskFullError", "Rollout"]
+__all__ = ["StepHooks", "Trainer", "TrainingError", "DiskFullError", "Rollout"]
