@@ -36,6 +36,7 @@ LAYERS = [
     ("grpo.multiturn",),  # tool calls and environments inside a rollout
     ("grpo.evaluation",),  # greedy and sampled evaluation, its scorers, the answer guards
     ("grpo.core",),  # the training loop: set-up, the step, the update, metrics, checkpoints
+    ("grpo.trl_api",),  # trl's GRPOConfig / GRPOTrainer on the loop
     ("grpo.cli", "grpo.plot", "grpo"),  # the programs' side
 ]
 

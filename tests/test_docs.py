@@ -91,3 +91,10 @@ def _resolves(reference: str) -> bool:
             target = getattr(target, name)
         return True
     return False
+
+
+def test_trl_field_table_is_generated_from_the_fields():
+    from grpo.trl_api.fields import field_table
+
+    assert field_table() in (ROOT / "docs" / "trl.md").read_text(), \
+        "docs/trl.md's field table is stale: paste `python -m grpo.trl_api.fields` into it"

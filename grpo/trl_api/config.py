@@ -1,0 +1,183 @@
+"""trl's GRPOConfig, read by this engine: the same keyword arguments and defaults as trl 1.16's (every field is in
+grpo.trl_api.fields), turned into our GRPOConfig's settings by `our_settings`.
+
+    from grpo.trl_api import GRPOConfig          # instead of: from trl import GRPOConfig
+    args = GRPOConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=4, ...)
+
+A field this engine cannot honour at the value given is refused when the config is built, one line per field with
+the reason (a ValueError); fields without effect here are listed by `left_fields()` (the trainer logs them once).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+
+from grpo.config import ConfigMixin
+from grpo.trl_api.batch import translate
+from grpo.trl_api.fields import FIELDS
+
+# trl's dict fields that also take a JSON string (transformers' _VALID_DICT_FIELDS and trl's own)
+DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config", "fsdp_config",
+               "deepspeed", "model_init_kwargs", "generation_kwargs", "chat_template_kwargs",
+               "transformers_continuous_batching_config")
+SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant"}
+OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
+              "adamw_bnb_8bit": "adamw_8bit"}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16-pure"}  # model_init_kwargs' dtype: the weights' own precision
+MODEL_INIT_KEYS = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")
+
+
+def _text(value) -> str:
+    return getattr(value, "value", value) if not isinstance(value, str) else value  # an enum's value
+
+
+class GRPOConfig:
+    """trl 1.16's GRPOConfig on this engine (module docstring): every trl field is an attribute, at trl's default
+    unless given."""
+
+    def __init__(self, output_dir: str | None = None, **values):
+        unknown = [name for name in values if name not in FIELDS]
+        if unknown:
+            lines = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, FIELDS, n=1)
+                lines.append(f"GRPOConfig: trl 1.16 has no field {name!r}"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
+            ConfigMixin.raise_problems(lines)
+        values["output_dir"] = output_dir
+        self.given = set(values) - {"output_dir"} | ({"output_dir"} if output_dir is not None else set())
+        for name, spec in FIELDS.items():
+            value = values.get(name, spec.default)
+            if name in DICT_FIELDS and isinstance(value, str) and value.strip().startswith("{"):
+                value = json.loads(value)
+            setattr(self, name, copy.deepcopy(value))
+        self._post_init()
+        ConfigMixin.raise_problems(self.refusals())
+
+    def _post_init(self) -> None:
+        """trl's and transformers' own conversions (GRPOConfig.__post_init__, TrainingArguments.__post_init__)."""
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        if self.bf16 is None:
+            self.bf16 = not self.fp16
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        if self.vllm_importance_sampling_cap is not None:
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        if _text(self.eval_strategy) == "steps" and not self.eval_steps:
+            self.eval_steps = self.logging_steps
+        if isinstance(self.report_to, str):
+            self.report_to = [] if self.report_to == "none" else [self.report_to]
+        self.report_to = list(self.report_to or [])
+
+    def refusals(self) -> list[str]:
+        """One line per field whose value this engine cannot honour, with the reason."""
+        lines = []
+        for name, spec in FIELDS.items():
+            value = getattr(self, name)
+            if spec.kind == "refused" and value != spec.default and value not in spec.accepted:
+                lines.append(f"{name}={value!r} is not supported here: {spec.note}")
+        checks = [
+            ("lr_scheduler_type", _text(self.lr_scheduler_type) in SCHEDULERS, "linear, cosine or constant"),
+            ("optim", _text(self.optim) in OPTIMIZERS, ", ".join(OPTIMIZERS)),
+            ("logging_strategy", _text(self.logging_strategy) in ("steps", "no"), "'steps' or 'no'"),
+            ("save_strategy", _text(self.save_strategy) in ("steps", "no"), "'steps' or 'no'"),
+            ("eval_strategy", _text(self.eval_strategy) in ("steps", "no"), "'steps' or 'no'"),
+            ("report_to", len(self.report_to) <= 1 and all(r in ("tensorboard", "wandb") for r in self.report_to),
+             "'none', 'tensorboard' or 'wandb' (one)"),
+            ("fp16", not self.fp16 or not self.bf16, "fp16 and bf16 both set"),
+            ("fsdp", not self.fsdp or set(str(self.fsdp).split()) <= {"full_shard", "auto_wrap", "offload"},
+             "'full_shard', with 'auto_wrap' and 'offload'"),
+            ("model_init_kwargs", set(self.model_init_kwargs or {}) <= set(MODEL_INIT_KEYS),
+             f"the keys {', '.join(MODEL_INIT_KEYS)}"),
+        ]
+        lines += [f"{name}={getattr(self, name)!r} is not supported here: use {what}"
+                  for name, ok, what in checks if not ok]
+        attention = (self.model_init_kwargs or {}).get("attn_implementation", "sdpa")
+        if attention != "sdpa":
+            lines.append(f"model_init_kwargs attn_implementation={attention!r} is not supported here yet: models load "
+                         "with 'sdpa' (the kernels choose flash or flex attention where they pay)")
+        dtype = (self.model_init_kwargs or {}).get("dtype", (self.model_init_kwargs or {}).get("torch_dtype"))
+        if dtype is not None and str(dtype).removeprefix("torch.") not in (*DTYPES, "auto"):
+            lines.append(f"model_init_kwargs dtype={dtype!r} is not supported here: use float32 or bfloat16")
+        for name in ("logging_steps", "save_steps", "eval_steps"):
+            value = getattr(self, name)
+            if value is not None and value >= 1 and value != int(value):
+                lines.append(f"{name}={value!r}: a value >= 1 counts steps and must be whole (as transformers)")
+        return lines
+
+    def left_fields(self) -> list[str]:
+        """The fields given a value other than trl's default that have no effect here, each with the reason."""
+        return [f"{name}={getattr(self, name)!r}: {spec.note}" for name, spec in FIELDS.items()
+                if spec.kind == "left" and name in self.given and getattr(self, name) != spec.default]
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in FIELDS}
+
+    def our_settings(self, world_size: int = 1) -> dict:
+        """Our GRPOConfig's settings for this trl configuration (grpo.trl_api.fields says where each comes from)."""
+        batch = translate(self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_generations,
+                          world_size, self.steps_per_generation, self.generation_batch_size, self.max_steps,
+                          self.num_iterations)
+        model_init = self.model_init_kwargs or {}
+        dtype = str(model_init.get("dtype", model_init.get("torch_dtype", "auto"))).removeprefix("torch.")
+        precision = DTYPES.get(dtype) or ("bf16" if self.bf16 else "fp32")
+        settings = dict(
+            output_dir=self.output_dir, prompts_per_step=batch.prompts_per_step,
+            micro_batch_size=batch.micro_batch_size,
+            steps_per_generation=batch.steps_per_generation, max_steps=batch.max_steps, epochs=self.num_train_epochs,
+            learning_rate=self.learning_rate, lr_scheduler_type=SCHEDULERS[_text(self.lr_scheduler_type)],
+            warmup_ratio=self.warmup_steps if self.warmup_steps < 1 else 0.0,
+            warmup_steps=int(self.warmup_steps) if self.warmup_steps >= 1 else 0,
+            optim=OPTIMIZERS[_text(self.optim)], weight_decay=self.weight_decay, adam_beta1=self.adam_beta1,
+            adam_beta2=self.adam_beta2, adam_epsilon=self.adam_epsilon, max_grad_norm=self.max_grad_norm,
+            precision=precision, gradient_checkpointing=self.gradient_checkpointing,
+            seed=self.seed, shuffle_dataset=self.shuffle_dataset,
+            device="cpu" if self.use_cpu else "auto",
+            report_to=self.report_to[0] if self.report_to else "none",
+            logging_steps=self._steps(self.logging_steps), save_steps=self._steps(self.save_steps)
+            if _text(self.save_strategy) == "steps" else 0,
+            save_total_limit=self.save_total_limit or 0,
+            eval_steps=self._steps(self.eval_steps) if _text(self.eval_strategy) == "steps" else 0,
+            eval_batch_size=self.per_device_eval_batch_size, distributed_timeout=float(self.ddp_timeout),
+            trust_remote_code=bool(model_init.get("trust_remote_code", self.trust_remote_code)),
+            disable_dropout=self.disable_dropout, cast_lm_head_to_fp32=self.cast_lm_head_to_fp32,
+            num_generations=self.num_generations, max_completion_length=self.max_completion_length,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p or 0.0,
+            chat_template_kwargs=self.chat_template_kwargs, use_vllm=self.use_vllm,
+            vllm_model_impl=self.vllm_model_impl, vllm_enable_sleep_mode=self.vllm_enable_sleep_mode,
+            vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            vllm_max_model_length=self.vllm_max_model_length, vllm_tensor_parallel_size=self.vllm_tensor_parallel_size,
+            beta=self.beta, num_iterations=self.num_iterations, epsilon=self.epsilon, delta=self.delta,
+            epsilon_high=self.epsilon_high, importance_sampling_level=self.importance_sampling_level,
+            multi_objective_aggregation=self.multi_objective_aggregation, scale_rewards=self.scale_rewards,
+            loss_type=self.loss_type, mask_truncated_completions=self.mask_truncated_completions,
+            sync_ref_model=self.sync_ref_model, ref_model_mixup_alpha=self.ref_model_mixup_alpha,
+            ref_model_sync_steps=self.ref_model_sync_steps, top_entropy_quantile=self.top_entropy_quantile,
+            entropy_coef=self.entropy_coef, use_adaptive_entropy=self.use_adaptive_entropy,
+            entropy_coef_min=self.entropy_coef_min, entropy_coef_max=self.entropy_coef_max,
+            entropy_coef_delta=self.entropy_coef_delta, entropy_target=self.entropy_target,
+            max_tool_calling_iterations=self.max_tool_calling_iterations,
+            importance_sampling_correction=None if self.vllm_importance_sampling_correction else False,
+            importance_sampling_mode=self.vllm_importance_sampling_mode,
+            importance_sampling_clip_max=self.vllm_importance_sampling_clip_max,
+            importance_sampling_clip_min=self.vllm_importance_sampling_clip_min,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            use_bias_correction_kl=self.use_bias_correction_kl,
+            log_completions_steps=self._steps(self.logging_steps) if self.log_completions else 0,
+            **{name: getattr(self, name) for name in ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
+                                                      "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
+        )
+        if self.fsdp:
+            settings.update(distributed="fsdp", fsdp_cpu_offload="offload" in str(self.fsdp).split())
+        return settings
+
+    def _steps(self, value) -> int:
+        """A logging / saving / evaluation interval: whole steps, or a ratio < 1 of max_steps (as transformers)."""
+        if value is None:
+            return 0
+        if value < 1:
+            return max(1, round(value * max(self.max_steps, 1)))
+        return int(value)

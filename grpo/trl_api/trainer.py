@@ -1,0 +1,313 @@
+"""trl's GRPOTrainer on this engine: trl 1.16's constructor and the calls scripts make afterwards.
+
+    from grpo.trl_api import GRPOConfig, GRPOTrainer      # the one line that changes in a trl script
+    trainer = GRPOTrainer(model=..., reward_funcs=[...], args=GRPOConfig(...), train_dataset=...)
+    trainer.train()
+
+The settings become our GRPOConfig (grpo.trl_api.config), the rows a list, the reward functions RewardSpecs with
+trl's weights, and grpo.core.trainer.Trainer runs the loop. What a trl script reads back is kept as trl keeps it:
+`state` (transformers' TrainerState: global_step in optimizer steps, log_history with trl's metric names, one entry
+every logging_steps holding the mean over those steps, as trl), `callbacks` (transformers' TrainerCallback, their
+`control` honoured: should_training_stop, should_save, should_evaluate), and `output_dir/checkpoint-N` (N in
+optimizer steps: a link to our atomic checkpoint, output_dir/checkpoints/step-S, which `from_pretrained` loads and
+`train(resume_from_checkpoint=...)` resumes exactly). docs/trl.md is the guide.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from grpo.config import GRPOConfig as OurConfig
+from grpo.trl_api.config import GRPOConfig
+from rewards.registry import MODEL_PREFIX, RewardModel, RewardSpec
+
+logger = logging.getLogger("grpo")
+TRL_PROMPT_COLUMNS = ("prompt", "image", "images")  # what remove_unused_columns=True keeps, as trl
+TRAINER_STATE = "trainer_state.json"  # in each checkpoint, as transformers writes it
+LAST_VALUE = ("learning_rate", "grad_norm")  # logged as the step's value; every other metric as the mean, as trl
+LORA_DEFAULTS = dict(bias="none", modules_to_save=None, use_rslora=False, use_dora=False, init_lora_weights=True)
+
+
+def _rows(dataset, name: str, remove_unused_columns: bool) -> list[dict] | None:
+    """A datasets Dataset (or a list of dicts) as rows; an IterableDataset is refused (its length is unknown)."""
+    if dataset is None:
+        return None
+    if not hasattr(dataset, "__len__"):
+        raise ValueError(f"{name}: an IterableDataset is not supported here; pass a Dataset (or a list of rows)")
+    rows = [dict(row) for row in dataset]
+    if rows and "prompt" not in rows[0]:
+        raise ValueError(f"{name} has no 'prompt' column (its columns: {', '.join(rows[0])}); map your rows to "
+                         "{'prompt': ...} as trl expects")
+    if remove_unused_columns:
+        rows = [{key: value for key, value in row.items() if key in TRL_PROMPT_COLUMNS} for row in rows]
+    return rows
+
+
+def _reward_specs(reward_funcs, reward_weights) -> list[RewardSpec]:
+    """trl's reward_funcs (a function, a model id or folder, a loaded model, or a list of them) and reward_weights."""
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if reward_weights is not None and len(reward_weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(funcs)} reward functions")
+    weights = reward_weights if reward_weights is not None else [1.0] * len(funcs)
+    specs = []
+    for fn, weight in zip(funcs, weights):
+        if isinstance(fn, str):  # trl: a string is a reward model's id or folder
+            model = RewardModel(fn.removeprefix(MODEL_PREFIX))
+            specs.append(RewardSpec(model.name, model, float(weight)))
+        elif isinstance(fn, torch.nn.Module):
+            model = RewardModel(fn)
+            specs.append(RewardSpec(model.name, model, float(weight)))
+        elif callable(fn):
+            specs.append(RewardSpec(getattr(fn, "__name__", "reward"), fn, float(weight)))
+        else:
+            raise ValueError(f"reward_funcs: {fn!r} is neither a function, a model id nor a model")
+    return specs
+
+
+def _lora_settings(peft_config) -> dict:
+    """peft's LoraConfig as our LoRA settings; options not built here are refused."""
+    if peft_config is None:
+        return {}
+    different = [f"{key}={getattr(peft_config, key, value)!r}" for key, value in LORA_DEFAULTS.items()
+                 if getattr(peft_config, key, value) != value]
+    if type(peft_config).__name__ != "LoraConfig" or different:
+        raise ValueError(f"peft_config: only a LoraConfig with {LORA_DEFAULTS} is supported here"
+                         + (f" (got {', '.join(different)})" if different else ""))
+    targets = peft_config.target_modules
+    return dict(use_peft=True, lora_r=peft_config.r, lora_alpha=peft_config.lora_alpha,
+                lora_dropout=peft_config.lora_dropout,
+                **({"lora_target_modules": sorted(targets)} if targets and not isinstance(targets, str) else {}))
+
+
+class GRPOTrainer:
+    """trl 1.16's GRPOTrainer, run by grpo.core.trainer.Trainer (module docstring)."""
+
+    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None, tools=None, environment_factory=None, rollout_func=None, quantization_config=None):
+        from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
+
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+        self.args = args if args is not None else GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        refused = [(optimizers is not None and tuple(optimizers) != (None, None),
+                    "optimizers: the optimizer and schedule are built from args (optim, lr_scheduler_type)"),
+                   (rollout_func is not None, "rollout_func is not supported here yet"),
+                   (quantization_config is not None, "quantization_config is not supported here yet"),
+                   (type(model).__name__.startswith("Peft"), "model: pass the base model and peft_config, not a "
+                                                            "PeftModel")]
+        problems = [why for bad, why in refused if bad]
+        if isinstance(eval_dataset, dict):
+            if len(eval_dataset) != 1:
+                problems.append("eval_dataset: one evaluation set is supported here, got a dict of "
+                                f"{len(eval_dataset)}")
+            eval_dataset = next(iter(eval_dataset.values()), None)
+        OurConfig.raise_problems(problems)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        settings = self.args.our_settings(world_size)
+        settings.update(model=str(name) if isinstance(model, str) else (str(name) or "given"),
+                        dataset="train_dataset", overwrite=True, **_lora_settings(peft_config))
+        self.train_rows = _rows(train_dataset, "train_dataset", self.args.remove_unused_columns)
+        self.eval_rows = _rows(eval_dataset, "eval_dataset", self.args.remove_unused_columns)
+        if self.train_rows is None:
+            raise ValueError("train_dataset is required")
+        if settings["eval_steps"] and self.eval_rows is None:
+            raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset")
+        settings["eval_limit"] = 0  # every row of eval_dataset, as trl
+        settings["max_prompt_length"] = self._longest_prompt(processing_class, settings, tools)
+        self.settings = settings
+        self.rewards = _reward_specs(reward_funcs, self.args.reward_weights)
+        self.policy, self.processing_class = (None if isinstance(model, str) else model), processing_class
+        self.reward_processing_classes, self.tools, self.environment_factory = (reward_processing_classes, tools,
+                                                                                environment_factory)
+        OurConfig(**settings).validate()  # every setting checked now, before any model loads
+        for line in self.args.left_fields():
+            logger.warning("trl setting without effect here: %s", line)
+        self.state, self.control = TrainerState(), TrainerControl()
+        quiet = logging.getLogger("transformers.trainer_callback")  # its advice to add DefaultFlowCallback: the
+        level, _ = quiet.level, quiet.setLevel(logging.ERROR)         # loop schedules logging and saving here
+        self.callback_handler = CallbackHandler(list(callbacks or []), model, processing_class, None, None)
+        quiet.setLevel(level)
+        self.engine = None  # grpo.core.trainer.Trainer, built by train() or evaluate() (it may resume)
+
+    def _longest_prompt(self, tokenizer, settings: dict, tools) -> int:
+        """trl does not cut prompts: the longest prompt of the datasets in tokens, as the chat template renders it
+        (our max_prompt_length, so that none is cut)."""
+        from grpo.generation.prompts import encode_prompts
+        from grpo.models import load_tokenizer
+
+        tokenizer = tokenizer or load_tokenizer(settings["model"], settings["trust_remote_code"])
+        kwargs = {**(settings["chat_template_kwargs"] or {}), **({"tools": list(tools)} if tools else {})}
+        ids, _, _ = encode_prompts(tokenizer, self.train_rows + (self.eval_rows or []), 10 ** 9, progress=False,
+                                   where="train_dataset", chat_template_kwargs=kwargs)
+        return max(len(prompt) for prompt in ids)
+
+    # ---- the engine
+    def _build(self, resume: str | None = None):
+        from grpo.core.trainer import Trainer
+
+        if self.engine is not None:
+            self.engine.close()
+        config = OurConfig(**{**self.settings, "resume": resume, "overwrite": resume is None})
+        if self.args.tf32 is not None and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
+        self.engine = Trainer(config, policy=self.policy, tokenizer=self.processing_class,
+                              reward_functions=self.rewards, train_rows=self.train_rows, eval_rows=self.eval_rows,
+                              tools=self.tools, environment_factory=self.environment_factory,
+                              reward_processing_classes=self.reward_processing_classes)
+        self.processing_class = self.engine.data.tokenizer
+        handler = self.callback_handler
+        handler.model, handler.processing_class = self.engine.policy, self.processing_class
+        handler.optimizer, handler.lr_scheduler = self.engine.optimizer, self.engine.scheduler
+        return self.engine
+
+    @property
+    def model(self):
+        return self.engine.policy if self.engine is not None else self.policy
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.settings["num_iterations"] * max(1, (self.settings["steps_per_generation"] or 1)
+                                                     // self._accumulation())
+
+    def _accumulation(self) -> int:
+        return self.args.gradient_accumulation_steps
+
+    # ---- what scripts call
+    def train(self, resume_from_checkpoint: str | bool | None = None, **unused):
+        """Train to max_steps (or num_train_epochs); resume_from_checkpoint: a checkpoint-N folder, or True for the
+        latest in output_dir (as transformers)."""
+        if unused:
+            raise TypeError(f"train() got unexpected arguments {sorted(unused)}")
+        resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        if resume is True:
+            resume = self.args.output_dir
+        from transformers.trainer_callback import TrainerState
+
+        # the engine evaluate() built is the one train() would build; resuming builds it from the checkpoint
+        if resume:
+            engine = self._build(str(Path(resume).resolve()))
+        else:
+            engine = self.engine or self._build(None)
+
+        state, args = self.state, self.args
+        updates = self.updates_per_step
+        if resume and (engine.run.resume_from / TRAINER_STATE).exists():
+            self.state = state = TrainerState.load_from_json(str(engine.run.resume_from / TRAINER_STATE))
+        state.max_steps = engine.loop.total_steps * updates
+        state.global_step = engine.step * updates
+        state.logging_steps, state.save_steps = self.settings["logging_steps"], self.settings["save_steps"]
+        state.eval_steps = self.settings["eval_steps"]
+        state.num_train_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else 1
+        prompts_per_epoch = max(len(self.train_rows), 1)
+        window: dict[str, list[float]] = {}
+        losses: list[float] = []
+        started = time.time()
+        self.control = self.callback_handler.on_train_begin(args, state, self.control)
+        link_root = Path(args.output_dir)
+
+        def step_end(step: int, metrics: dict):
+            state.global_step = step * updates
+            state.epoch = step * self.settings["prompts_per_step"] * (updates // self.settings["num_iterations"]) \
+                / prompts_per_epoch
+            self.control = self.callback_handler.on_step_end(args, state, self.control)
+            numbers = {key: float(value) for key, value in metrics.items()
+                       if isinstance(value, (int, float)) and not isinstance(value, bool)}
+            evaluated = {key: numbers.pop(key) for key in list(numbers) if key.startswith("eval/")}
+            for key, value in numbers.items():
+                window.setdefault(key, []).append(value)
+            if "loss" in numbers:
+                losses.append(numbers["loss"])
+            due = step % self.settings["logging_steps"] == 0 or self.control.should_log
+            if args.logging_strategy != "no" and due:
+                self.log({key: (values[-1] if key in LAST_VALUE else sum(values) / len(values))
+                          for key, values in window.items()})
+                window.clear()
+            if evaluated:  # the loop evaluated at eval_steps: its own entry, as trl's evaluate() logs it
+                self._evaluated({f"eval_{key.removeprefix('eval/')}": value for key, value in evaluated.items()})
+            if self.control.should_evaluate:
+                self.evaluate()
+            save, stop = self.control.should_save, self.control.should_training_stop
+            self.control.should_save = self.control.should_evaluate = self.control.should_log = False
+            return save, stop
+
+        def saved(step: int, folder: Path):
+            state.save_to_json(str(folder / TRAINER_STATE))  # transformers' file: log_history, read back on resume
+            link = link_root / f"checkpoint-{step * updates}"
+            if not link.exists():
+                link.symlink_to(os.path.relpath(folder, link_root), target_is_directory=True)
+            for old in link_root.glob("checkpoint-*"):  # save_total_limit removed its checkpoint
+                if old.is_symlink() and not old.exists():
+                    old.unlink()
+            self.control = self.callback_handler.on_save(args, state, self.control)
+
+        from grpo.core.trainer import StepHooks
+        from transformers.trainer_utils import TrainOutput
+
+        result = engine.train(hooks=StepHooks(step_end, saved))
+        runtime = time.time() - started
+        steps_run = max(state.global_step, 1)
+        summary = {"train_runtime": runtime, "train_samples_per_second": steps_run * args.per_device_train_batch_size
+                   * args.gradient_accumulation_steps / max(runtime, 1e-9),
+                   "train_steps_per_second": steps_run / max(runtime, 1e-9), "total_flos": 0.0,
+                   "train_loss": sum(losses) / len(losses) if losses else 0.0}
+        self.log(summary)
+        self.control = self.callback_handler.on_train_end(args, state, self.control)
+        status = "stopped" if result["status"] == "paused" and self.control.should_training_stop else result["status"]
+        return TrainOutput(state.global_step, summary["train_loss"], {**summary, "status": status})
+
+    def log(self, logs: dict) -> None:
+        """One entry of state.log_history (with epoch and step, as transformers), and the callbacks' on_log."""
+        entry = {**logs, "epoch": self.state.epoch, "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """Greedy evaluation of eval_dataset, scored by the rewards (our evaluation; docs/trl.md)."""
+        if eval_dataset is not None:
+            self.eval_rows = _rows(eval_dataset, "eval_dataset", self.args.remove_unused_columns)
+        if self.eval_rows is None:
+            raise ValueError("evaluate() needs an eval_dataset")
+        engine = self.engine or self._build(None)
+        if eval_dataset is not None or engine.data.eval_rows is None:  # the evaluation set up as set-up does it
+            from grpo.core.setup import task_rows
+            from grpo.evaluation.evaluate import make_scorer
+
+            config = OurConfig(**{**self.settings, "eval_steps": self.settings["eval_steps"] or 1})
+            engine.data.eval_rows, task = task_rows(config, self.eval_rows, config.eval_split, "eval")
+            engine.data.eval_scorer = make_scorer(config.eval_scorer, task, self.rewards, config.sandbox_isolation)
+        started = time.time()
+        metrics = {f"{metric_key_prefix}_{key.removeprefix('eval_').removeprefix('eval/')}": value
+                   for key, value in engine.run_eval().items()}
+        metrics[f"{metric_key_prefix}_runtime"] = time.time() - started
+        return self._evaluated(metrics)
+
+    def _evaluated(self, metrics: dict) -> dict:
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The policy and tokenizer, from_pretrained-loadable (safetensors), in output_dir (default args.output_dir)."""
+        folder = Path(output_dir or self.args.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        model = self.model
+        if model is None:
+            raise ValueError("save_model(): nothing trained yet (call train() first)")
+        model.save_pretrained(folder, safe_serialization=True)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(folder)
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
