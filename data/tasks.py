@@ -60,15 +60,29 @@ def prepare_rows(rows: list[dict], where: str, skip_bad_rows: bool = False,
     return add_prompts(validate_rows(rows, where, skip_bad_rows), system_prompt, one_shot), task
 
 
+def column_prompts(rows: list[dict], column: str, system_prompt: str, where: str) -> list[dict]:
+    """Each row with a chat `prompt`: [system_prompt (none when empty), the row's `column` as the user's message], as
+    open-r1's recipes build it (dataset_prompt_column)."""
+    if rows and column not in rows[0]:
+        raise DataError(f"{where}: no column {column!r} for the prompts (dataset_prompt_column); the columns are "
+                        f"{', '.join(rows[0])}")
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [{**row, "prompt": system + [{"role": "user", "content": row[column]}]} for row in rows]
+
+
 def load_task_rows(source: str, split: str, skip_bad_rows: bool = False, system_prompt: str = SYSTEM_PROMPT,
                    one_shot: bool = False, task_settings: dict | None = None, task_seed: int = 0,
-                   answer_extraction: str = "tag", trust_verifier: bool = False) -> tuple[list[dict], str]:
+                   answer_extraction: str = "tag", trust_verifier: bool = False,
+                   prompt_column: str | None = None) -> tuple[list[dict], str]:
     """Load a split (hub id, local file or folder, `synthetic[:N]`, `reasoning-gym:NAME[:N]` with its settings and
-    seed, answer extraction and trust in its verifier), check it for its task; returns (rows, task)."""
+    seed, answer extraction and trust in its verifier), check it for its task; returns (rows, task).
+    `prompt_column`: each row's prompt is built from that column (column_prompts)."""
     if reasoning_gym.is_source(source):
         rows = reasoning_gym.task_rows(source, split, task_settings, task_seed, answer_extraction, trust_verifier)
         return add_prompts(rows, system_prompt, one_shot), "reasoning-gym"
     parts = read_rows(source, split)
+    if prompt_column:
+        parts = [(where, column_prompts(rows, prompt_column, system_prompt, where)) for where, rows in parts]
     tasks = {detect_task(rows) for _, rows in parts if rows}
     if len(tasks) > 1:
         raise DataError(f"{source}[{split}]: some files have a prompt column and some do not")

@@ -27,6 +27,7 @@ from data.reasoning_gym import is_source, task_name
 from grpo.config import MAY_CHANGE_ON_RESUME, GRPOConfig, sections
 from grpo.core.checkpoint import latest_checkpoint
 from grpo.evaluation.evaluate import EvalConfig
+from grpo.trl_api import recipe
 
 logger = logging.getLogger("grpo")
 
@@ -206,7 +207,8 @@ def _no_key_twice(pairs: list) -> dict:
 def load_config_file(path: str, config_cls=None) -> dict:
     """The settings of a YAML or JSON file (keys are the field names; dashes are read as underscores), each read as
     its field's type when `config_cls` is given (grpo.config_types): a wrong key or value, or a key given twice, is
-    refused, naming the file, the setting and the type."""
+    refused, naming the file, the setting and the type. A trl / open-r1 recipe (its model, data, reward and trl
+    GRPOConfig keys) is read by grpo.trl_api.recipe, which says what it maps and what it leaves."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--config {path}: no such file")
@@ -224,6 +226,11 @@ def load_config_file(path: str, config_cls=None) -> dict:
     if twice:
         raise ValueError(f"--config {path}: {', '.join(twice)} given twice (once with dashes)")
     values = dict(zip(named, values.values()))
+    if config_cls is GRPOConfig and recipe.is_recipe(values):  # a trl / open-r1 recipe (docs/trl.md)
+        values, mapped, left = recipe.recipe_settings(values, where=f"--config {path}")
+        logger.info("--config %s is a trl recipe; read as:\n  %s", path, "\n  ".join(mapped))
+        if left:
+            logger.warning("--config %s: settings without effect here:\n  %s", path, "\n  ".join(left))
     return values if config_cls is None else config_cls.read(values, where=f"--config {path}")
 
 

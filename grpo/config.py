@@ -204,6 +204,9 @@ class GRPOConfig(ConfigMixin):
                           "problems per split; rewarded by its verifier). Rows with a `prompt` column (a string or "
                           "chat messages) train as they are, every other column reaching the rewards; rows with "
                           "GSM8K's `question` and `answer` are checked and get --system-prompt")
+    dataset_prompt_column: str | None = option(None, "the column whose text becomes each row's prompt, a user "
+                                               "message after --system-prompt (an empty one: none), as open-r1's "
+                                               "recipes (their default: problem); every column reaches the rewards")
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option("test", "dataset split to evaluate on (--eval-steps)")
     system_prompt: str | None = option(None, "system prompt of GSM8K-style rows (question/answer) and reasoning-gym "
@@ -313,7 +316,8 @@ class GRPOConfig(ConfigMixin):
     reward: list[str] | None = option(None, "reward functions, each with an optional weight (correctness:2): a name "
                                       "from rewards/ (correctness, int, strict_format, soft_format, xmlcount, tags, "
                                       "task_score and task_solved for reasoning-gym, accuracy_reward for math-verify, "
-                                      "...), module:function or path/to/file.py:function, with trl's signature "
+                                      "think_format and tag_count for <think> layouts, ...), module:function or "
+                                      "path/to/file.py:function, with trl's signature "
                                       "fn(prompts, completions, **columns), or a reward model (a "
                                       "sequence-classification model with one label, as trl takes one): its folder, "
                                       "or model:ORG/NAME (docs/modify.md). Default: the data's own: task_solved (the "

@@ -19,12 +19,13 @@ from rewards.scoring import RewardFn, RewardSpec, completion_text
 from rewards.code import CODE_REWARDS
 from rewards.math_answers import MATH_REWARDS
 from rewards.reward_model import RewardModel, check_model_folder
+from rewards.r1_format import R1_FORMAT_REWARDS
 from rewards.reasoning_gym import TASK_REWARDS
 from rewards.tools import TOOL_REWARDS
 from rewards.toy import TOY_REWARDS
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {**GSM8K_REWARDS, **TOY_REWARDS, **TOOL_REWARDS, **CODE_REWARDS, **MATH_REWARDS,
-                                          **TASK_REWARDS}
+                                          **TASK_REWARDS, **R1_FORMAT_REWARDS}
 
 
 def load_function(reference: str, what: str = "reward") -> Callable:

@@ -282,3 +282,135 @@ def test_the_seed_script_runs_with_either_import(tmp_path, tiny_model_dir, engin
     assert trainer.state.global_step == 2
     assert (tmp_path / "out" / "checkpoint-2" / "config.json").is_file()
     assert "train_loss" in trainer.state.log_history[-1]
+
+
+RECIPE = ROOT / "examples" / "recipes" / "open-r1-qwen2.5-0.5b-grpo.yaml"
+
+
+def _recipe(tmp_path, replace: dict | None = None) -> Path:
+    """open-r1's published recipe with its model and data pointed at local ones (and `replace`'s texts changed)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"problem": f"What is {i} + {i + 1}?", "solution": f"${2 * i + 1}$"} for i in range(16)]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = RECIPE.read_text().replace("model_name_or_path: ../Qwen2.5-0.5B-Instruct", "model_name_or_path: tiny")
+    text = text.replace("dataset_name: OpenR1-Math-220k/all", f"dataset_name: {data}")
+    for old, new in (replace or {}).items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow
+def test_an_open_r1_recipe_loads_says_what_it_maps_and_leaves_and_trains(tmp_path, caplog):
+    import train
+
+    pytest.importorskip("math_verify", reason="accuracy_reward: the tasks extra")
+    recipe = _recipe(tmp_path)
+    with caplog.at_level("INFO", logger="grpo"):
+        code = train.main(["--config", str(recipe), "--max-steps", "2", "--max-completion-length", "8",
+                           "--report-to", "none", "--output-dir", str(tmp_path / "run")])
+    assert code == 0
+    said = caplog.text
+    for line in ("reward_funcs, reward_weights -> reward ['accuracy_reward:1', 'think_format:1']",
+                 "per_device_train_batch_size -> micro_batch_size", "max_prompt_length -> max_prompt_length (an older",
+                 "gradient_checkpointing_kwargs={'use_reentrant': False}: as here",
+                 "hub_model_id='Qwen2.5-0.5B-Open-R1-GRPO': no model hub", "log_level='info'",
+                 "attn_implementation='flash_attention_2': models load with sdpa",
+                 "dataset_configs=['default']: the dataset's default configuration"):
+        assert line in said, line
+    config = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    # trl's arithmetic: 8 completions per device x 4 accumulation steps = 32 = 2 prompts x 16 generations
+    assert (config["prompts_per_step"], config["micro_batch_size"], config["num_generations"]) == (2, 8, 16)
+    assert config["beta"] == 0.0 and config["loss_type"] == "dapo" and config["precision"] == "bf16-pure"
+    assert config["dataset_prompt_column"] == "problem" and config["system_prompt"].startswith("You are a helpful")
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([step for step in steps if "loss" in step]) == 2
+    assert "rewards/accuracy_reward/mean" in steps[0] and "rewards/think_format/mean" in steps[0]
+
+
+@pytest.mark.parametrize("replace, message", [
+    ({"learning_rate: 2.0e-05": "lerning_rate: 2.0e-05"}, "'lerning_rate' is not a trl, open-r1 or transformers "
+                                                           "setting; did you mean 'learning_rate'?"),
+    ({"- format": "- cosine"}, "reward 'cosine' (open-r1's) is not built here"),
+    ({"push_to_hub: false": "push_to_hub: true"}, "push_to_hub=True is not supported here: no model hub"),
+    ({"num_train_epochs: 1": "num_train_epochs: 2"}, "save_strategy='epoch' is not supported here: use 'steps' or "
+                                                     "'no' ('epoch' saves at the end, so only for a run of one epoch)"),
+    ({"model_revision: main": "model_revision: v2"}, "model_revision='v2' is not supported here"),
+])
+def test_a_recipe_key_or_value_we_cannot_honour_is_one_error_line(tmp_path, capsys, replace, message):
+    import train
+    from tests.test_load_errors import _run
+
+    recipe = _recipe(tmp_path, replace)
+    err = _run(train.main, ["--config", str(recipe), "--output-dir", str(tmp_path / "run")], capsys)
+    assert message in err, err
+
+
+def test_open_r1s_format_rewards():
+    from rewards.r1_format import tag_count, think_format
+
+    texts = {"<think>\nsum\n</think>\n<answer>\n5\n</answer>": (1.0, 1.0),
+             "<think>\nsum\n</think>\n<answer>\n5\n</answer>\nmore": (1.0, 1.0),  # MULTILINE: $ ends a line
+             "<think>sum</think><answer>5</answer>": (0.0, 0.0),  # the tags on their own lines
+             "<think>\na\n</think>\n<think>\nb\n</think>\n<answer>\n5\n</answer>": (1.0, 0.5),  # twice: counted out
+             "no tags": (0.0, 0.0)}
+    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    assert think_format(None, completions) == [expected for expected, _ in texts.values()]
+    assert tag_count(None, completions) == [expected for _, expected in texts.values()]
+
+
+def test_intervals_count_optimizer_steps_as_trl():
+    """With num_iterations 2 each rollout here makes 2 optimizer steps: trl's logging_steps / save_steps 2 are 1 of
+    ours; one that is not a multiple is refused (a default is taken to the next multiple); 0 is refused as trl."""
+    settings = GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_steps=4, num_iterations=2,
+                          logging_steps=2, save_steps=2, use_cpu=True).our_settings()
+    assert (settings["max_steps"], settings["logging_steps"], settings["save_steps"]) == (2, 1, 1)
+    assert GRPOConfig(per_device_train_batch_size=4, num_generations=4, num_iterations=3,
+                      use_cpu=True).our_settings()["logging_steps"] == 4  # trl's default 10 -> 12 optimizer steps
+    with pytest.raises(ValueError, match="logging_steps=3 counts optimizer steps, and each generation here makes 2"):
+        GRPOConfig(per_device_train_batch_size=4, num_generations=4, num_iterations=2, logging_steps=3,
+                   use_cpu=True).our_settings()
+    with pytest.raises(ValueError, match="logging_steps=0: the 'steps' strategy needs a positive logging_steps"):
+        GRPOConfig(logging_steps=0, use_cpu=True).our_settings()
+    with pytest.raises(ValueError, match="save_steps=0.5 is a share of max_steps, which is not set"):
+        GRPOConfig(save_steps=0.5, use_cpu=True).our_settings()
+    assert GRPOConfig(save_steps=0.25, max_steps=8, use_cpu=True).our_settings()["save_steps"] == 2
+
+
+@pytest.mark.slow
+def test_reward_functions_get_trls_trainer_arguments(tmp_path):
+    seen = []
+
+    def shaped(completions, trainer_state, log_metric, log_extra, **kwargs):  # trl's arguments, named
+        seen.append(trainer_state.global_step)
+        log_metric("shaped/steps_seen", float(trainer_state.global_step))
+        log_extra("note", ["x"] * len(completions))
+        return [0.5] * len(completions)
+
+    trainer = GRPOTrainer(model="tiny", reward_funcs=[shaped, reward_answer],
+                          args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                                          max_completion_length=4, max_steps=2, logging_steps=1, use_cpu=True,
+                                          seed=0), train_dataset=datasets.Dataset.from_list(ROWS))
+    trainer.train()
+    assert seen == [0, 1]  # the state before each step's update, as trl scores before it
+    logged = [entry["shaped/steps_seen"] for entry in trainer.state.log_history if "shaped/steps_seen" in entry]
+    assert logged == [0.0, 1.0]
+
+
+def test_recipe_model_arguments_and_spellings(tmp_path):
+    from grpo.trl_api.recipe import recipe_settings
+
+    settings, mapped, left = recipe_settings({
+        "model_name_or_path": "tiny", "use_peft": True, "lora_r": 8, "lora_target_modules": ["q_proj"],
+        "attn_implementation": "eager", "reward_funcs": "format", "report_to": ["none"], "fsdp": ["full_shard"],
+        "dataset_prompt_column": "question"})
+    assert (settings["use_peft"], settings["lora_r"], settings["lora_target_modules"]) == (True, 8, ["q_proj"])
+    assert settings["reward"] == ["think_format:1"] and settings["report_to"] == "none"
+    assert settings["distributed"] == "fsdp" and settings["dataset_prompt_column"] == "question"
+    assert any("attn_implementation='eager'" in line for line in left)
+    assert "use_peft -> use_peft" in mapped
+    with pytest.raises(ValueError, match="use_dora=True is not supported here"):
+        recipe_settings({"model_name_or_path": "tiny", "use_dora": True})

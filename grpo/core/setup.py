@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from data import add_prompts, load_task_rows
+from data import add_prompts, column_prompts, load_task_rows
 from grpo.algorithm.advantages import resolve_estimator
 from grpo.algorithm.logprobs import check_plain_output_head
 from grpo.algorithm.sampler import SamplingParams, sample_groups
@@ -535,7 +535,9 @@ def task_rows(config, rows, split: str, purpose: str) -> tuple[list[dict], str]:
     if rows is None:
         rows, task = load_task_rows(config.dataset, split, config.skip_bad_rows, config.system_prompt,
                                     config.one_shot, config.task_settings, config.task_seed, config.answer_extraction,
-                                    config.trust_task_verifier)
+                                    config.trust_task_verifier, config.dataset_prompt_column)
+    elif config.dataset_prompt_column:  # rows given from Python, their prompts from that column
+        rows, task = column_prompts(rows, config.dataset_prompt_column, config.system_prompt, purpose), "prompt"
     elif rows and "prompt" not in rows[0]:  # GSM8K rows given from Python get their chat prompts
         rows, task = add_prompts(rows, config.system_prompt, config.one_shot), "gsm8k"
     else:

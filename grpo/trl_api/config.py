@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 
 from grpo.config import ConfigMixin
 from grpo.trl_api.batch import translate
@@ -69,8 +70,10 @@ class GRPOConfig:
         if _text(self.eval_strategy) == "steps" and not self.eval_steps:
             self.eval_steps = self.logging_steps
         if isinstance(self.report_to, str):
-            self.report_to = [] if self.report_to == "none" else [self.report_to]
-        self.report_to = list(self.report_to or [])
+            self.report_to = [self.report_to]
+        self.report_to = [name for name in self.report_to or [] if name != "none"]
+        if isinstance(self.fsdp, (list, tuple)):  # transformers takes the options as a list too
+            self.fsdp = " ".join(str(option) for option in self.fsdp)
 
     def refusals(self) -> list[str]:
         """One line per field whose value this engine cannot honour, with the reason."""
@@ -83,7 +86,8 @@ class GRPOConfig:
             ("lr_scheduler_type", _text(self.lr_scheduler_type) in SCHEDULERS, "linear, cosine or constant"),
             ("optim", _text(self.optim) in OPTIMIZERS, ", ".join(OPTIMIZERS)),
             ("logging_strategy", _text(self.logging_strategy) in ("steps", "no"), "'steps' or 'no'"),
-            ("save_strategy", _text(self.save_strategy) in ("steps", "no"), "'steps' or 'no'"),
+            ("save_strategy", _text(self.save_strategy) in ("steps", "no") or self._one_epoch_saves(),
+             "'steps' or 'no' ('epoch' saves at the end, so only for a run of one epoch)"),
             ("eval_strategy", _text(self.eval_strategy) in ("steps", "no"), "'steps' or 'no'"),
             ("report_to", len(self.report_to) <= 1 and all(r in ("tensorboard", "wandb") for r in self.report_to),
              "'none', 'tensorboard' or 'wandb' (one)"),
@@ -95,10 +99,6 @@ class GRPOConfig:
         ]
         lines += [f"{name}={getattr(self, name)!r} is not supported here: use {what}"
                   for name, ok, what in checks if not ok]
-        attention = (self.model_init_kwargs or {}).get("attn_implementation", "sdpa")
-        if attention != "sdpa":
-            lines.append(f"model_init_kwargs attn_implementation={attention!r} is not supported here yet: models load "
-                         "with 'sdpa' (the kernels choose flash or flex attention where they pay)")
         dtype = (self.model_init_kwargs or {}).get("dtype", (self.model_init_kwargs or {}).get("torch_dtype"))
         if dtype is not None and str(dtype).removeprefix("torch.") not in (*DTYPES, "auto"):
             lines.append(f"model_init_kwargs dtype={dtype!r} is not supported here: use float32 or bfloat16")
@@ -108,10 +108,19 @@ class GRPOConfig:
                 lines.append(f"{name}={value!r}: a value >= 1 counts steps and must be whole (as transformers)")
         return lines
 
+    def _one_epoch_saves(self) -> bool:
+        """save_strategy='epoch' on a run of one epoch: our save at the end is that epoch's."""
+        return _text(self.save_strategy) == "epoch" and self.max_steps <= 0 and self.num_train_epochs <= 1
+
     def left_fields(self) -> list[str]:
         """The fields given a value other than trl's default that have no effect here, each with the reason."""
-        return [f"{name}={getattr(self, name)!r}: {spec.note}" for name, spec in FIELDS.items()
-                if spec.kind == "left" and name in self.given and getattr(self, name) != spec.default]
+        lines = [f"{name}={getattr(self, name)!r}: {spec.note}" for name, spec in FIELDS.items()
+                 if spec.kind == "left" and name in self.given and getattr(self, name) != spec.default]
+        attention = (self.model_init_kwargs or {}).get("attn_implementation", "sdpa")
+        if attention != "sdpa":
+            lines.append(f"model_init_kwargs attn_implementation={attention!r}: models load with sdpa here; the "
+                         "kernels choose flash or flex attention where they are installed and pay (the same numbers)")
+        return lines
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in FIELDS}
@@ -137,10 +146,10 @@ class GRPOConfig:
             seed=self.seed, shuffle_dataset=self.shuffle_dataset,
             device="cpu" if self.use_cpu else "auto",
             report_to=self.report_to[0] if self.report_to else "none",
-            logging_steps=self._steps(self.logging_steps), save_steps=self._steps(self.save_steps)
-            if _text(self.save_strategy) == "steps" else 0,
+            logging_steps=self._steps("logging_steps", batch.updates_per_step),
+            save_steps=self._steps("save_steps", batch.updates_per_step) if _text(self.save_strategy) == "steps" else 0,
             save_total_limit=self.save_total_limit or 0,
-            eval_steps=self._steps(self.eval_steps) if _text(self.eval_strategy) == "steps" else 0,
+            eval_steps=self._steps("eval_steps", batch.updates_per_step) if _text(self.eval_strategy) == "steps" else 0,
             eval_batch_size=self.per_device_eval_batch_size, distributed_timeout=float(self.ddp_timeout),
             trust_remote_code=bool(model_init.get("trust_remote_code", self.trust_remote_code)),
             disable_dropout=self.disable_dropout, cast_lm_head_to_fp32=self.cast_lm_head_to_fp32,
@@ -166,7 +175,7 @@ class GRPOConfig:
             importance_sampling_clip_min=self.vllm_importance_sampling_clip_min,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             use_bias_correction_kl=self.use_bias_correction_kl,
-            log_completions_steps=self._steps(self.logging_steps) if self.log_completions else 0,
+            log_completions_steps=self._steps("logging_steps", batch.updates_per_step) if self.log_completions else 0,
             **{name: getattr(self, name) for name in ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
                                                       "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
         )
@@ -174,10 +183,21 @@ class GRPOConfig:
             settings.update(distributed="fsdp", fsdp_cpu_offload="offload" in str(self.fsdp).split())
         return settings
 
-    def _steps(self, value) -> int:
-        """A logging / saving / evaluation interval: whole steps, or a ratio < 1 of max_steps (as transformers)."""
-        if value is None:
-            return 0
+    def _steps(self, name: str, updates_per_step: int) -> int:
+        """An interval of logging / saving / evaluation in our steps: trl's counts optimizer steps (a value < 1 is a
+        share of max_steps, as transformers), and each of our steps makes `updates_per_step` of them, so a value given
+        must be a multiple of that (trl's default is taken to the next one)."""
+        value = getattr(self, name)
+        if value is None or value <= 0:
+            raise ValueError(f"{name}={value!r}: the 'steps' strategy needs a positive {name} (as transformers)")
         if value < 1:
-            return max(1, round(value * max(self.max_steps, 1)))
-        return int(value)
+            if self.max_steps <= 0:
+                raise ValueError(f"{name}={value!r} is a share of max_steps, which is not set: give whole steps")
+            value = math.ceil(self.max_steps * value)
+        if value % updates_per_step and name not in self.given:  # trl's default: the next multiple
+            return math.ceil(value / updates_per_step)
+        if value % updates_per_step:
+            raise ValueError(f"{name}={value!r} counts optimizer steps, and each generation here makes "
+                             f"{updates_per_step} of them (num_iterations x steps_per_generation / "
+                             f"gradient_accumulation_steps): use a multiple of {updates_per_step}")
+        return int(value) // updates_per_step

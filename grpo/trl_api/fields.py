@@ -118,7 +118,8 @@ FIELDS: dict[str, Field] = {
     "batch_eval_metrics": left(False, TRL_EVAL),
     "save_only_model": refused(False, "a checkpoint keeps the optimizer and RNG states, so that resume is exact"),
     "save_strategy": same("steps", "save_steps", "'no' saves only at the end (so that the run can resume); "
-                                                "'epoch' and 'best' are refused"),
+                                                "'epoch' for a run of one epoch (its end); otherwise refused, and "
+                                                "'best'"),
     "save_steps": same(500, "save_steps", "whole steps (a ratio < 1 of max_steps is converted)"),
     "save_on_each_node": left(False, "rank 0 writes the checkpoint"),
     "save_total_limit": same(None, "save_total_limit", "None: keep all"),
@@ -168,11 +169,13 @@ FIELDS: dict[str, Field] = {
     "do_train": left(False, "read by scripts, not by the trainer (as transformers)"),
     "do_eval": left(False, "read by scripts, not by the trainer (as transformers)"),
     "do_predict": left(False, "read by scripts, not by the trainer (as transformers)"),
-    "resume_from_checkpoint": same(None, "resume", "passed to train(resume_from_checkpoint=...), as scripts do"),
+    "resume_from_checkpoint": left(None, "read by scripts, which pass it to train(resume_from_checkpoint=...); "
+                                         "the trainer does not read it (as transformers)"),
     "local_rank": left(-1, "torchrun's RANK / LOCAL_RANK are read"),
     # ---- trl.GRPOConfig's own, in its order
     "model_init_kwargs": same(None, "precision", "dtype (torch_dtype): float32 -> fp32, bfloat16 -> bf16-pure; "
-                                                 "trust_remote_code; attn_implementation 'sdpa' only; other keys "
+                                                 "trust_remote_code; attn_implementation is listed as left (sdpa "
+                                                 "here, the kernels choose flash or flex attention); other keys "
                                                  "refused"),
     "trust_remote_code": same(False, "trust_remote_code"),
     "router_aux_loss_coef": refused(None, "mixture-of-experts auxiliary losses are not built here"),

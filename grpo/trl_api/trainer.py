@@ -15,6 +15,8 @@ optimizer steps: a link to our atomic checkpoint, output_dir/checkpoints/step-S,
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import os
@@ -24,10 +26,12 @@ from pathlib import Path
 import torch
 
 from grpo.config import GRPOConfig as OurConfig
+from grpo.core.checkpoint import latest_checkpoint
 from grpo.trl_api.config import GRPOConfig
 from rewards.registry import MODEL_PREFIX, RewardModel, RewardSpec
 
 logger = logging.getLogger("grpo")
+TRL_REWARD_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")  # what trl passes a reward function too
 TRL_PROMPT_COLUMNS = ("prompt", "image", "images")  # what remove_unused_columns=True keeps, as trl
 TRAINER_STATE = "trainer_state.json"  # in each checkpoint, as transformers writes it
 LAST_VALUE = ("learning_rate", "grad_norm")  # logged as the step's value; every other metric as the mean, as trl
@@ -41,15 +45,40 @@ def _rows(dataset, name: str, remove_unused_columns: bool) -> list[dict] | None:
     if not hasattr(dataset, "__len__"):
         raise ValueError(f"{name}: an IterableDataset is not supported here; pass a Dataset (or a list of rows)")
     rows = [dict(row) for row in dataset]
-    if rows and "prompt" not in rows[0]:
+    if not rows:
+        raise ValueError(f"{name} is empty")
+    if "prompt" not in rows[0]:
         raise ValueError(f"{name} has no 'prompt' column (its columns: {', '.join(rows[0])}); map your rows to "
                          "{'prompt': ...} as trl expects")
+    for index, row in enumerate(rows):
+        prompt = row.get("prompt")
+        chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)
+        if not (isinstance(prompt, str) and prompt) and not chat:
+            raise ValueError(f"{name} row {index}: its prompt is {prompt!r}, neither a text nor chat messages "
+                             "[{'role': ..., 'content': ...}]")
     if remove_unused_columns:
         rows = [{key: value for key, value in row.items() if key in TRL_PROMPT_COLUMNS} for row in rows]
     return rows
 
 
-def _reward_specs(reward_funcs, reward_weights) -> list[RewardSpec]:
+def _with_trainer_arguments(fn, trainer):
+    """`fn` called as trl calls a reward function: with trainer_state (transformers' TrainerState), log_metric(name,
+    value) (logged in log_history as the mean over the logging window, as trl) and log_extra(column, values) (trl's
+    completions table; not logged here). Its signature without those three, so that the run's column check does not
+    take them for dataset columns."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs, trainer_state=trainer.state, log_metric=trainer._log_metric,
+                  log_extra=trainer._log_extra)
+
+    signature = inspect.signature(fn)
+    call.__signature__ = signature.replace(parameters=[parameter for parameter in signature.parameters.values()
+                                                      if parameter.name not in TRL_REWARD_ARGUMENTS])
+    return call
+
+
+def _reward_specs(reward_funcs, reward_weights, trainer) -> list[RewardSpec]:
     """trl's reward_funcs (a function, a model id or folder, a loaded model, or a list of them) and reward_weights."""
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if reward_weights is not None and len(reward_weights) != len(funcs):
@@ -64,7 +93,8 @@ def _reward_specs(reward_funcs, reward_weights) -> list[RewardSpec]:
             model = RewardModel(fn)
             specs.append(RewardSpec(model.name, model, float(weight)))
         elif callable(fn):
-            specs.append(RewardSpec(getattr(fn, "__name__", "reward"), fn, float(weight)))
+            specs.append(RewardSpec(getattr(fn, "__name__", "reward"), _with_trainer_arguments(fn, trainer),
+                                    float(weight)))
         else:
             raise ValueError(f"reward_funcs: {fn!r} is neither a function, a model id nor a model")
     return specs
@@ -121,7 +151,8 @@ class GRPOTrainer:
         settings["eval_limit"] = 0  # every row of eval_dataset, as trl
         settings["max_prompt_length"] = self._longest_prompt(processing_class, settings, tools)
         self.settings = settings
-        self.rewards = _reward_specs(reward_funcs, self.args.reward_weights)
+        self.rewards = _reward_specs(reward_funcs, self.args.reward_weights, self)
+        self.logged_metrics: dict[str, list[float]] = {}  # the reward functions' log_metric, until the next step
         self.policy, self.processing_class = (None if isinstance(model, str) else model), processing_class
         self.reward_processing_classes, self.tools, self.environment_factory = (reward_processing_classes, tools,
                                                                                 environment_factory)
@@ -129,11 +160,14 @@ class GRPOTrainer:
         for line in self.args.left_fields():
             logger.warning("trl setting without effect here: %s", line)
         self.state, self.control = TrainerState(), TrainerControl()
-        quiet = logging.getLogger("transformers.trainer_callback")  # its advice to add DefaultFlowCallback: the
-        level, _ = quiet.level, quiet.setLevel(logging.ERROR)         # loop schedules logging and saving here
+        # transformers advises adding its DefaultFlowCallback; here the loop schedules logging and saving itself
+        quiet = logging.getLogger("transformers.trainer_callback")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
         self.callback_handler = CallbackHandler(list(callbacks or []), model, processing_class, None, None)
         quiet.setLevel(level)
         self.engine = None  # grpo.core.trainer.Trainer, built by train() or evaluate() (it may resume)
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     def _longest_prompt(self, tokenizer, settings: dict, tools) -> int:
         """trl does not cut prompts: the longest prompt of the datasets in tokens, as the chat template renders it
@@ -184,9 +218,11 @@ class GRPOTrainer:
         latest in output_dir (as transformers)."""
         if unused:
             raise TypeError(f"train() got unexpected arguments {sorted(unused)}")
-        resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        resume = resume_from_checkpoint  # as transformers: args.resume_from_checkpoint is for the script to pass
         if resume is True:
             resume = self.args.output_dir
+            if latest_checkpoint(resume) is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({resume})")
         from transformers.trainer_callback import TrainerState
 
         # the engine evaluate() built is the one train() would build; resuming builds it from the checkpoint
@@ -208,17 +244,26 @@ class GRPOTrainer:
         window: dict[str, list[float]] = {}
         losses: list[float] = []
         started = time.time()
-        self.control = self.callback_handler.on_train_begin(args, state, self.control)
+        handler = self.callback_handler
+        self.control = handler.on_train_begin(args, state, self.control)
+        self.control = handler.on_epoch_begin(args, state, self.control)
+        self.control = handler.on_step_begin(args, state, self.control)
         link_root = Path(args.output_dir)
 
         def step_end(step: int, metrics: dict):
             state.global_step = step * updates
+            epoch = state.epoch or 0.0
             state.epoch = step * self.settings["prompts_per_step"] * (updates // self.settings["num_iterations"]) \
                 / prompts_per_epoch
-            self.control = self.callback_handler.on_step_end(args, state, self.control)
+            self.control = handler.on_step_end(args, state, self.control)
+            if math.floor(state.epoch) > math.floor(epoch):  # a pass over the prompts ended
+                self.control = handler.on_epoch_end(args, state, self.control)
+                self.control = handler.on_epoch_begin(args, state, self.control)
             numbers = {key: float(value) for key, value in metrics.items()
                        if isinstance(value, (int, float)) and not isinstance(value, bool)}
             evaluated = {key: numbers.pop(key) for key in list(numbers) if key.startswith("eval/")}
+            numbers.update({name: sum(values) / len(values) for name, values in self.logged_metrics.items()})
+            self.logged_metrics.clear()
             for key, value in numbers.items():
                 window.setdefault(key, []).append(value)
             if "loss" in numbers:
@@ -234,6 +279,8 @@ class GRPOTrainer:
                 self.evaluate()
             save, stop = self.control.should_save, self.control.should_training_stop
             self.control.should_save = self.control.should_evaluate = self.control.should_log = False
+            if not stop and step < engine.loop.total_steps:  # nothing runs between this step's end and the next
+                self.control = handler.on_step_begin(args, state, self.control)
             return save, stop
 
         def saved(step: int, folder: Path):
@@ -244,7 +291,7 @@ class GRPOTrainer:
             for old in link_root.glob("checkpoint-*"):  # save_total_limit removed its checkpoint
                 if old.is_symlink() and not old.exists():
                     old.unlink()
-            self.control = self.callback_handler.on_save(args, state, self.control)
+            self.control = handler.on_save(args, state, self.control)
 
         from grpo.core.trainer import StepHooks
         from transformers.trainer_utils import TrainOutput
@@ -257,9 +304,16 @@ class GRPOTrainer:
                    "train_steps_per_second": steps_run / max(runtime, 1e-9), "total_flos": 0.0,
                    "train_loss": sum(losses) / len(losses) if losses else 0.0}
         self.log(summary)
-        self.control = self.callback_handler.on_train_end(args, state, self.control)
+        self.control = handler.on_epoch_end(args, state, self.control)
+        self.control = handler.on_train_end(args, state, self.control)
         status = "stopped" if result["status"] == "paused" and self.control.should_training_stop else result["status"]
         return TrainOutput(state.global_step, summary["train_loss"], {**summary, "status": status})
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self.logged_metrics.setdefault(name, []).append(float(value))
+
+    def _log_extra(self, column: str, values: list) -> None:
+        """trl adds these to its completions table; here samples.jsonl keeps the rewards and texts only."""
 
     def log(self, logs: dict) -> None:
         """One entry of state.log_history (with epoch and step, as transformers), and the callbacks' on_log."""
