@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,16 +62,15 @@ def _rows(dataset, name: str, remove_unused_columns: bool) -> list[dict] | None:
     return rows
 
 
-def _with_trainer_arguments(fn, trainer):
+def _with_trainer_arguments(fn, arguments: Callable[[], dict]):
     """`fn` called as trl calls a reward function: with trainer_state (transformers' TrainerState), log_metric(name,
     value) (logged in log_history as the mean over the logging window, as trl) and log_extra(column, values) (trl's
-    completions table; not logged here). Its signature without those three, so that the run's column check does not
-    take them for dataset columns."""
+    completions table; not logged here), which `arguments()` gives at each call. Its signature without those three,
+    so that the run's column check does not take them for dataset columns."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return fn(*args, **kwargs, trainer_state=trainer.state, log_metric=trainer._log_metric,
-                  log_extra=trainer._log_extra)
+        return fn(*args, **kwargs, **arguments())
 
     signature = inspect.signature(fn)
     call.__signature__ = signature.replace(parameters=[parameter for parameter in signature.parameters.values()
@@ -78,7 +78,7 @@ def _with_trainer_arguments(fn, trainer):
     return call
 
 
-def _reward_specs(reward_funcs, reward_weights, trainer) -> list[RewardSpec]:
+def _reward_specs(reward_funcs, reward_weights, arguments: Callable[[], dict]) -> list[RewardSpec]:
     """trl's reward_funcs (a function, a model id or folder, a loaded model, or a list of them) and reward_weights."""
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if reward_weights is not None and len(reward_weights) != len(funcs):
@@ -93,7 +93,7 @@ def _reward_specs(reward_funcs, reward_weights, trainer) -> list[RewardSpec]:
             model = RewardModel(fn)
             specs.append(RewardSpec(model.name, model, float(weight)))
         elif callable(fn):
-            specs.append(RewardSpec(getattr(fn, "__name__", "reward"), _with_trainer_arguments(fn, trainer),
+            specs.append(RewardSpec(getattr(fn, "__name__", "reward"), _with_trainer_arguments(fn, arguments),
                                     float(weight)))
         else:
             raise ValueError(f"reward_funcs: {fn!r} is neither a function, a model id nor a model")
@@ -151,7 +151,8 @@ class GRPOTrainer:
         settings["eval_limit"] = 0  # every row of eval_dataset, as trl
         settings["max_prompt_length"] = self._longest_prompt(processing_class, settings, tools)
         self.settings = settings
-        self.rewards = _reward_specs(reward_funcs, self.args.reward_weights, self)
+        self.rewards = _reward_specs(reward_funcs, self.args.reward_weights, lambda: dict(
+            trainer_state=self.state, log_metric=self._log_metric, log_extra=self._log_extra))
         self.logged_metrics: dict[str, list[float]] = {}  # the reward functions' log_metric, until the next step
         self.policy, self.processing_class = (None if isinstance(model, str) else model), processing_class
         self.reward_processing_classes, self.tools, self.environment_factory = (reward_processing_classes, tools,
