@@ -373,8 +373,9 @@ class Trainer:
         self.cpu_threads = CpuThreads(cfg.adapt_cpu_threads and self.processes.device.type == "cpu")
         # only now, every check passed, may an old run in the output folder be replaced
         setup.replace_old_run(self.run.path, self.run.old_files, replaces=self.processes.global_rank == 0)
-        if torch.distributed.is_initialized():  # no process writes there before rank 0 has replaced an old run
-            torch.distributed.barrier()
+        # no training rank writes there before rank 0 has replaced an old run (the generation processes write
+        # nothing there, and their engine may still be starting: they are not in the training ranks' group)
+        self.world.barrier()
 
 
 __all__ = ["StepHooks", "Trainer", "TrainingError", "DiskFullError", "Rollout"]
