@@ -133,18 +133,16 @@ class GRPOConfig:
         model_init = self.model_init_kwargs or {}
         dtype = str(model_init.get("dtype", model_init.get("torch_dtype", "auto"))).removeprefix("torch.")
         precision = DTYPES.get(dtype) or ("bf16" if self.bf16 else "fp32")
-        settings = dict(
-            output_dir=self.output_dir, prompts_per_step=batch.prompts_per_step,
-            micro_batch_size=batch.micro_batch_size,
+        # the fields trl and we spell and mean alike (fields.py names each one's setting) pass as they are
+        settings = {name: getattr(self, name) for name, spec in FIELDS.items()
+                    if spec.kind == "honoured" and spec.ours == name}
+        settings.update(  # the others: another name, another unit, or trl's conversions
+            prompts_per_step=batch.prompts_per_step, micro_batch_size=batch.micro_batch_size,
             steps_per_generation=batch.steps_per_generation, max_steps=batch.max_steps, epochs=self.num_train_epochs,
-            learning_rate=self.learning_rate, lr_scheduler_type=SCHEDULERS[_text(self.lr_scheduler_type)],
+            lr_scheduler_type=SCHEDULERS[_text(self.lr_scheduler_type)],
             warmup_ratio=self.warmup_steps if self.warmup_steps < 1 else 0.0,
             warmup_steps=int(self.warmup_steps) if self.warmup_steps >= 1 else 0,
-            optim=OPTIMIZERS[_text(self.optim)], weight_decay=self.weight_decay, adam_beta1=self.adam_beta1,
-            adam_beta2=self.adam_beta2, adam_epsilon=self.adam_epsilon, max_grad_norm=self.max_grad_norm,
-            precision=precision, gradient_checkpointing=self.gradient_checkpointing,
-            seed=self.seed, shuffle_dataset=self.shuffle_dataset,
-            device="cpu" if self.use_cpu else "auto",
+            optim=OPTIMIZERS[_text(self.optim)], precision=precision, device="cpu" if self.use_cpu else "auto",
             report_to=self.report_to[0] if self.report_to else "none",
             logging_steps=self._steps("logging_steps", batch.updates_per_step),
             save_steps=self._steps("save_steps", batch.updates_per_step) if _text(self.save_strategy) == "steps" else 0,
@@ -152,32 +150,12 @@ class GRPOConfig:
             eval_steps=self._steps("eval_steps", batch.updates_per_step) if _text(self.eval_strategy) == "steps" else 0,
             eval_batch_size=self.per_device_eval_batch_size, distributed_timeout=float(self.ddp_timeout),
             trust_remote_code=bool(model_init.get("trust_remote_code", self.trust_remote_code)),
-            disable_dropout=self.disable_dropout, cast_lm_head_to_fp32=self.cast_lm_head_to_fp32,
-            num_generations=self.num_generations, max_completion_length=self.max_completion_length,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p or 0.0,
-            chat_template_kwargs=self.chat_template_kwargs, use_vllm=self.use_vllm,
-            vllm_model_impl=self.vllm_model_impl, vllm_enable_sleep_mode=self.vllm_enable_sleep_mode,
-            vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
-            vllm_max_model_length=self.vllm_max_model_length, vllm_tensor_parallel_size=self.vllm_tensor_parallel_size,
-            beta=self.beta, num_iterations=self.num_iterations, epsilon=self.epsilon, delta=self.delta,
-            epsilon_high=self.epsilon_high, importance_sampling_level=self.importance_sampling_level,
-            multi_objective_aggregation=self.multi_objective_aggregation, scale_rewards=self.scale_rewards,
-            loss_type=self.loss_type, mask_truncated_completions=self.mask_truncated_completions,
-            sync_ref_model=self.sync_ref_model, ref_model_mixup_alpha=self.ref_model_mixup_alpha,
-            ref_model_sync_steps=self.ref_model_sync_steps, top_entropy_quantile=self.top_entropy_quantile,
-            entropy_coef=self.entropy_coef, use_adaptive_entropy=self.use_adaptive_entropy,
-            entropy_coef_min=self.entropy_coef_min, entropy_coef_max=self.entropy_coef_max,
-            entropy_coef_delta=self.entropy_coef_delta, entropy_target=self.entropy_target,
-            max_tool_calling_iterations=self.max_tool_calling_iterations,
+            min_p=self.min_p or 0.0,
             importance_sampling_correction=None if self.vllm_importance_sampling_correction else False,
             importance_sampling_mode=self.vllm_importance_sampling_mode,
             importance_sampling_clip_max=self.vllm_importance_sampling_clip_max,
             importance_sampling_clip_min=self.vllm_importance_sampling_clip_min,
-            off_policy_mask_threshold=self.off_policy_mask_threshold,
-            use_bias_correction_kl=self.use_bias_correction_kl,
             log_completions_steps=self._steps("logging_steps", batch.updates_per_step) if self.log_completions else 0,
-            **{name: getattr(self, name) for name in ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
-                                                      "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
         )
         if self.fsdp:
             settings.update(distributed="fsdp", fsdp_cpu_offload="offload" in str(self.fsdp).split())
