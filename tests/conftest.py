@@ -25,9 +25,9 @@ SHARED_GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / 
 
 @pytest.fixture
 def memory_heavy():
-    """A test that holds many GiB (both trainers on the real model: 12.5 GiB peak, measured with /usr/bin/time) runs
-    while no other such test does, across the xdist workers of one run: two at once were OOM-killed on a 24 GiB
-    machine. The other worker goes on with the tests that do not take this lock."""
+    """A test that holds many GiB (both trainers on the real model) runs while no other such test does, across the
+    xdist workers of one run: two at once do not fit in this machine's memory (docs/log.md has the figures). The
+    other worker goes on with the tests that do not take this lock."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
     with open(Path(tempfile.gettempdir()) / f"grpo-memory-heavy-{run}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

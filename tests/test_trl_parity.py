@@ -196,7 +196,7 @@ class AdamRounding:
         for name, expected in trl.items():
             if expected is None:
                 continue
-            g = expected.float()  # fp32 state (half of fp64's memory: SmolLM2's 135M weights keep 2.2 GB of it)
+            g = expected.float()  # fp32 state: half of fp64's memory, on the real model too
             difference = torch.minimum((ours[_trl_name(name)].float() - g).abs(), atol + rtol * g.abs())
             state = self.state.setdefault(name, {key: torch.zeros_like(g) for key in ("m", "v", "D", "bound")})
             state["m"].mul_(beta1).add_(g, alpha=1 - beta1)
