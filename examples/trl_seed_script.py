@@ -4,6 +4,8 @@ reward functions with trl's signature, trl's GRPOConfig and GRPOTrainer. Only th
 
     python examples/trl_seed_script.py                       # Qwen2.5-0.5B-Instruct, GSM8K from the hub, a GPU
     python examples/trl_seed_script.py --model path/to/model --data ../shared/data/gsm8k --cpu --max-steps 3
+
+tests/test_trl_dropin.py runs it under both imports and compares trl's log_history with ours.
 """
 
 import argparse
@@ -79,15 +81,16 @@ def main(argv=None):
     parser.add_argument("--data", default=None, help="a folder with GSM8K's train.jsonl (default: the hub's)")
     parser.add_argument("--output-dir", default="./qwen_grpo_output")
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (-1: one epoch)")
+    parser.add_argument("--logging-steps", type=int, default=10, help="log every N optimizer steps")
     parser.add_argument("--cpu", action="store_true", help="use_cpu, fp32 (no bf16, no TF32, AdamW without bnb)")
     options = parser.parse_args(argv)
     gpu = not options.cpu
     training_args = GRPOConfig(
         output_dir=options.output_dir, num_train_epochs=1, max_steps=options.max_steps,
-        per_device_train_batch_size=4, gradient_accumulation_steps=4, learning_rate=5e-6, logging_steps=10,
-        save_steps=500, eval_strategy="no", bf16=gpu, tf32=gpu, gradient_checkpointing=True,
-        optim="adamw_8bit" if gpu else "adamw_torch", report_to="tensorboard" if gpu else "none",
-        remove_unused_columns=False, use_cpu=options.cpu)
+        per_device_train_batch_size=4, gradient_accumulation_steps=4, learning_rate=5e-6,
+        logging_steps=options.logging_steps, save_steps=500, eval_strategy="no", bf16=gpu, tf32=gpu,
+        gradient_checkpointing=True, optim="adamw_8bit" if gpu else "adamw_torch",
+        report_to="tensorboard" if gpu else "none", remove_unused_columns=False, use_cpu=options.cpu)
     model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.bfloat16 if gpu else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     if tokenizer.pad_token is None:

@@ -54,8 +54,8 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "vllm_model_impl", "sandbox_isolation", "generation_processes", "max_bad_steps", "save_merged", "device",
     "precision", "gradient_checkpointing", "logprob_chunk_size", "kernels", "distributed", "fsdp_cpu_offload",
     "distributed_timeout", "adapt_cpu_threads", "output_dir", "overwrite", "resume", "resume_with_changed_settings",
-    "logging_steps", "log_completions_steps", "report_to", "save_steps", "save_total_limit", "eval_steps",
-    "eval_limit", "eval_batch_size", "eval_max_completion_length", "eval_scorer", "eval_split",
+    "logging_steps", "metrics_average", "log_completions_steps", "report_to", "save_steps", "save_total_limit",
+    "eval_steps", "eval_limit", "eval_batch_size", "eval_max_completion_length", "eval_scorer", "eval_split",
 })
 
 
@@ -517,6 +517,10 @@ class GRPOConfig(ConfigMixin):
                                                 "KL, optimizer, seed, ...) is refused, listing each change old -> "
                                                 "new. The settings that may change freely are listed in docs/cli.md")
     logging_steps: int = option(1, "console line every N steps (metrics.jsonl gets every step)")
+    metrics_average: str = option("step", "how entropy, kl and the clip ratios are averaged over a step: over its "
+                                  "tokens on every rank (step: the same at any micro-batch size and world size), or "
+                                  "each micro-batch's mean over the ranks, then the mean of those (micro_batch: trl's)",
+                                  choices=("step", "micro_batch"))
     log_completions_steps: int = option(10, "append sample completions with rewards to samples.jsonl every N steps (0 "
                                         "= off)")
     report_to: str = option("none", "extra metrics back end: tensorboard (RUN_DIR/tensorboard) or wandb (offline into "

@@ -253,9 +253,9 @@ def test_bad_inputs_are_one_clear_error(tmp_path):
         GRPOTrainer(model="tiny", reward_funcs=[reward_length, reward_answer],
                     args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, reward_weights=[1.0]),
                     train_dataset=datasets.Dataset.from_list(ROWS))
-    with pytest.raises(ValueError, match="rollout_func is not supported here yet"):
+    with pytest.raises(ValueError, match="rollout_func with tools or environment_factory: the function samples"):
         GRPOTrainer(model="tiny", reward_funcs=reward_length, args=args, rollout_func=lambda prompts, trainer: {},
-                    train_dataset=datasets.Dataset.from_list(ROWS))
+                    tools=[reward_length], train_dataset=datasets.Dataset.from_list(ROWS))
     assert not os.listdir(tmp_path)  # nothing written by a refused trainer
     torch.manual_seed(0)
 
@@ -364,15 +364,18 @@ def test_open_r1s_format_rewards():
 
 def test_intervals_count_optimizer_steps_as_trl():
     """With num_iterations 2 each rollout here makes 2 optimizer steps: trl's logging_steps / save_steps 2 are 1 of
-    ours; one that is not a multiple is refused (a default is taken to the next multiple); 0 is refused as trl."""
+    ours; a save_steps that is not a multiple is refused (a default is taken to the next multiple; logging_steps
+    counts optimizer steps in log_history, our steps only pace the console); 0 is refused as trl."""
     settings = GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_steps=4, num_iterations=2,
                           logging_steps=2, save_steps=2, use_cpu=True).our_settings()
     assert (settings["max_steps"], settings["logging_steps"], settings["save_steps"]) == (2, 1, 1)
     assert GRPOConfig(per_device_train_batch_size=4, num_generations=4, num_iterations=3,
                       use_cpu=True).our_settings()["logging_steps"] == 4  # trl's default 10 -> 12 optimizer steps
-    with pytest.raises(ValueError, match="logging_steps=3 counts optimizer steps, and each generation here makes 2"):
-        GRPOConfig(per_device_train_batch_size=4, num_generations=4, num_iterations=2, logging_steps=3,
+    with pytest.raises(ValueError, match="save_steps=3 counts optimizer steps, and each generation here makes 2"):
+        GRPOConfig(per_device_train_batch_size=4, num_generations=4, num_iterations=2, save_steps=3,
                    use_cpu=True).our_settings()
+    assert GRPOConfig(per_device_train_batch_size=4, num_generations=4, num_iterations=2, logging_steps=3,
+                      use_cpu=True).our_settings()["logging_steps"] == 2
     with pytest.raises(ValueError, match="logging_steps=0: the 'steps' strategy needs a positive logging_steps"):
         GRPOConfig(logging_steps=0, use_cpu=True).our_settings()
     with pytest.raises(ValueError, match="save_steps=0.5 is a share of max_steps, which is not set"):

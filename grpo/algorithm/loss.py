@@ -505,6 +505,8 @@ class LossStats:
     clip_high: float | None
     clip_region: float | None
     entropy: float | None = None
+    clip_low_min: float | None = None  # the smallest low-clipped share of one completion's tokens (trl's low_min)
+    clip_high_max: float | None = None  # the largest high-clipped share of one completion's tokens
     cispo_clip: float | None = None  # cispo: share of tokens whose weight was capped (A > 0)
     vespo_phi: float | None = None  # vespo: mean phi(w) over completions
     policy_loss: float | None = None  # the aggregated loss before the entropy bonus, not divided by micro-batches
@@ -527,6 +529,14 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     if values.shape[-1] == 1:
         return values.float().mean().item()
     return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
+
+
+def _row_extreme(flags: torch.Tensor, mask: torch.Tensor, extreme) -> float | None:
+    """`extreme` (torch.min or torch.max) over completions of the share of their real tokens that `flags` (n, T),
+    or (n, 1) one per completion, marks; completions without a real token are left out (None: all are)."""
+    shares = (flags.float() * mask).sum(-1) / mask.sum(-1)  # (n,) NaN where a completion has no real token
+    shares = shares[~shares.isnan()]
+    return extreme(shares).item() if shares.numel() else None
 
 
 @torch.no_grad()
@@ -565,6 +575,8 @@ def terms_statistics(terms: LossTerms, advantages: torch.Tensor, mask: torch.Ten
         stats.clip_low = _masked_mean(is_low.float(), mask)
         stats.clip_high = _masked_mean(is_high.float(), mask)
         stats.clip_region = _masked_mean((is_low | is_high).float(), mask)
+        stats.clip_low_min, stats.clip_high_max = _row_extreme(is_low, mask, torch.min), _row_extreme(is_high, mask,
+                                                                                                    torch.max)
     elif options.loss_type == "cispo":
         stats.cispo_clip = _masked_mean(((ratio > options.clip_high) & (advantages > 0)).float(), mask)
     elif options.loss_type == "vespo":

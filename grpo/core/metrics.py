@@ -14,6 +14,7 @@ import math
 import os
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from grpo.algorithm.advantages import reward_function_stats
@@ -202,15 +203,73 @@ def sampling_metrics(world, mismatch: dict) -> dict:
             "sampling/mismatch_kl": total["kl_sum"] / tokens}
 
 
+def loss_stat_mean(world, stats: list, name: str, average: str) -> float | None:
+    """A LossStats field over the step: weighted by the tokens (or rows) each micro-batch's value is over, on every
+    rank (`average` "step"); or each micro-batch's such mean over the ranks, then the mean of those ("micro_batch").
+    None when no micro-batch has it."""
+    pairs = [(getattr(s, name), s.weights()[name]) for s in stats if getattr(s, name) is not None]
+    if average == "step":
+        count = world.sum(sum(weight for _, weight in pairs))
+        return world.sum(sum(value * weight for value, weight in pairs)) / count if count > 0 else None
+    if not pairs:
+        return None
+    sums = world.all_sum(torch.tensor([[value * weight, weight] for value, weight in pairs], dtype=torch.float64,
+                                      device=world.device))  # (M, 2) each micro-batch's over every rank
+    return (sums[:, 0] / sums[:, 1].clamp(min=1.0)).mean().item()
+
+
+def loss_stat_extreme(world, stats: list, name: str, extreme, average: str) -> float | None:
+    """clip_low_min / clip_high_max over the step: `extreme` (min or max) over every micro-batch and rank
+    ("step"), or over the ranks per micro-batch, then the mean of those ("micro_batch", trl's). A micro-batch
+    without the statistic on any rank counts as none."""
+    sign, missing = (-1.0 if extreme is min else 1.0), -float("inf")  # max over ranks of sign * value
+    local = [missing if s_value is None else sign * s_value for s_value in (getattr(s, name) for s in stats)]
+    if average == "step":
+        largest = world.max(max(local, default=missing))
+        return None if largest == missing else sign * largest
+    values = [value for value in map(world.max, local) if value != missing]  # every rank in each reduction
+    return sum(sign * value for value in values) / len(values) if values else None
+
+
+def loss_stats_metrics(world, stats: list, average: str) -> dict:
+    """trl's metrics of micro-batches' LossStats: LOSS_STAT_METRICS averaged by loss_stat_mean, and the clip ratios'
+    extremes (clip_ratio/low_min, clip_ratio/high_max) by loss_stat_extreme."""
+    metrics = {metric: loss_stat_mean(world, stats, name, average) for metric, name in LOSS_STAT_METRICS.items()}
+    metrics["clip_ratio/low_min"] = loss_stat_extreme(world, stats, "clip_low_min", min, average)
+    metrics["clip_ratio/high_max"] = loss_stat_extreme(world, stats, "clip_high_max", max, average)
+    return metrics
+
+
+PER_UPDATE = "per_update"  # a step's metrics: the list of its updates' own, when it has several (never logged)
+
+
+def update_metrics(world, update, num_micro: int, average: str) -> list[dict]:
+    """Each optimizer update's loss, grad_norm, learning_rate (and entropy_coef) and the loss statistics of its
+    micro-batches (`num_micro` each), averaged as step_metrics does; for a step of several updates."""
+    entries = []
+    for index, (loss, grad_norm, rate) in enumerate(zip(update.step_losses, update.grad_norms,
+                                                        update.learning_rates, strict=True)):
+        stats = update.micro_batch_stats[index * num_micro : (index + 1) * num_micro]
+        entry = {"loss": loss, "grad_norm": grad_norm, "learning_rate": rate,
+                 "entropy_coef": update.entropy_coefs[index] if update.entropy_coefs else None}
+        entry.update(loss_stats_metrics(world, stats, average))
+        entries.append({key: value for key, value in entry.items() if value is not None})
+    return entries
+
+
 def step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, update, reward_names: list[str],
-                 learning_rate: float, skipped_updates: int) -> dict:
+                 learning_rate: float, skipped_updates: int, tokens_seen: int, average: str = "step") -> dict:
     """A step's logged metrics, with trl's names, over every rank: rewards, advantages, the loss statistics of
-    every micro-batch weighted by the tokens (or rows) they are over, lengths (the model's own tokens: tool
-    results not counted, as trl), tool calls. `update`: grpo.core.update.UpdateResult, its losses and statistics.
-    A statistic no micro-batch has (kl with beta = 0, cispo's with another loss type) is left out."""
+    the micro-batches (`average`: "step", the mean over the step's tokens or rows, the same at any micro-batch size
+    and world size; "micro_batch", each micro-batch's mean over every rank, then the mean of those, as trl), lengths
+    (the model's own tokens: tool results not counted, as trl), tool calls, and num_tokens: `tokens_seen`, the
+    prompt and completion tokens of every step so far, as trl. `update`: grpo.core.update.UpdateResult, its losses
+    and statistics. A statistic no micro-batch has (kl with beta = 0, cispo's with another loss type) is left
+    out."""
     device = loss_mask.device
-    lengths = world.gather_rows(loss_mask.sum(-1).float())  # after mask_truncated_completions
     raw_lengths = world.gather_rows(rollout.loss_mask.sum(-1).float().to(device))
+    truncated = world.gather_rows(rollout.truncated.float().to(device)).bool()
+    terminated = raw_lengths[~truncated] if bool((~truncated).any()) else torch.zeros(1, device=device)
     metrics = {
         **reward_function_stats(all_rewards, reward_names),
         "advantages/abs_mean": all_advantages.abs().mean().item(),
@@ -221,14 +280,13 @@ def step_metrics(world, rollout, loss_mask, all_rewards, all_advantages, update,
         "completions/mean_length": raw_lengths.mean().item(),
         "completions/min_length": raw_lengths.min().item(),
         "completions/max_length": raw_lengths.max().item(),
-        "completions/clipped_ratio": world.gather_rows(rollout.truncated.float().to(device)).mean().item(),
-        "num_tokens": int(lengths.sum().item()),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item(),
+        "completions/min_terminated_length": terminated.min().item(),
+        "completions/max_terminated_length": terminated.max().item(),
+        "num_tokens": tokens_seen,
         "skipped_updates": skipped_updates,
         **(tool_metrics(world, rollout, device) if rollout.tool_calls is not None else {}),
+        **loss_stats_metrics(world, update.micro_batch_stats, average),
     }
-    for metric, name in LOSS_STAT_METRICS.items():  # over the step's tokens (or rows) on every rank
-        pairs = [(getattr(s, name), s.weights()[name]) for s in update.micro_batch_stats
-                 if getattr(s, name) is not None]
-        count = world.sum(sum(weight for _, weight in pairs))
-        metrics[metric] = world.sum(sum(value * weight for value, weight in pairs)) / count if count > 0 else None
     return {key: value for key, value in metrics.items() if value is not None}  # what this loss type logs

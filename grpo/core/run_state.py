@@ -43,6 +43,7 @@ def trainer_state(state: StepState, scheduler, world, optimizer=None, policy_cal
         **rng_state(),
         "consecutive_bad_steps": state.consecutive_bad_steps,
         "skipped_updates": state.skipped_updates,
+        "tokens_seen": state.tokens_seen,
         "updates": state.updates,
         "entropy_control": state.entropy.state_dict(),
         "world_size": world.size,
@@ -97,6 +98,7 @@ def restore(checkpoint: Path, state: StepState, models: Models, optimizer, sched
     random.setstate(rng["python_rng"])
     state.consecutive_bad_steps = saved["consecutive_bad_steps"]
     state.skipped_updates = saved["skipped_updates"]
+    state.tokens_seen = saved.get("tokens_seen", 0)  # older checkpoints did not count them
     state.updates = saved["updates"]
     state.entropy.load_state_dict(saved["entropy_control"])
     if sync_ref_model and not (checkpoint / REFERENCE).is_dir():

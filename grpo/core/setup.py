@@ -263,7 +263,8 @@ def step_functions(config: GRPOConfig, held: Models, data: RunData, backend: str
         choice = select_kernels(config.kernels, held.device, options, policy,
                                 entropy_bonus=config.entropy_control().enabled, fp32_head=config.cast_lm_head_to_fp32,
                                 sharded=held.distributed == "fsdp",
-                                gradient_checkpointing=config.gradient_checkpointing)
+                                gradient_checkpointing=config.gradient_checkpointing,
+                                micro_batch_metrics=config.metrics_average == "micro_batch")
         choice.log_reasons()
         if config.generation_backend != "transformers":  # what our sampler's kernels need of the model
             choice.prepare_model(policy)
@@ -341,7 +342,8 @@ def update_options(config: GRPOConfig) -> UpdateOptions:
         importance_sampling_clip_min=config.importance_sampling_clip_min,
         importance_sampling_clip_max=config.importance_sampling_clip_max, max_grad_norm=config.max_grad_norm,
         max_bad_steps=config.max_bad_steps, sync_ref_model=config.sync_ref_model,
-        ref_model_sync_steps=config.ref_model_sync_steps, ref_model_mixup_alpha=config.ref_model_mixup_alpha)
+        ref_model_sync_steps=config.ref_model_sync_steps, ref_model_mixup_alpha=config.ref_model_mixup_alpha,
+        metrics_average=config.metrics_average)
 
 
 def checkpoint_options(config: GRPOConfig) -> CheckpointOptions:

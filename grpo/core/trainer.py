@@ -36,7 +36,7 @@ from grpo.config import GRPOConfig
 from grpo.core import run_state, setup
 from grpo.core.checkpoint import CHECKPOINTS, latest_checkpoint
 from grpo.core.disk_full import DiskFullError, writing
-from grpo.core.metrics import MetricsLogger, group_samples
+from grpo.core.metrics import PER_UPDATE, MetricsLogger, group_samples
 from grpo.core.update import TrainingError, UpdateResult, train_on_rollout
 from grpo.algorithm.sampler import sample_groups
 from grpo.errors import PluginError
@@ -63,12 +63,23 @@ class StepOutput(NamedTuple):
 
 
 class StepHooks(NamedTuple):
-    """What `Trainer.train` calls for a caller that watches the run: `step_end(step, metrics) -> (save, stop)` after
-    each step is logged (save a checkpoint now; stop after this step, saving), and `saved(step, folder)` after each
-    checkpoint."""
+    """What `Trainer.train` calls for a caller that watches the run: `step_end(step, metrics, per_update) -> (save,
+    stop)` after each step is logged (save a checkpoint now; stop after this step, saving; `per_update`: each
+    optimizer update's own loss, grad_norm, learning_rate and loss statistics when the step made several, else
+    None), and `saved(step, folder)` after each checkpoint."""
 
-    step_end: Callable[[int, dict], tuple[bool, bool]]
+    step_end: Callable[[int, dict, list | None], tuple[bool, bool]]
     saved: Callable[[int, Path], None]
+
+
+class DataOrder(NamedTuple):
+    """The order the loop reads its data in: `prompts(step)`, the step's k * B prompt indices over every rank;
+    `rows(step, num_rows)`, this rank's N rows in the order every iteration of the step cuts them into micro-batches,
+    or None for a fresh seeded order per iteration (grpo.core.update.train_on_rollout). The run's own are
+    grpo.generation.rollout.step_prompts and None; grpo.trl_api puts trl's here."""
+
+    prompts: Callable[[int], list[int]]
+    rows: Callable[[int, int], torch.Tensor | None]
 
 
 class Trainer:
@@ -105,6 +116,7 @@ class Trainer:
                 threads = self.cpu_threads.adjust()  # the cores other processes left idle (grpo/parallel/threads.py)
                 # sample -> reward -> advantage -> reference/old log-probs -> loss and update
                 metrics, rollout, prompts, texts = self.train_step(rollouts)
+                per_update = metrics.pop(PER_UPDATE, None)  # for the hooks: each update's own, when several
                 if rollouts is not None and self.step < stop_at:  # the generator samples ahead from the new weights
                     rollouts.publish(self.step, self.state.updates, self.policy)
                 metrics["cpu_threads"] = threads
@@ -126,7 +138,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl') or 0:.4f}",
                                 len=f"{metrics['completions/mean_length']:.0f}")
-                save_now, stop_now = hooks.step_end(self.step, metrics) if hooks is not None else (False, False)
+                save_now, stop_now = (hooks.step_end(self.step, metrics, per_update) if hooks is not None
+                                      else (False, False))
                 stopping = self.world.any(self._stop_signal is not None or stop_now)  # all ranks stop after one step
                 if stopping and self._stop_signal is None and not stop_now:
                     self._stop_signal = "a signal to another rank"
@@ -189,7 +202,7 @@ class Trainer:
         `generation`: another backend than the run's (asynchronous rollouts' own copy of the policy); `world`:
         the training rank to sample for (a generation process samples for others)."""
         loop, world, rows = self.loop, world or self.world, len(self.data.train_rows)
-        indices = step_prompts(step, loop.prompts_per_generation, rows, loop.seed, loop.shuffle)
+        indices = self.order.prompts(step)
         first = self._sample_round(step, 0, indices, generation, world)
         if not loop.dynamic_sampling:
             return (*first, {})
@@ -284,7 +297,7 @@ class Trainer:
         value of the update (advantages, old and reference log-probs, each micro-batch's loss and statistics)."""
         return train_on_rollout(rollout, self.update_options, self.models, self.optimizer, self.scheduler,
                                 self.state, self.world, self.functions, self.rewards, self.loop.num_updates,
-                                self.generation.after_update)
+                                self.generation.after_update, self.order.rows(self.state.step, rollout.num_rows))
 
     def train_on_rollout(self, rollout: Rollout) -> dict:
         """The update's metrics (`update` for its intermediate values too)."""
@@ -369,6 +382,9 @@ class Trainer:
         self.record = setup.run_record(cfg, self.rewards, self.data.task, self.kernels, self.generation,
                                        self.world.size, self.models.distributed, self.run.changed_on_resume)
         self.sample_rollout = sample_rollout if self.data.played is None else self.data.played.sample_rollout
+        self.order = DataOrder(partial(step_prompts, count=self.loop.prompts_per_generation,
+                                       dataset_size=len(self.data.train_rows), seed=cfg.seed,
+                                       shuffle=cfg.shuffle_dataset), lambda step, num_rows: None)
         self.collapse, self._stop_signal = CollapseWatch(), None
         self.cpu_threads = CpuThreads(cfg.adapt_cpu_threads and self.processes.device.type == "cpu")
         # only now, every check passed, may an old run in the output folder be replaced
@@ -378,4 +394,4 @@ class Trainer:
         self.world.barrier()
 
 
-__all__ = ["StepHooks", "Trainer", "TrainingError", "DiskFullError", "Rollout"]
+__all__ = ["DataOrder", "StepHooks", "Trainer", "TrainingError", "DiskFullError", "Rollout"]

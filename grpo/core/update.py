@@ -41,7 +41,7 @@ from grpo.algorithm.advantages import AdvantageBatch, estimate_advantages, rewar
 from grpo.algorithm.loss import EntropyControl, LossStats
 from grpo.algorithm.off_policy import behaviour_weights, mismatch_statistics
 from grpo.algorithm.step import StepFunctions
-from grpo.core.metrics import sampling_metrics, step_metrics
+from grpo.core.metrics import PER_UPDATE, sampling_metrics, step_metrics, update_metrics
 from grpo.errors import NoSignalError, TrainingError
 from grpo.generation.rollout import Rollout, seeded
 from grpo.parallel.distributed import World, accumulating, full_tensor
@@ -73,6 +73,7 @@ class UpdateOptions:
     sync_ref_model: bool  # TR-DPO: ref <- alpha policy + (1 - alpha) ref every ref_model_sync_steps updates
     ref_model_sync_steps: int
     ref_model_mixup_alpha: float
+    metrics_average: str  # "step" or "micro_batch" (grpo.core.metrics.step_metrics)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class StepState:
     updates: int = 0  # optimizer updates applied (the reference syncs count them, as trl's global_step)
     consecutive_bad_steps: int = 0  # updates skipped in a row (non-finite loss or gradient)
     skipped_updates: int = 0
+    tokens_seen: int = 0  # prompt and completion tokens of every rollout trained on (trl's num_tokens)
     entropy: EntropyControl = field(default_factory=EntropyControl)  # the entropy bonus's coefficient
 
 
@@ -115,6 +117,7 @@ class UpdateResult:
     micro_batch_stats: list[LossStats] = field(default_factory=list)
     step_losses: list[float] = field(default_factory=list)  # per optimizer update, over every rank
     grad_norms: list[float] = field(default_factory=list)  # per optimizer update
+    learning_rates: list[float] = field(default_factory=list)  # per optimizer update, the rate it stepped with
     entropy_coefs: list[float] = field(default_factory=list)  # per optimizer update, when the bonus is on
     num_items_in_batch: float = 0.0  # real completion tokens of one optimizer update over every rank
 
@@ -254,7 +257,7 @@ def behaviour_correction(rollout: Rollout, old_logps: torch.Tensor, loss_mask: t
 
 def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, optimizer, scheduler,
                      state: StepState, world: World, functions: StepFunctions, reward_specs, num_updates: int = 1,
-                     after_update=lambda: None) -> UpdateResult:
+                     after_update=lambda: None, order: torch.Tensor | None = None) -> UpdateResult:
     """Advantages, reference/old log-probs, then num_iterations x k optimizer updates on one rollout.
 
     `rollout` holds this rank's rows (all of them at world size one). k = updates_per_generation: the
@@ -262,7 +265,8 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
     into the accumulated gradient, so each update equals the full-slice one (grpo.algorithm.loss.aggregate_loss says
     exactly when); DDP / FSDP2 average it over ranks. `reward_specs` (rewards.RewardSpec): the weights and
     names of the reward columns. `num_updates`: k (the run's updates per generation). `after_update`: called
-    after each optimizer update (the generation backend's).
+    after each optimizer update (the generation backend's). `order`: (N,) the rows in the order every iteration cuts
+    them into micro-batches (trl's: one shuffle per generation); None: a fresh seeded order per iteration.
     """
     check_rollout(options, world, rollout, num_updates)
     device, num_rows = models.device, rollout.num_rows
@@ -309,8 +313,9 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
                           num_items_in_batch=num_items_in_batch * world.size)
     per_row = (advantages, old_logps, ref_logps, behaviour, is_weights)  # each (N, 1), (N, T) or None
     for iteration in range(options.num_iterations):
-        order = micro_batch_order(num_rows, options.seed, state.step, iteration, world.rank)  # (N,)
-        for update_rows in order.chunk(num_updates):  # (N / k,) each update its own slice of the rows
+        rows_order = micro_batch_order(num_rows, options.seed, state.step, iteration, world.rank) if order is None \
+            else order  # (N,)
+        for update_rows in rows_order.chunk(num_updates):  # (N / k,) each update its own slice of the rows
             coef = state.entropy.applied()  # the same for the whole update; None: no entropy bonus
             finite, losses = signal, []
             for index, rows in enumerate(functions.update_batches(update_rows, lengths, options.micro_batch_size)):
@@ -326,6 +331,7 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
                     loss.backward()  # also when not finite: every rank takes part in each gradient sync
                 losses.append(loss.item())
                 result.micro_batch_stats.append(stats)
+            result.learning_rates.append(scheduler.get_last_lr()[0])  # what this update steps with
             result.grad_norms.append(apply_update(options, models, optimizer, scheduler, state, world, finite,
                                                   result.micro_batch_stats[-num_micro:], after_update))
             if coef is not None:
@@ -333,9 +339,13 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
             result.step_losses.append(world.sum(sum(losses)) / world.size)  # the loss whose gradient was applied
             result.micro_batch_losses += losses
 
+    # trl counts each rollout's prompt tokens (once per completion) and completion tokens (the model's own)
+    state.tokens_seen += int(world.sum(rollout.prompt_mask.sum().item() + rollout.loss_mask.sum().item()))
     # the estimator's statistics last: a per-token estimator's advantages/abs_mean is over the real tokens
     names = [spec.name for spec in reward_specs]
     metrics = step_metrics(world, rollout, loss_mask, batch.rewards_per_func, all_advantages, result, names,
-                           scheduler.get_last_lr()[0], state.skipped_updates)
+                           result.learning_rates[-1], state.skipped_updates, state.tokens_seen, options.metrics_average)
+    if len(result.grad_norms) > 1:  # each update's own loss, gradient norm, rate and loss statistics (trl logs them)
+        metrics[PER_UPDATE] = update_metrics(world, result, num_micro, options.metrics_average)
     result.metrics = {**sampling_stats, **metrics, **reward_stats}
     return result

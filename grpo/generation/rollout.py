@@ -104,13 +104,15 @@ class Rollout:
         eos_token_ids: tuple[int, ...],
         pad_token_id: int,
         tool_masks: list[list[int]] | None = None,
+        cut_at_eos: bool = True,
     ) -> "Rollout":
         """Build from one prompt and one completion token list per row (N of each) and (N, K) rewards.
 
         The completion mask covers tokens up to and including the first EOS; a completion without
         EOS is marked truncated. Tokens after the first EOS are ignored. `tool_masks`: one 0/1 list per
         completion, 0 on the tool-result tokens; neither an EOS inside a result nor the EOS of a turn that a
-        result follows ends the completion.
+        result follows ends the completion. `cut_at_eos=False`: each list is the whole completion, as trl takes a
+        rollout_func's (every token counts; truncated when the last token is neither EOS nor `pad_token_id`).
         """
         if len(prompt_ids) != len(completion_ids):
             raise ValueError(f"{len(prompt_ids)} prompts for {len(completion_ids)} completions")
@@ -128,7 +130,9 @@ class Rollout:
             prompts[row, prompt_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             prompt_mask[row, prompt_len - len(prompt) :] = 1
             length, own = len(completion), [1] * len(completion) if tool_masks is None else tool_masks[row]
-            for position, token in enumerate(completion):
+            if not cut_at_eos:
+                truncated[row] = not completion or completion[-1] not in eos | {pad_token_id}
+            for position, token in enumerate(completion if cut_at_eos else ()):
                 goes_on = position + 1 < len(completion) and not own[position + 1]  # a tool result follows
                 if token in eos and own[position] and not goes_on:
                     length, truncated[row] = position + 1, False

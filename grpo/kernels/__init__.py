@@ -143,7 +143,7 @@ def _holding(*pairs: tuple[bool, str]) -> list[str]:
 
 def select_kernels(kernels: str, device: torch.device, loss_options=None, model=None,
                    entropy_bonus: bool = False, fp32_head: bool = False, sharded: bool = False,
-                   gradient_checkpointing: bool = False) -> KernelChoice:
+                   gradient_checkpointing: bool = False, micro_batch_metrics: bool = False) -> KernelChoice:
     """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table).
 
     loss_options (grpo.algorithm.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it
@@ -152,6 +152,8 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     which the log-prob kernels compute for the logs only, so the update pass takes the plain log-probs.
     fp32_head (cast_lm_head_to_fp32): the kernels run the output projection in the autocast dtype; the plain
     log-probs run it in fp32. sharded (FSDP2) or gradient_checkpointing: no shared-prompt passes.
+    micro_batch_metrics (metrics_average micro_batch): the logged statistics are means of each micro-batch's, so the
+    micro-batches stay as cut.
     """
     from grpo.algorithm.loss import LOSS_TYPES, LossOptions
 
@@ -166,11 +168,12 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         (options.aggregation == "bnpo", "bnpo divides each micro-batch's loss by that micro-batch's token count"),
         (options.top_entropy_quantile < 1.0, "the entropy mask's quantile is taken over each micro-batch"),
         (entropy_bonus, "the entropy bonus is a mean over each micro-batch's tokens"),
+        (micro_batch_metrics, "metrics_average=micro_batch logs the mean of each micro-batch's statistics"),
     )
     if grouping_dependent:
         choice.length_grouping = False
-        choice.reasons["length_grouping"] = "; ".join(grouping_dependent) + ": regrouping would change the loss, so " \
-            "the update keeps the random micro-batches"
+        choice.reasons["length_grouping"] = "; ".join(grouping_dependent) + ": regrouping would change the loss or " \
+            "its logs, so the update keeps the random micro-batches"
     coupled = _holding(
         (options.ratio_level != "token", "sequence-level ratios couple a completion's tokens"),
         (options.loss_type not in LOSS_TYPES, "a plug-in objective reads the (n, T) tensors"),

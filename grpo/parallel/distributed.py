@@ -65,9 +65,10 @@ class World:
         return float(self.all_sum(torch.tensor(float(value), dtype=torch.float64, device=self.device)).item())
 
     def max(self, value: float) -> float:
+        if self.size == 1:  # no collective: the value itself
+            return float(value)
         tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        if self.size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return float(tensor.item())
 
     def any(self, flag: bool) -> bool:

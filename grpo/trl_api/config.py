@@ -144,7 +144,7 @@ class GRPOConfig:
             warmup_steps=int(self.warmup_steps) if self.warmup_steps >= 1 else 0,
             optim=OPTIMIZERS[_text(self.optim)], precision=precision, device="cpu" if self.use_cpu else "auto",
             report_to=self.report_to[0] if self.report_to else "none",
-            logging_steps=self._steps("logging_steps", batch.updates_per_step),
+            logging_steps=self._steps("logging_steps", batch.updates_per_step, exact=False),
             save_steps=self._steps("save_steps", batch.updates_per_step) if _text(self.save_strategy) == "steps" else 0,
             save_total_limit=self.save_total_limit or 0,
             eval_steps=self._steps("eval_steps", batch.updates_per_step) if _text(self.eval_strategy) == "steps" else 0,
@@ -155,16 +155,18 @@ class GRPOConfig:
             importance_sampling_mode=self.vllm_importance_sampling_mode,
             importance_sampling_clip_max=self.vllm_importance_sampling_clip_max,
             importance_sampling_clip_min=self.vllm_importance_sampling_clip_min,
-            log_completions_steps=self._steps("logging_steps", batch.updates_per_step) if self.log_completions else 0,
+            log_completions_steps=(self._steps("logging_steps", batch.updates_per_step, exact=False)
+                                   if self.log_completions else 0),
         )
         if self.fsdp:
             settings.update(distributed="fsdp", fsdp_cpu_offload="offload" in str(self.fsdp).split())
         return settings
 
-    def _steps(self, name: str, updates_per_step: int) -> int:
+    def _steps(self, name: str, updates_per_step: int, exact: bool = True) -> int:
         """An interval of logging / saving / evaluation in our steps: trl's counts optimizer steps (a value < 1 is a
         share of max_steps, as transformers), and each of our steps makes `updates_per_step` of them, so a value given
-        must be a multiple of that (trl's default is taken to the next one)."""
+        must be a multiple of that (trl's default is taken to the next one; `exact=False`: any is, rounded up: the
+        drop-in logs each optimizer step itself, our steps only pace the console)."""
         value = getattr(self, name)
         if value is None or value <= 0:
             raise ValueError(f"{name}={value!r}: the 'steps' strategy needs a positive {name} (as transformers)")
@@ -172,7 +174,7 @@ class GRPOConfig:
             if self.max_steps <= 0:
                 raise ValueError(f"{name}={value!r} is a share of max_steps, which is not set: give whole steps")
             value = math.ceil(self.max_steps * value)
-        if value % updates_per_step and name not in self.given:  # trl's default: the next multiple
+        if value % updates_per_step and (name not in self.given or not exact):  # trl's default: the next multiple
             return math.ceil(value / updates_per_step)
         if value % updates_per_step:
             raise ValueError(f"{name}={value!r} counts optimizer steps, and each generation here makes "

@@ -28,7 +28,9 @@ import torch
 
 from grpo.config import GRPOConfig as OurConfig
 from grpo.core.checkpoint import latest_checkpoint
+from grpo.core.trainer import DataOrder
 from grpo.trl_api.config import GRPOConfig
+from grpo.trl_api.rollouts import RolloutFunction, TrlOrder
 from rewards.registry import MODEL_PREFIX, RewardModel, RewardSpec
 
 logger = logging.getLogger("grpo")
@@ -36,6 +38,10 @@ TRL_REWARD_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")  # what trl 
 TRL_PROMPT_COLUMNS = ("prompt", "image", "images")  # what remove_unused_columns=True keeps, as trl
 TRAINER_STATE = "trainer_state.json"  # in each checkpoint, as transformers writes it
 LAST_VALUE = ("learning_rate", "grad_norm")  # logged as the step's value; every other metric as the mean, as trl
+TRANSFORMERS_KEYS = ("loss", *LAST_VALUE)  # what transformers logs at logging steps only; trl's own metrics also
+# go into the summary at the end
+OURS_ONLY = ("advantages/", "answers/", "cpu_threads", "sample_time", "skipped_updates", "tokens_per_second",
+             "dynamic_sampling/")  # our metrics (metrics.jsonl keeps them) that trl does not log
 LORA_DEFAULTS = dict(bias="none", modules_to_save=None, use_rslora=False, use_dora=False, init_lora_weights=True)
 
 
@@ -127,7 +133,8 @@ class GRPOTrainer:
         self.args = args if args is not None else GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
         refused = [(optimizers is not None and tuple(optimizers) != (None, None),
                     "optimizers: the optimizer and schedule are built from args (optim, lr_scheduler_type)"),
-                   (rollout_func is not None, "rollout_func is not supported here yet"),
+                   (rollout_func is not None and (tools or environment_factory),
+                    "rollout_func with tools or environment_factory: the function samples whole rollouts here"),
                    (quantization_config is not None, "quantization_config is not supported here yet"),
                    (type(model).__name__.startswith("Peft"), "model: pass the base model and peft_config, not a "
                                                             "PeftModel")]
@@ -141,7 +148,8 @@ class GRPOTrainer:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         settings = self.args.our_settings(world_size)
         settings.update(model=str(name) if isinstance(model, str) else (str(name) or "given"),
-                        dataset="train_dataset", overwrite=True, **_lora_settings(peft_config))
+                        dataset="train_dataset", overwrite=True, metrics_average="micro_batch",
+                        **_lora_settings(peft_config))
         self.train_rows = _rows(train_dataset, "train_dataset", self.args.remove_unused_columns)
         self.eval_rows = _rows(eval_dataset, "eval_dataset", self.args.remove_unused_columns)
         if self.train_rows is None:
@@ -157,6 +165,8 @@ class GRPOTrainer:
         self.policy, self.processing_class = (None if isinstance(model, str) else model), processing_class
         self.reward_processing_classes, self.tools, self.environment_factory = (reward_processing_classes, tools,
                                                                                 environment_factory)
+        self.rollout_func = rollout_func
+        self.num_generations = self.num_generations_eval = self.args.num_generations  # what a rollout_func reads
         OurConfig(**settings).validate()  # every setting checked now, before any model loads
         for line in self.args.left_fields():
             logger.warning("trl setting without effect here: %s", line)
@@ -196,6 +206,13 @@ class GRPOTrainer:
                               tools=self.tools, environment_factory=self.environment_factory,
                               reward_processing_classes=self.reward_processing_classes)
         self.processing_class = self.engine.data.tokenizer
+        # trl's order of prompts and of micro-batch rows, and its rollout_func where our sampler would run
+        order = TrlOrder(len(self.train_rows), self.engine.loop.prompts_per_generation, self.args.seed,
+                         self.args.shuffle_dataset)
+        self.engine.order = DataOrder(order.prompts, order.rows)
+        if self.rollout_func is not None:
+            call = RolloutFunction(lambda prompts: self.rollout_func(prompts, self))
+            self.engine.sample_rollout = call.sample_rollout
         handler = self.callback_handler
         handler.model, handler.processing_class = self.engine.policy, self.processing_class
         handler.optimizer, handler.lr_scheduler = self.engine.optimizer, self.engine.scheduler
@@ -241,7 +258,8 @@ class GRPOTrainer:
         state.logging_steps, state.save_steps = self.settings["logging_steps"], self.settings["save_steps"]
         state.eval_steps = self.settings["eval_steps"]
         state.num_train_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else 1
-        prompts_per_epoch = max(len(self.train_rows), 1)
+        # trl's epoch: optimizer steps over those of one pass, whose last incomplete generation is dropped
+        generations_per_epoch = max(len(self.train_rows) // engine.loop.prompts_per_generation, 1)
         window: dict[str, list[float]] = {}
         losses: list[float] = []
         started = time.time()
@@ -251,35 +269,44 @@ class GRPOTrainer:
         self.control = handler.on_step_begin(args, state, self.control)
         link_root = Path(args.output_dir)
 
-        def step_end(step: int, metrics: dict):
-            state.global_step = step * updates
-            epoch = state.epoch or 0.0
-            state.epoch = step * self.settings["prompts_per_step"] * (updates // self.settings["num_iterations"]) \
-                / prompts_per_epoch
-            self.control = handler.on_step_end(args, state, self.control)
-            if math.floor(state.epoch) > math.floor(epoch):  # a pass over the prompts ended
-                self.control = handler.on_epoch_end(args, state, self.control)
-                self.control = handler.on_epoch_begin(args, state, self.control)
+        log_every = math.ceil(state.max_steps * args.logging_steps) if args.logging_steps < 1 \
+            else int(args.logging_steps)  # in optimizer steps, as transformers
+
+        def step_end(step: int, metrics: dict, per_update: list | None):
+            """After each of our steps: trl's events and log entries for each optimizer update it made."""
             numbers = {key: float(value) for key, value in metrics.items()
-                       if isinstance(value, (int, float)) and not isinstance(value, bool)}
+                       if isinstance(value, (int, float)) and not isinstance(value, bool)
+                       and not key.startswith(OURS_ONLY)}
             evaluated = {key: numbers.pop(key) for key in list(numbers) if key.startswith("eval/")}
             numbers.update({name: sum(values) / len(values) for name, values in self.logged_metrics.items()})
             self.logged_metrics.clear()
-            for key, value in numbers.items():
-                window.setdefault(key, []).append(value)
-            if "loss" in numbers:
-                losses.append(numbers["loss"])
-            due = step % self.settings["logging_steps"] == 0 or self.control.should_log
-            if args.logging_strategy != "no" and due:
-                self.log({key: (values[-1] if key in LAST_VALUE else sum(values) / len(values))
-                          for key, values in window.items()})
-                window.clear()
+            # the generation's metrics go with its first update; each update's loss statistics with that update
+            for index, own in enumerate(per_update or [{}]):
+                if index:
+                    self.control = handler.on_step_begin(args, state, self.control)
+                state.global_step = (step - 1) * updates + index + 1
+                epoch = state.epoch or 0.0
+                state.epoch = state.global_step / (generations_per_epoch * updates)
+                self.control = handler.on_step_end(args, state, self.control)
+                if math.floor(state.epoch) > math.floor(epoch):  # a pass over the prompts ended
+                    self.control = handler.on_epoch_end(args, state, self.control)
+                    self.control = handler.on_epoch_begin(args, state, self.control)
+                timing = {key: numbers[key] / len(per_update or [{}]) for key in ("step_time",) if key in numbers}
+                for key, value in ({**numbers, **own} if index == 0 else {**own, **timing}).items():
+                    window.setdefault(key, []).append(float(value))
+                losses.append(own.get("loss", numbers.get("loss", 0.0)))
+                due = state.global_step % log_every == 0 or self.control.should_log
+                if args.logging_strategy != "no" and due:
+                    self.log({key: (values[-1] if key in LAST_VALUE else sum(values) / len(values))
+                              for key, values in window.items()})
+                    window.clear()
+                    self.control.should_log = False
             if evaluated:  # the loop evaluated at eval_steps: its own entry, as trl's evaluate() logs it
                 self._evaluated({f"eval_{key.removeprefix('eval/')}": value for key, value in evaluated.items()})
             if self.control.should_evaluate:
                 self.evaluate()
             save, stop = self.control.should_save, self.control.should_training_stop
-            self.control.should_save = self.control.should_evaluate = self.control.should_log = False
+            self.control.should_save = self.control.should_evaluate = False
             if not stop and step < engine.loop.total_steps:  # nothing runs between this step's end and the next
                 self.control = handler.on_step_begin(args, state, self.control)
             return save, stop
@@ -304,6 +331,9 @@ class GRPOTrainer:
                    * args.gradient_accumulation_steps / max(runtime, 1e-9),
                    "train_steps_per_second": steps_run / max(runtime, 1e-9), "total_flos": 0.0,
                    "train_loss": sum(losses) / len(losses) if losses else 0.0}
+        if args.logging_strategy != "no":  # trl's metrics since the last logging step join the summary, as trl
+            summary.update({key: sum(values) / len(values) for key, values in window.items()
+                            if key not in TRANSFORMERS_KEYS})
         self.log(summary)
         self.control = handler.on_epoch_end(args, state, self.control)
         self.control = handler.on_train_end(args, state, self.control)
