@@ -82,15 +82,18 @@ def main(argv=None):
     parser.add_argument("--output-dir", default="./qwen_grpo_output")
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (-1: one epoch)")
     parser.add_argument("--logging-steps", type=int, default=10, help="log every N optimizer steps")
+    parser.add_argument("--learning-rate", type=float, default=5e-6)
+    parser.add_argument("--max-completion-length", type=int, default=512, help="trl's default, which the article kept")
     parser.add_argument("--cpu", action="store_true", help="use_cpu, fp32 (no bf16, no TF32, AdamW without bnb)")
     options = parser.parse_args(argv)
     gpu = not options.cpu
     training_args = GRPOConfig(
         output_dir=options.output_dir, num_train_epochs=1, max_steps=options.max_steps,
-        per_device_train_batch_size=4, gradient_accumulation_steps=4, learning_rate=5e-6,
+        per_device_train_batch_size=4, gradient_accumulation_steps=4, learning_rate=options.learning_rate,
         logging_steps=options.logging_steps, save_steps=500, eval_strategy="no", bf16=gpu, tf32=gpu,
         gradient_checkpointing=True, optim="adamw_8bit" if gpu else "adamw_torch",
-        report_to="tensorboard" if gpu else "none", remove_unused_columns=False, use_cpu=options.cpu)
+        report_to="tensorboard" if gpu else "none", remove_unused_columns=False, use_cpu=options.cpu,
+        max_completion_length=options.max_completion_length)
     model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.bfloat16 if gpu else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     if tokenizer.pad_token is None:

@@ -89,8 +89,9 @@ FIELDS: dict[str, Field] = {
     "torch_empty_cache_steps": left(None, "the loop does not empty the CUDA cache on a schedule"),
     "auto_find_batch_size": refused(False, "trl refuses it for GRPO too"),
     "logging_strategy": same("steps", "logging_steps", "'no' logs to metrics.jsonl only; 'epoch' is refused"),
-    "logging_steps": same(10, "logging_steps", "whole steps (a ratio < 1 of max_steps is converted); "
-                                               "state.log_history and metrics.jsonl get every step"),
+    "logging_steps": same(10, "logging_steps", "optimizer steps between state.log_history entries, as trl (a "
+                                               "ratio < 1 of max_steps is converted); metrics.jsonl gets every "
+                                               "step"),
     "logging_first_step": left(False, "every step is logged (metrics.jsonl, state.log_history)"),
     "log_on_each_node": left(True, "rank 0 logs"),
     "logging_nan_inf_filter": left(True, "a non-finite loss skips its update here (max_bad_steps), nothing is "
@@ -185,7 +186,7 @@ FIELDS: dict[str, Field] = {
     "num_generations_eval": refused(None, TRL_EVAL),
     "max_completion_length": same(512, "max_completion_length"),
     "ds3_gather_for_generation": left(True, NO_DEEPSPEED),
-    "shuffle_dataset": same(True, "shuffle_dataset"),
+    "shuffle_dataset": same(True, "shuffle_dataset", "in trl's order (trl_api.rollouts.TrlOrder)"),
     "pad_to_multiple_of": left("auto", "padding changes no number; micro-batches are padded to their longest row"),
     "generation_batch_size": same(None, "steps_per_generation", BATCH),
     "steps_per_generation": same(None, "steps_per_generation", BATCH),
