@@ -25,7 +25,8 @@ from tests.conftest import gsm8k_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS_IMPORT = "from grpo.trl_api import GRPOConfig, GRPOTrainer\n"
-TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "eval_runtime",
+           "eval_samples_per_second", "eval_steps_per_second")
 RTOL, ATOL = 1e-5, 1e-6
 
 pytestmark = pytest.mark.slow
@@ -147,8 +148,12 @@ def length(completions, completion_ids, **kwargs):
     return [len(ids) / 40 for ids in completion_ids]
 
 
+EVAL_ROWS = [{"prompt": [{"role": "user", "content": f"What is {i} + {2 * i}?"}], "answer": str(3 * i)}
+             for i in range(5)]  # 5 prompts: the last eval batch is a part one
+
+
 def small_script(classes, model_dir, output_dir, settings: dict, rollout_func, reward_funcs=(correct, tagged),
-                 callbacks=None, resume=None):
+                 callbacks=None, resume=None, eval_rows=None):
     """The same few lines under either engine: trl's GRPOConfig with `settings`, trl's GRPOTrainer, train()."""
     GRPOConfig, GRPOTrainer = classes
     base = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", logging_steps=1, seed=7,
@@ -157,7 +162,8 @@ def small_script(classes, model_dir, output_dir, settings: dict, rollout_func, r
                 warmup_steps=1, max_completion_length=64)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=list(reward_funcs), args=GRPOConfig(**{**base, **settings}),
                           train_dataset=datasets.Dataset.from_list(ROWS), rollout_func=rollout_func,
-                          callbacks=callbacks)
+                          callbacks=callbacks,
+                          eval_dataset=None if eval_rows is None else datasets.Dataset.from_list(eval_rows))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -257,3 +263,23 @@ def test_a_rollout_func_that_returns_too_little_is_one_clear_error(tmp_path, tin
                                          r"\(each of the 1 prompts 4 times\)"):
         small_script(_classes("ours"), tiny_model_dir, tmp_path / "b", {},
                      lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": None})
+
+
+@pytest.mark.parametrize("settings", [dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8, max_steps=8,
+                                           num_generations_eval=4, beta=0.04),
+                                      dict(eval_strategy="steps", eval_steps=4, num_iterations=2, max_steps=8,
+                                           per_device_eval_batch_size=4)], ids=["eval-every-2", "eval-iterations-2"])
+def test_an_eval_dataset_gives_trls_numbers(settings, tmp_path, tiny_model_dir):
+    """eval_dataset evaluated every eval_steps as trl does (sampled completions, here the table's, their loss and
+    metrics without an update), between training steps whose numbers stay trl's (each evaluation draws from the
+    stream that orders the micro-batches)."""
+    histories, seen = {}, {}
+    golds = gsm8k_golds(ROWS + EVAL_ROWS)
+    for engine in ("trl", "ours"):
+        seen[engine] = []
+        trainer = small_script(_classes(engine), tiny_model_dir, tmp_path / engine, settings,
+                               table_rollout(golds, seen[engine]), eval_rows=EVAL_ROWS)
+        histories[engine] = trainer.state.log_history
+    assert seen["ours"] == seen["trl"]
+    assert sum("eval_loss" in entry for entry in histories["trl"]) == 8 // settings["eval_steps"]
+    assert_same_log_history(histories["ours"], histories["trl"])

@@ -45,6 +45,7 @@ from grpo.evaluation.evaluate import evaluate, gold_answer, sample_answer, save_
 from grpo.generation.async_rollouts import (BackgroundRollouts, GenerationError, ProcessRollouts, generation_loop,
                                             is_stale, steps_ahead)
 from grpo.generation.dynamic_sampling import FIRST_ROUND, keep_informative_groups
+from grpo.generation.prompts import encode_prompts
 from grpo.generation.rollout import Rollout, RowUniforms, make_generation_backend, sample_rollout, seeded, step_prompts
 from grpo.parallel.distributed import World, gathered
 from grpo.parallel.threads import CpuThreads
@@ -229,10 +230,23 @@ class Trainer:
         positions = range(world.rank * size, (world.rank + 1) * size)
         noise = RowUniforms.per_prompt([seeded(loop.seed, 104729, step, round_, p) for p in positions],
                                        loop.group_size, loop.sampling.max_completion_length)
-        sample = partial(self.sample_rollout, tokenizer=data.tokenizer, reward_specs=self.rewards,
-                         rows=[data.train_rows[indices[p]] for p in positions],
-                         prompt_ids=[data.train_prompt_ids[indices[p]] for p in positions], group=loop.group_size,
-                         params=loop.sampling, noise=noise, return_logprobs=loop.behaviour_logprobs)
+        return self._sample([data.train_rows[indices[p]] for p in positions],
+                            [data.train_prompt_ids[indices[p]] for p in positions], loop.group_size, noise, generation)
+
+    def sample_rows(self, rows: list[dict], group: int, seed: tuple[int, ...]) -> tuple[Rollout, list, list]:
+        """`group` completions of each of `rows`' prompts, sampled and scored as a step's are, each prompt's noise
+        seeded by (*seed, its position): (rollout, prompts, texts). grpo.trl_api's evaluation samples this way."""
+        prompt_ids, _, _ = encode_prompts(self.data.tokenizer, rows, 10**9, where="rows", progress=False,
+                                          chat_template_kwargs=self.data.template_kwargs)
+        noise = RowUniforms.per_prompt([seeded(*seed, p) for p in range(len(rows))], group,
+                                       self.loop.sampling.max_completion_length)
+        return self._sample(rows, prompt_ids, group, noise, None)
+
+    def _sample(self, rows: list[dict], prompt_ids: list[list[int]], group: int, noise, generation):
+        """The rows sampled by `generation` (None: the run's backend, on the live policy) and scored."""
+        sample = partial(self.sample_rollout, tokenizer=self.data.tokenizer, reward_specs=self.rewards, rows=rows,
+                         prompt_ids=prompt_ids, group=group, params=self.loop.sampling, noise=noise,
+                         return_logprobs=self.loop.behaviour_logprobs)
         if generation is not None:  # a copy of the policy, in eval mode, in its own thread or process
             with setup.autocast(self.models.device, self.processes.precision):
                 return sample(generation)

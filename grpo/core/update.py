@@ -349,3 +349,48 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
         metrics[PER_UPDATE] = update_metrics(world, result, num_micro, options.metrics_average)
     result.metrics = {**sampling_stats, **metrics, **reward_stats}
     return result
+
+
+@torch.no_grad()
+def evaluate_rollout(rollout: Rollout, options: UpdateOptions, models: Models, world: World,
+                     functions: StepFunctions, reward_specs, tokens_seen: int) -> tuple[dict, float]:
+    """A rollout's loss and metrics without an update, as trl evaluates a batch: its rows one micro-batch (no
+    accumulation), the policy's own log-probs as the old ones (ratio 1), the advantages and the KL as in training,
+    no entropy bonus. Returns the step's metrics (trl's names; the loss the mean over ranks) less grad_norm and
+    learning_rate, and this rank's loss; nothing changes."""
+    device = models.device
+    completion_mask, loss_mask = rollout.completion_mask.to(device), rollout.loss_mask.to(device)  # (N, T)
+    if options.mask_truncated_completions:
+        kept = (~rollout.truncated.to(device))[:, None]
+        completion_mask, loss_mask = completion_mask * kept, loss_mask * kept
+    tensors = (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
+               completion_mask, loss_mask)
+    ref_logps = None
+    if options.beta != 0.0:
+        ref_logps = no_grad_logprobs(models.reference_call, tensors, functions.logprobs, functions.batches,
+                                     options.micro_batch_size, models.autocast)
+    weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)  # (K,)
+    batch = advantage_batch(rollout, loss_mask, None, ref_logps, weights, options, world)
+    all_advantages, reward_stats = estimate_advantages(functions.advantage_estimator, batch,
+                                                       options.normalize_advantages)
+    advantages = world.local_rows(all_advantages).to(device)  # (N, 1) or (N, T_max)
+    ids, attention_mask, mask = micro_batch(tensors, torch.arange(rollout.num_rows, device=device))
+    aggregation = dict(num_micro_batches=1, max_completion_length=options.max_completion_length,
+                       num_items_in_batch=world.sum(loss_mask.sum().item()) / world.size)
+    training = models.policy.training
+    models.policy.eval()
+    with models.autocast:
+        loss, stats = models.policy_call(functions.update_loss, ids, attention_mask, mask,
+                                         advantages[:, : mask.shape[1]], None,
+                                         None if ref_logps is None else ref_logps[:, : mask.shape[1]], aggregation,
+                                         None, None, None)
+    models.policy.train(training)
+    result = UpdateResult({}, advantages, ref_logps, None, micro_batch_stats=[stats],
+                          step_losses=[world.sum(loss.item()) / world.size], grad_norms=[0.0], learning_rates=[0.0])
+    names = [spec.name for spec in reward_specs]
+    metrics = step_metrics(world, rollout, loss_mask, batch.rewards_per_func, all_advantages, result, names, 0.0, 0,
+                           tokens_seen, options.metrics_average)
+    for key in ("grad_norm", "learning_rate", "skipped_updates"):
+        metrics.pop(key, None)
+    return {**metrics, **reward_stats}, loss.item()
+

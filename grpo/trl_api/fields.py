@@ -43,8 +43,9 @@ NO_HUB = "no model hub is reached from here: save_model() writes output_dir, pus
 NO_DATALOADER = "rows are held in memory and batched by the loop, without a torch DataLoader"
 NO_DEEPSPEED = "no DeepSpeed here: one process, DDP or FSDP2 (trl's fsdp and ddp fields)"
 BATCH = "trl_api.batch.translate: trl's per-device completions become prompts per step and micro-batches"
-TRL_EVAL = ("GRPO's evaluation here is greedy decoding of eval_dataset scored by the rewards (eval_steps); trl "
-            "samples num_generations_eval completions")
+TRL_EVAL = ("GRPOTrainer evaluates as trl (trl_api.evaluation: sampled completions, the loss and metrics without "
+            "an update); train.py --config evaluates greedily, scored by the rewards; neither reads this option of "
+            "transformers' evaluation loop")
 
 FIELDS: dict[str, Field] = {
     # ---- transformers.TrainingArguments, in its order
@@ -106,10 +107,12 @@ FIELDS: dict[str, Field] = {
     "trackio_space_id": left(None, "trackio is not built here"),
     "trackio_bucket_id": left(None, "trackio is not built here"),
     "trackio_static_space_id": left(None, "trackio is not built here"),
-    "eval_strategy": same("no", "eval_steps", "'steps' evaluates every eval_steps; 'epoch' is refused. " + TRL_EVAL),
+    "eval_strategy": same("no", "eval_steps", "'steps' evaluates every eval_steps optimizer steps (GRPOTrainer: as "
+                                              "trl; train.py --config: greedily); 'epoch' is refused"),
     "eval_steps": same(None, "eval_steps", "None: logging_steps, as transformers"),
     "eval_delay": refused(0, "evaluation starts at eval_steps", 0.0),
-    "per_device_eval_batch_size": same(8, "eval_batch_size", "prompts decoded together in evaluation"),
+    "per_device_eval_batch_size": same(8, "eval_batch_size", "GRPOTrainer: completions per eval batch and device, as "
+                                                             "trl; train.py --config: prompts decoded together"),
     "prediction_loss_only": left(False, TRL_EVAL),
     "eval_on_start": refused(False, "evaluation runs every eval_steps and at the end; call evaluate() first"),
     "eval_do_concat_batches": left(True, TRL_EVAL),
@@ -183,7 +186,8 @@ FIELDS: dict[str, Field] = {
     "disable_dropout": same(False, "disable_dropout"),
     "cast_lm_head_to_fp32": same(False, "cast_lm_head_to_fp32"),
     "num_generations": same(8, "num_generations"),
-    "num_generations_eval": refused(None, TRL_EVAL),
+    "num_generations_eval": same(None, "", "GRPOTrainer: completions per prompt in evaluation (None: "
+                                          "num_generations), as trl; train.py --config evaluates greedily"),
     "max_completion_length": same(512, "max_completion_length"),
     "ds3_gather_for_generation": left(True, NO_DEEPSPEED),
     "shuffle_dataset": same(True, "shuffle_dataset", "in trl's order (trl_api.rollouts.TrlOrder)"),

@@ -7,7 +7,8 @@ trl 1.16 reads the data in an order of its own, and a drop-in that gives trl's n
   prompts; an incomplete last chunk is dropped.
 - **rows** (trl's `_prepare_inputs`): each generation's completions shuffled once by `torch.randperm` on the
   global generator, which transformers seeds from `args.seed`; the DataLoader draws one number from it when an
-  epoch starts. The same order serves every iteration (num_iterations) of that generation.
+  epoch starts, and the evaluation's DataLoader one at each evaluation. The same order serves every iteration
+  (num_iterations) of that generation.
 
 `TrlOrder` computes both from (seed, step) alone, on generators of its own, so a resumed run reads what the
 first would have (grpo.core.trainer.DataOrder is where the loop takes them).
@@ -34,8 +35,11 @@ ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")  # what a rollout_fu
 class TrlOrder:
     """trl's prompt and row orders (module docstring) for `dataset_size` prompts, `per_generation` a generation."""
 
-    def __init__(self, dataset_size: int, per_generation: int, seed: int, shuffle: bool):
+    def __init__(self, dataset_size: int, per_generation: int, seed: int, shuffle: bool,
+                 evaluates_after: Callable[[int], bool] = lambda generation: False):
+        """`evaluates_after(g)`: whether the run evaluates after generation g's updates (trl's eval_steps)."""
         self.dataset_size, self.per_generation, self.shuffle = dataset_size, per_generation, shuffle
+        self.evaluates_after = evaluates_after
         self.generations_per_epoch = dataset_size // per_generation
         if self.generations_per_epoch == 0:
             raise ValueError(f"train_dataset has {dataset_size} prompts, fewer than one generation takes "
@@ -56,7 +60,10 @@ class TrlOrder:
     def rows(self, step: int, num_rows: int) -> torch.Tensor:
         """(N,) the order generation `step`'s rows of this rank are cut into micro-batches, every iteration."""
         while len(self.shuffles) <= step:
-            if len(self.shuffles) % self.generations_per_epoch == 0:  # the epoch's DataLoader iterator: its seed
+            generation = len(self.shuffles)
+            draws = (generation % self.generations_per_epoch == 0) + (generation > 0 and self.evaluates_after(
+                generation - 1))  # the epoch's DataLoader iterator and an evaluation's each draw its seed
+            for _ in range(draws):
                 torch.empty((), dtype=torch.int64).random_(generator=self.global_rng)
             self.shuffles.append(torch.randperm(num_rows, generator=self.global_rng))
         return self.shuffles[step]

@@ -156,7 +156,14 @@ class GRPOTrainer:
             raise ValueError("train_dataset is required")
         if settings["eval_steps"] and self.eval_rows is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset")
-        settings["eval_limit"] = 0  # every row of eval_dataset, as trl
+        # evaluation is trl's (grpo.trl_api.evaluation), run here every eval_every of our steps, not by the loop
+        self.eval_every, settings["eval_steps"] = settings["eval_steps"], 0
+        self.num_generations_eval = self.args.num_generations_eval or self.args.num_generations
+        if self.eval_rows is not None and (self.args.per_device_eval_batch_size * world_size) % \
+                self.num_generations_eval:
+            raise ValueError(f"per_device_eval_batch_size={self.args.per_device_eval_batch_size} x {world_size} "
+                             f"processes must be a multiple of num_generations_eval={self.num_generations_eval}, "
+                             "as trl requires")
         settings["max_prompt_length"] = self._longest_prompt(processing_class, settings, tools)
         self.settings = settings
         self.rewards = _reward_specs(reward_funcs, self.args.reward_weights, lambda: dict(
@@ -166,7 +173,7 @@ class GRPOTrainer:
         self.reward_processing_classes, self.tools, self.environment_factory = (reward_processing_classes, tools,
                                                                                 environment_factory)
         self.rollout_func = rollout_func
-        self.num_generations = self.num_generations_eval = self.args.num_generations  # what a rollout_func reads
+        self.num_generations = self.args.num_generations  # what a rollout_func reads
         OurConfig(**settings).validate()  # every setting checked now, before any model loads
         for line in self.args.left_fields():
             logger.warning("trl setting without effect here: %s", line)
@@ -207,8 +214,9 @@ class GRPOTrainer:
                               reward_processing_classes=self.reward_processing_classes)
         self.processing_class = self.engine.data.tokenizer
         # trl's order of prompts and of micro-batch rows, and its rollout_func where our sampler would run
+        evaluates_after = lambda step: bool(self.eval_every) and (step + 1) % self.eval_every == 0  # noqa: E731
         order = TrlOrder(len(self.train_rows), self.engine.loop.prompts_per_generation, self.args.seed,
-                         self.args.shuffle_dataset)
+                         self.args.shuffle_dataset, evaluates_after)
         self.engine.order = DataOrder(order.prompts, order.rows)
         if self.rollout_func is not None:
             call = RolloutFunction(lambda prompts: self.rollout_func(prompts, self))
@@ -256,7 +264,7 @@ class GRPOTrainer:
         state.max_steps = engine.loop.total_steps * updates
         state.global_step = engine.step * updates
         state.logging_steps, state.save_steps = self.settings["logging_steps"], self.settings["save_steps"]
-        state.eval_steps = self.settings["eval_steps"]
+        state.eval_steps = self.eval_every * updates
         state.num_train_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else 1
         # trl's epoch: optimizer steps over those of one pass, whose last incomplete generation is dropped
         generations_per_epoch = max(len(self.train_rows) // engine.loop.prompts_per_generation, 1)
@@ -277,7 +285,6 @@ class GRPOTrainer:
             numbers = {key: float(value) for key, value in metrics.items()
                        if isinstance(value, (int, float)) and not isinstance(value, bool)
                        and not key.startswith(OURS_ONLY)}
-            evaluated = {key: numbers.pop(key) for key in list(numbers) if key.startswith("eval/")}
             numbers.update({name: sum(values) / len(values) for name, values in self.logged_metrics.items()})
             self.logged_metrics.clear()
             # the generation's metrics go with its first update; each update's loss statistics with that update
@@ -301,9 +308,7 @@ class GRPOTrainer:
                               for key, values in window.items()})
                     window.clear()
                     self.control.should_log = False
-            if evaluated:  # the loop evaluated at eval_steps: its own entry, as trl's evaluate() logs it
-                self._evaluated({f"eval_{key.removeprefix('eval/')}": value for key, value in evaluated.items()})
-            if self.control.should_evaluate:
+            if (self.eval_every and step % self.eval_every == 0) or self.control.should_evaluate:
                 self.evaluate()
             save, stop = self.control.should_save, self.control.should_training_stop
             self.control.should_save = self.control.should_evaluate = False
@@ -353,24 +358,19 @@ class GRPOTrainer:
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        """Greedy evaluation of eval_dataset, scored by the rewards (our evaluation; docs/trl.md)."""
-        if eval_dataset is not None:
-            self.eval_rows = _rows(eval_dataset, "eval_dataset", self.args.remove_unused_columns)
-        if self.eval_rows is None:
+        """trl's evaluation of eval_dataset (grpo.trl_api.evaluation): num_generations_eval sampled completions of
+        each prompt (or the rollout_func's), scored, their loss and metrics without an update."""
+        from grpo.trl_api.evaluation import evaluate_like_trl
+
+        rows = self.eval_rows if eval_dataset is None else _rows(eval_dataset, "eval_dataset",
+                                                                 self.args.remove_unused_columns)
+        if rows is None:
             raise ValueError("evaluate() needs an eval_dataset")
         engine = self.engine or self._build(None)
-        if eval_dataset is not None or engine.data.eval_rows is None:  # the evaluation set up as set-up does it
-            from grpo.core.setup import task_rows
-            from grpo.evaluation.evaluate import make_scorer
-
-            config = OurConfig(**{**self.settings, "eval_steps": self.settings["eval_steps"] or 1})
-            engine.data.eval_rows, task = task_rows(config, self.eval_rows, config.eval_split, "eval")
-            engine.data.eval_scorer = make_scorer(config.eval_scorer, task, self.rewards, config.sandbox_isolation)
-        started = time.time()
-        metrics = {f"{metric_key_prefix}_{key.removeprefix('eval_').removeprefix('eval/')}": value
-                   for key, value in engine.run_eval().items()}
-        metrics[f"{metric_key_prefix}_runtime"] = time.time() - started
-        return self._evaluated(metrics)
+        metrics = evaluate_like_trl(engine, rows, self.args.seed, self.num_generations_eval,
+                                    self.args.per_device_eval_batch_size)
+        return self._evaluated({f"{metric_key_prefix}_{key}": value for key, value in metrics.items()
+                                if not key.startswith(OURS_ONLY)})
 
     def _evaluated(self, metrics: dict) -> dict:
         self.log(metrics)
