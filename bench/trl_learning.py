@@ -1,7 +1,7 @@
 """The seed script learns under either import: examples/trl_seed_script.py with real sampling, run by trl 1.16 and by
 grpo.trl_api on the same task, and the training reward of each, step by step.
 
-    python bench/trl_learning.py                                 # 60 steps on each side, the table
+    python bench/trl_learning.py                                 # 300 steps on each side, the table
     python bench/trl_learning.py --plot docs/trl_learning.png    # and the two curves (docs/trl.md shows them)
 
 The task is bench/learning.py's (the learning experiment's smoke-sized form): a tiny Qwen2 warm-started by supervised
@@ -89,14 +89,14 @@ def plot(curves: dict[str, list[float]], path: Path, window: int) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/trl_learning")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps on each side (2 prompts x 8 each)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps on each side (2 prompts x 8 each)")
     parser.add_argument("--learning-rate", type=float, default=5e-4, help="the learning experiment's GRPO rate")
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--kinds", nargs="+", default=["add", "subtract"], help="problem kinds (bench/learning.py)")
     parser.add_argument("--warm-start-steps", type=int, default=600)
     parser.add_argument("--train-rows", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--window", type=int, default=15, help="steps averaged at each end")
+    parser.add_argument("--window", type=int, default=60, help="steps averaged at each end")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--plot", default=None, help="write the curves to this PNG (matplotlib)")
     return parser.parse_args(argv)
