@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("grpo", "rewards", "data")
 TABLE_TITLE = "One step, file by file"
 # issues #40, #62: a plain step a reader can follow, in lines of <= 120 characters; #63 added trl's metrics the step
-# lacked (clip_ratio/low_min and high_max, terminated lengths, num_tokens) and the data-order seam (+15)
+# lacked (clip_ratio/low_min and high_max, terminated lengths, num_tokens), the data-order seam and the repetition
+# penalty's branches in the sampler (+15)
 LINE_BUDGET, FILE_BUDGET = 495, 12
 LOOP_BUDGET = 685  # issue #62: the whole loop, train() for 2 steps with its final save (#63: the hooks, as above)
 # The files of one step in the order a reader meets them, and what each holds (the README's table; a file the

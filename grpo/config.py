@@ -268,6 +268,10 @@ class GRPOConfig(ConfigMixin):
     top_p: float = option(1.0, "nucleus sampling mass (1.0 = off)")
     top_k: int = option(0, "top-k sampling (0 = off)")
     min_p: float = option(0.0, "min-p sampling (0.0 = off)")
+    repetition_penalty: float = option(1.0, "CTRL's repetition penalty, as transformers and vLLM apply it: a token "
+                                       "already in the row has its logit divided by it (multiplied when negative); "
+                                       "1.0 = off. The sampler's log-probs (sampling/* metrics, the importance "
+                                       "weights) are the penalized distribution's")
     tools: list[str] = option([], "functions the model may call during its rollout, module:function each (trl's "
                               "tools): type hints and a docstring give the schema the chat template shows; a turn "
                               "that writes <tool_call>{json}</tool_call> gets the result and goes on; results are not "
@@ -661,7 +665,8 @@ class GRPOConfig(ConfigMixin):
                 f"{self.completions_per_step} is not a multiple of micro_batch_size = {self.micro_batch_size}"
             )
         try:  # the sampling bounds are SamplingParams' (grpo.algorithm.sampler), checked there once
-            SamplingParams(self.max_completion_length, self.temperature, self.top_p, self.top_k, self.min_p, (0,))
+            SamplingParams(self.max_completion_length, self.temperature, self.top_p, self.top_k, self.min_p, (0,),
+                           self.repetition_penalty)
         except ValueError as error:
             problems.append(str(error))
         if self.temperature == 0:

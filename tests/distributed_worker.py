@@ -48,6 +48,27 @@ BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_genera
             warmup_ratio=0.0, beta=0.04, max_steps=3, distributed_timeout=30.0)
 
 
+@torch.no_grad()
+def penalized_logprobs(model, rollout, penalty: float, temperature: float) -> torch.Tensor:
+    """(N, T) the rollout's completion tokens' log-probs under `model` with the repetition penalty, recomputed from one
+    full forward: each position's logits penalized for the row's tokens so far, then divided by the temperature."""
+    from grpo.algorithm.logprobs import position_ids_from_mask
+    from grpo.algorithm.sampler import penalize_repetition, seen_tokens
+
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)  # (N, P + T)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits.float()
+    width, rows = rollout.prompt_ids.shape[1], torch.arange(ids.shape[0])
+    seen = seen_tokens(rollout.prompt_ids, rollout.prompt_mask, logits.shape[-1])  # (N, V)
+    out = torch.zeros(rollout.completion_ids.shape)
+    for t in range(rollout.completion_ids.shape[1]):
+        tokens = rollout.completion_ids[:, t]
+        step = penalize_repetition(logits[:, width + t - 1], seen, penalty) / temperature
+        out[:, t] = torch.log_softmax(step, -1)[rows, tokens]
+        seen[rows, tokens] = True
+    return out * rollout.completion_mask
+
+
 def engine_logps(trainer, token_ids: list[int]):
     """A vLLM backend's engine: its log-probs of `token_ids` (each token after the first), after loading the
     policy's weights if an update made them stale; None for other backends (tests/test_vllm.py)."""
@@ -102,6 +123,11 @@ def main():
             rows = range(position * config.num_generations, (position + 1) * config.num_generations)
             completions[index] = [rollout.completion_ids[r][rollout.completion_mask[r].bool()].tolist() for r in rows]
         current.update(indices=indices, completions=completions, grads=None)
+        if step == 0 and config.repetition_penalty != 1.0 and rollout.sampler_logprobs is not None:
+            current.update(sampled_logprobs=rollout.sampler_logprobs * rollout.completion_mask,
+                           penalized=penalized_logprobs(trainer.policy, rollout, config.repetition_penalty,
+                                                        config.temperature),
+                           unpenalized=penalized_logprobs(trainer.policy, rollout, 1.0, config.temperature))
         if scenario == "kill" and rank == 1 and step == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if scenario == "raise" and rank == 1 and step == 1:

@@ -27,7 +27,7 @@ from tests.conftest import gsm8k_dir
 ROOT = Path(__file__).resolve().parents[1]
 OURS_IMPORT = "from grpo.trl_api import GRPOConfig, GRPOTrainer\n"
 TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "eval_runtime",
-           "eval_samples_per_second", "eval_steps_per_second")
+           "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time")
 RTOL, ATOL = 1e-5, 1e-6
 
 pytestmark = pytest.mark.slow
@@ -97,6 +97,9 @@ def assert_same_log_history(ours: list[dict], trl: list[dict]):
                                                 sorted(set(theirs) - set(mine)))
         for key, value in theirs.items():
             if key in TIMINGS:
+                continue
+            if value is None:  # trl logs None for a metric whose every value was NaN
+                assert mine[key] is None, (index, key, mine[key])
                 continue
             assert mine[key] == pytest.approx(value, rel=RTOL, abs=ATOL), (index, key, mine[key], value)
 
@@ -193,6 +196,11 @@ CONFIGURATIONS = {
                                                      gradient_accumulation_steps=3),
     "reward_weights": dict(reward_weights=[1.0, -0.5, 2.0]),
     "sapo": dict(loss_type="sapo", num_iterations=2),
+    "logging_steps-3": dict(logging_steps=3, max_steps=7),  # windows of 3, num_tokens the last; a summary window
+    "logging_strategy-no": dict(logging_strategy="no"),  # the summary holds the whole run's means
+    "logging_first_step": dict(logging_steps=4, logging_first_step=True, num_iterations=2, max_steps=8),
+    "num_train_epochs-2": dict(max_steps=-1, num_train_epochs=2, per_device_train_batch_size=8),  # 5 a pass
+    "epoch-fraction": dict(max_steps=-1, num_train_epochs=1.4, steps_per_generation=2, per_device_train_batch_size=4),
 }
 
 
@@ -269,7 +277,10 @@ def test_a_rollout_func_that_returns_too_little_is_one_clear_error(tmp_path, tin
 @pytest.mark.parametrize("settings", [dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8, max_steps=8,
                                            num_generations_eval=4, beta=0.04),
                                       dict(eval_strategy="steps", eval_steps=4, num_iterations=2, max_steps=8,
-                                           per_device_eval_batch_size=4)], ids=["eval-every-2", "eval-iterations-2"])
+                                           per_device_eval_batch_size=4),
+                                      dict(eval_strategy="steps", eval_steps=3, max_steps=8, per_device_eval_batch_size=8,
+                                           num_generations_eval=4)],
+                         ids=["eval-every-2", "eval-iterations-2", "eval-every-3-and-at-the-end"])
 def test_an_eval_dataset_gives_trls_numbers(settings, tmp_path, tiny_model_dir):
     """eval_dataset evaluated every eval_steps as trl does (sampled completions, here the table's, their loss and
     metrics without an update), between training steps whose numbers stay trl's (each evaluation draws from the
@@ -282,7 +293,7 @@ def test_an_eval_dataset_gives_trls_numbers(settings, tmp_path, tiny_model_dir):
                                table_rollout(golds, seen[engine]), eval_rows=EVAL_ROWS)
         histories[engine] = trainer.state.log_history
     assert seen["ours"] == seen["trl"]
-    assert sum("eval_loss" in entry for entry in histories["trl"]) == 8 // settings["eval_steps"]
+    assert sum("eval_loss" in entry for entry in histories["trl"]) == -(-8 // settings["eval_steps"])
     assert_same_log_history(histories["ours"], histories["trl"])
 
 
@@ -300,3 +311,48 @@ def test_the_seed_script_learns_under_either_import(tmp_path):
         result = results[engine]
         assert result["last"] >= result["first"] + 0.15, (engine, result["first"], result["last"])
         assert result["correct_last"] >= result["correct_first"] + 0.15, engine
+
+
+def half_none(completions, **kwargs):
+    """None (cannot score) for every completion of a call whose first completion mentions 3, else their lengths."""
+    if "3" in completions[0][0]["content"]:
+        return [None] * len(completions)
+    return [len(completion[0]["content"]) / 50 for completion in completions]
+
+
+def test_callbacks_evaluate_before_training_log_metric_and_unscorable_rewards_give_trls_numbers(tmp_path,
+                                                                                                tiny_model_dir):
+    """What a script does around training: evaluate() before train() (its eval DataLoader draws from the stream that
+    orders micro-batches; train() then starts a fresh state, as transformers), a callback asking for an evaluation
+    and a log off the schedule,
+    a reward function that logs a metric of its own (log_metric, in training and in evaluation), and one that cannot
+    score some generations (trl logs None where every value is NaN)."""
+    from transformers import TrainerCallback
+
+    class Asks(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:  # a rollout's last update (num_iterations 2): trl acts there too
+                control.should_evaluate = control.should_log = True
+            return control
+
+    def logging_reward(completions, log_metric=None, **kwargs):
+        log_metric("mean_words", sum(len(c[0]["content"].split()) for c in completions) / len(completions))
+        return [0.1 * len(c[0]["content"].split()) for c in completions]
+
+    histories = {}
+    for engine in ("trl", "ours"):
+        GRPOConfig, GRPOTrainer = _classes(engine)
+        args = GRPOConfig(output_dir=str(tmp_path / engine), use_cpu=True, bf16=False, report_to="none", seed=5,
+                          logging_steps=3, per_device_train_batch_size=4, num_generations=4, learning_rate=1e-4,
+                          max_steps=6, num_iterations=2, save_strategy="no", gradient_checkpointing=False,
+                          max_completion_length=64, per_device_eval_batch_size=8, steps_per_generation=1)
+        trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[correct, logging_reward, half_none], args=args,
+                              train_dataset=datasets.Dataset.from_list(ROWS),
+                              eval_dataset=datasets.Dataset.from_list(EVAL_ROWS),
+                              rollout_func=table_rollout(gsm8k_golds(ROWS + EVAL_ROWS), []), callbacks=[Asks()])
+        trainer.evaluate()
+        trainer.train()
+        histories[engine] = trainer.state.log_history
+    assert any(entry.get("rewards/half_none/mean", 0) is None for entry in histories["trl"])
+    assert any("eval_mean_words" in entry for entry in histories["trl"])
+    assert_same_log_history(histories["ours"], histories["trl"])

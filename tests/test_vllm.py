@@ -239,6 +239,17 @@ def test_weight_sync_through_the_engine_single_process(single):
 
 
 @pytest.mark.slow
+def test_vllm_samples_with_the_repetition_penalty_and_returns_its_log_probs(tmp_path):
+    """repetition_penalty reaches vLLM's SamplingParams; its processed log-probs of the first rollout are the
+    penalized distribution's, recomputed from the policy (tests/distributed_worker.py), and not the plain one's."""
+    if VLLM_ERROR is not None and not REQUIRED:
+        pytest.skip(f"vLLM unavailable: {VLLM_ERROR}")
+    step = launch(tmp_path, 1, **{**VLLM, "max_steps": 1, "repetition_penalty": 1.5})[1][0]["steps"][0]
+    assert (step["sampled_logprobs"] - step["penalized"]).abs().max().item() < MISMATCH
+    assert (step["sampled_logprobs"] - step["unpenalized"]).abs().max().item() > 100 * MISMATCH
+
+
+@pytest.mark.slow
 def test_colocate_under_torchrun_fsdp2(single, tmp_path):
     """Two ranks, an engine in each (external_launcher), FSDP2 gathering one parameter at a time for the sync; each
     prompt's completions are the one-process run's (per-row seeds: no world size changes them)."""

@@ -38,6 +38,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0.0 = off
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    repetition_penalty: float = 1.0  # 1.0 = off; > 1 makes the tokens already in a row less likely
 
     def __post_init__(self):
         if self.max_completion_length < 1:
@@ -50,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 @dataclass
@@ -62,7 +65,7 @@ class GroupSample:
     completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
     num_generated_tokens: int  # real completion tokens (sum of completion_mask)
-    logprobs: torch.Tensor | None = None  # (N, T) log-probs of the chosen tokens under softmax(logits / temperature)
+    logprobs: torch.Tensor | None = None  # (N, T) the chosen tokens' log-probs: softmax(penalized logits / temperature)
     tool_mask: torch.Tensor | None = None  # (N, T) with tools (grpo.multiturn.tools): 0 on the tool results fed in
     tool_calls: torch.Tensor | None = None  # (N, 3) with tools: calls made, calls failed, assistant turns
     messages: list[list[dict]] | None = None  # with tools: each row's turns as chat messages
@@ -184,6 +187,20 @@ def sample_next_token(
     return torch.searchsorted(cdf, key, right=True).squeeze(-1)  # (N,)
 
 
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The repetition penalty of CTRL (arXiv 1909.05858), as transformers and vLLM apply it before the temperature:
+    the logit of every token already in the row (prompt or completion) divided by `penalty` where positive, multiplied
+    where negative. logits (N, V), seen (N, V) bool -> (N, V)."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def seen_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(N, V) bool: which tokens each row of `ids` (N, L) holds where `mask` (N, L) is 1."""
+    seen = torch.zeros(ids.shape[0], vocab_size, dtype=torch.int8, device=ids.device)
+    return seen.scatter_(1, ids, mask.to(torch.int8)).bool() if ids.shape[1] else seen.bool()
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """(N,) log-probs of `tokens` under softmax(logits / temperature), unfiltered (the log-probs training uses)."""
     scaled = logits.float() / logit_divisor(temperature)  # (N, V)
@@ -235,7 +252,11 @@ def sample_groups(
     done = torch.zeros(num_rows, dtype=torch.bool, device=device)  # (N,)
     lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)  # (N,)
     turns = tools.start(num_rows, max_new, device) if tools is not None else None
+    seen = seen_tokens(prompt_ids, prompt_mask, logits.shape[-1]).repeat_interleave(group_size, 0) \
+        if params.repetition_penalty != 1.0 else None  # (N, V) the tokens of each row so far
     for step in range(max_new):
+        if seen is not None:  # the distribution sampled, and whose log-probs are returned
+            logits = penalize_repetition(logits, seen, params.repetition_penalty)
         uniform = draw_uniform(generator, num_rows, step, device) if params.temperature > 0 else None  # (N, 1)
         tokens = sample_next_token(logits, params.temperature, params.top_k, params.top_p, params.min_p,
                                    uniform=uniform)
@@ -245,6 +266,8 @@ def sample_groups(
         completion_ids[:, step] = tokens
         if return_logprobs:
             logprobs[:, step] = token_logprobs(logits, tokens, params.temperature) * ~done
+        if seen is not None:
+            seen[torch.arange(num_rows, device=device), tokens] = True
         hit_eos = ends_row(tokens, eos, ~done)
         if turns is not None:  # a turn that called a tool does not end its row
             hit_eos = turns.end_turns(step, completion_ids, hit_eos)

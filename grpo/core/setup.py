@@ -264,7 +264,8 @@ def step_functions(config: GRPOConfig, held: Models, data: RunData, backend: str
                                 entropy_bonus=config.entropy_control().enabled, fp32_head=config.cast_lm_head_to_fp32,
                                 sharded=held.distributed == "fsdp",
                                 gradient_checkpointing=config.gradient_checkpointing,
-                                micro_batch_metrics=config.metrics_average == "micro_batch")
+                                micro_batch_metrics=config.metrics_average == "micro_batch",
+                                repetition_penalty=config.repetition_penalty != 1.0)
         choice.log_reasons()
         if config.generation_backend != "transformers":  # what our sampler's kernels need of the model
             choice.prepare_model(policy)
@@ -313,7 +314,7 @@ def total_steps(config: GRPOConfig, data: RunData) -> int:
 def loop_options(config: GRPOConfig, policy, tokenizer, steps: int) -> LoopOptions:
     """The training loop's settings (grpo.core.trainer); the sampler stops at the policy's and tokenizer's EOS ids."""
     sampling = SamplingParams(config.max_completion_length, config.temperature, config.top_p, config.top_k,
-                              config.min_p, eos_token_ids(policy, tokenizer))
+                              config.min_p, eos_token_ids(policy, tokenizer), config.repetition_penalty)
     return LoopOptions(
         total_steps=steps, prompts_per_generation=config.prompts_per_generation,
         num_updates=config.updates_per_generation, num_iterations=config.num_iterations,

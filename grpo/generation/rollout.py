@@ -36,7 +36,8 @@ from typing import Protocol
 
 import torch
 
-from grpo.algorithm.sampler import GroupSample, RowUniforms, SamplingParams, left_pad, sample_groups, token_logprobs
+from grpo.algorithm.sampler import (GroupSample, RowUniforms, SamplingParams, left_pad, penalize_repetition,
+                                    sample_groups, seen_tokens, token_logprobs)
 from rewards import score_rows
 
 logger = logging.getLogger("grpo")
@@ -223,6 +224,8 @@ class TransformersGenerate:
         options = dict(do_sample=params.temperature > 0, max_new_tokens=params.max_completion_length,
                        eos_token_id=list(params.eos_token_ids), pad_token_id=self.pad_token_id,
                        output_logits=return_logprobs, return_dict_in_generate=True)
+        if params.repetition_penalty != 1.0:
+            options.update(repetition_penalty=params.repetition_penalty)
         if params.temperature > 0:
             options.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
                            min_p=params.min_p or None)
@@ -246,8 +249,15 @@ class TransformersGenerate:
         logprobs = None
         if return_logprobs:
             logits = torch.stack(out.logits, dim=1).float()  # (N, T, V) the model's raw logits per step
-            rows = [token_logprobs(logits[:, t], completion_ids[:, t], params.temperature)
-                    for t in range(completion_ids.shape[1])]
+            seen = seen_tokens(prompt, prompt_mask, logits.shape[-1]).repeat_interleave(num_generations, 0) \
+                if params.repetition_penalty != 1.0 else None  # (N, V) each row's tokens so far
+            rows = []
+            for t in range(completion_ids.shape[1]):  # the distribution sampled: with the repetition penalty
+                step_logits = logits[:, t]
+                if seen is not None:
+                    step_logits = penalize_repetition(step_logits, seen, params.repetition_penalty)
+                    seen[torch.arange(seen.shape[0], device=device), completion_ids[:, t]] = True
+                rows.append(token_logprobs(step_logits, completion_ids[:, t], params.temperature))
             logprobs = torch.stack(rows, dim=1) * completion_mask  # (N, T)
         return GroupSample(prompt_ids=prompt, prompt_mask=prompt_mask, completion_ids=completion_ids,
                            completion_mask=completion_mask, truncated=truncated,

@@ -404,7 +404,8 @@ class VLLMGenerate:
                 seed = None if seeds is None else (seeds[row] + round_ * 0x9E3779B97F4A7C15) % 2**63
                 options.append(vllm.SamplingParams(
                     n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
-                    min_p=params.min_p, max_tokens=params.max_completion_length - len(completions[row]),
+                    min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+                    max_tokens=params.max_completion_length - len(completions[row]),
                     stop_token_ids=list(eos), ignore_eos=True, seed=seed, logprobs=0 if return_logprobs else None,
                     detokenize=False))
                 requests.append({"prompt_token_ids": rows[row] + completions[row]})

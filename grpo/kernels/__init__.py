@@ -143,7 +143,8 @@ def _holding(*pairs: tuple[bool, str]) -> list[str]:
 
 def select_kernels(kernels: str, device: torch.device, loss_options=None, model=None,
                    entropy_bonus: bool = False, fp32_head: bool = False, sharded: bool = False,
-                   gradient_checkpointing: bool = False, micro_batch_metrics: bool = False) -> KernelChoice:
+                   gradient_checkpointing: bool = False, micro_batch_metrics: bool = False,
+                   repetition_penalty: bool = False) -> KernelChoice:
     """The kernels for a run: none with `plain`; with `auto` each one where it applies (see the module table).
 
     loss_options (grpo.algorithm.loss.LossOptions, default: the defaults) decides whether the fused loss applies: it
@@ -153,7 +154,7 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
     fp32_head (cast_lm_head_to_fp32): the kernels run the output projection in the autocast dtype; the plain
     log-probs run it in fp32. sharded (FSDP2) or gradient_checkpointing: no shared-prompt passes.
     micro_batch_metrics (metrics_average micro_batch): the logged statistics are means of each micro-batch's, so the
-    micro-batches stay as cut.
+    micro-batches stay as cut. repetition_penalty: the plain sampler applies it, the kernel sampler does not.
     """
     from grpo.algorithm.loss import LOSS_TYPES, LossOptions
 
@@ -182,6 +183,9 @@ def select_kernels(kernels: str, device: torch.device, loss_options=None, model=
         (options.top_entropy_quantile < 1.0, "the entropy mask needs every token's entropy before the loss"),
         (entropy_bonus, "the entropy bonus differentiates the entropy"),
     )
+    if repetition_penalty:
+        choice.fast_sampler = False
+        choice.reasons["fast_sampler"] = "repetition_penalty: grpo.algorithm.sampler.sample_groups applies it"
     if fp32_head:
         choice.fast_logprobs = choice.update_logprobs = False
         choice.reasons["fast_logprobs"] = "cast_lm_head_to_fp32: the plain log-probs run the output projection in fp32"

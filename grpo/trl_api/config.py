@@ -28,6 +28,8 @@ OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit"
               "adamw_bnb_8bit": "adamw_8bit"}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16-pure"}  # model_init_kwargs' dtype: the weights' own precision
 MODEL_INIT_KEYS = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code")
+# generation_kwargs' keys our samplers take, as trl passes them on (they override the fields of the same name)
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _text(value) -> str:
@@ -96,6 +98,9 @@ class GRPOConfig:
              "'full_shard', with 'auto_wrap' and 'offload'"),
             ("model_init_kwargs", set(self.model_init_kwargs or {}) <= set(MODEL_INIT_KEYS),
              f"the keys {', '.join(MODEL_INIT_KEYS)}"),
+            ("generation_kwargs", set(self.generation_kwargs or {}) <= set(GENERATION_KEYS),
+             f"the keys {', '.join(GENERATION_KEYS)} (the others of GenerationConfig and vLLM's SamplingParams are "
+             "not built; max_completion_length sets the length)"),
         ]
         lines += [f"{name}={getattr(self, name)!r} is not supported here: use {what}"
                   for name, ok, what in checks if not ok]
@@ -158,6 +163,7 @@ class GRPOConfig:
             log_completions_steps=(self._steps("logging_steps", batch.updates_per_step, exact=False)
                                    if self.log_completions else 0),
         )
+        settings.update(self.generation_kwargs or {})  # trl: they override the sampling fields
         if self.fsdp:
             settings.update(distributed="fsdp", fsdp_cpu_offload="offload" in str(self.fsdp).split())
         return settings

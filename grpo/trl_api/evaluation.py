@@ -11,6 +11,7 @@ len(eval_dataset) % (batch_size x ranks) of those).
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -49,9 +50,9 @@ def evaluate_like_trl(engine, rows: list[dict], seed: int, group: int, batch_siz
         # transformers repeats each rank's batch loss batch_size times and gathers them
         losses += [loss for loss in world.gather_rows(torch.tensor([rank_loss])).tolist() for _ in range(batch_size)]
         completions += rollout.num_rows
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
+        for key, value in metrics.items():  # trl's mean leaves NaN out (None when all are)
+            sums[key] = sums.get(key, 0.0) + (0.0 if math.isnan(value) else value)
+            counts[key] = counts.get(key, 0) + (not math.isnan(value))
     # accelerate cuts the last batch's gathered losses to len(dataset) % (batch_size x ranks), counting the rows
     # against completions, so a short last batch weighs less (trl 1.16, accelerate's gather_for_metrics)
     remainder = len(rows) % (batch_size * world.size)
@@ -59,7 +60,7 @@ def evaluate_like_trl(engine, rows: list[dict], seed: int, group: int, batch_siz
         losses = losses[: len(losses) - batch_size * world.size + remainder]
     runtime = time.time() - started
     result = {"loss": sum(losses) / len(losses)}
-    result.update({key: sums[key] / counts[key] for key in sums})
+    result.update({key: sums[key] / counts[key] if counts[key] else None for key in sums})
     result.update(runtime=runtime, samples_per_second=completions / max(runtime, 1e-9),
                   steps_per_second=len(batches) / max(runtime, 1e-9))
     return result

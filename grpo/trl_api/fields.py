@@ -93,7 +93,7 @@ FIELDS: dict[str, Field] = {
     "logging_steps": same(10, "logging_steps", "optimizer steps between state.log_history entries, as trl (a "
                                                "ratio < 1 of max_steps is converted); metrics.jsonl gets every "
                                                "step"),
-    "logging_first_step": left(False, "every step is logged (metrics.jsonl, state.log_history)"),
+    "logging_first_step": same(False, "", "an entry in state.log_history after step 1 too, as transformers"),
     "log_on_each_node": left(True, "rank 0 logs"),
     "logging_nan_inf_filter": left(True, "a non-finite loss skips its update here (max_bad_steps), nothing is "
                                          "averaged over"),
@@ -198,9 +198,10 @@ FIELDS: dict[str, Field] = {
     "top_p": same(1.0, "top_p"),
     "top_k": same(0, "top_k"),
     "min_p": same(None, "min_p", "None: 0.0 (off)"),
-    "generation_kwargs": refused(None, "not built yet: set temperature, top_p, top_k and min_p", {}),
+    "generation_kwargs": same(None, "", "the keys temperature, top_p, top_k, min_p and repetition_penalty, which "
+                                        "override those fields, as trl; other keys are refused"),
     "chat_template_kwargs": same(None, "chat_template_kwargs"),
-    "repetition_penalty": refused(1.0, "not built yet: a penalised distribution needs its own log-probs"),
+    "repetition_penalty": same(1.0, "repetition_penalty", "the sampler's log-probs are the penalized distribution's"),
     "cache_implementation": left(None, "our sampler keeps its own KV cache"),
     "use_vllm": same(False, "use_vllm"),
     "vllm_mode": refused("colocate", "only colocate is built (the engine in the training process)"),

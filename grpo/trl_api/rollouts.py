@@ -36,8 +36,9 @@ class TrlOrder:
     """trl's prompt and row orders (module docstring) for `dataset_size` prompts, `per_generation` a generation."""
 
     def __init__(self, dataset_size: int, per_generation: int, seed: int, shuffle: bool,
-                 evaluates_after: Callable[[int], bool] = lambda generation: False):
-        """`evaluates_after(g)`: whether the run evaluates after generation g's updates (trl's eval_steps)."""
+                 evaluates_after: Callable[[int], bool] = lambda generation: False, rank: int = 0):
+        """`evaluates_after(g)`: whether the run evaluates after generation g's updates (trl's eval_steps); `rank`:
+        this process's index, whose global generator trl seeds with seed + rank (set_seed(device_specific=True))."""
         self.dataset_size, self.per_generation, self.shuffle = dataset_size, per_generation, shuffle
         self.evaluates_after = evaluates_after
         self.generations_per_epoch = dataset_size // per_generation
@@ -45,9 +46,10 @@ class TrlOrder:
             raise ValueError(f"train_dataset has {dataset_size} prompts, fewer than one generation takes "
                              f"({per_generation}: generation_batch_size / num_generations)")
         self.sampler = torch.Generator().manual_seed(seed)  # RepeatSampler's own
-        self.global_rng = torch.Generator().manual_seed(seed)  # the global generator after set_seed(args.seed)
+        self.global_rng = torch.Generator().manual_seed(seed + rank)  # the global generator after trl's set_seed
         self.epochs: list[list[int]] = []
         self.shuffles: list[torch.Tensor] = []
+        self.unscheduled: dict[int, int] = {}  # generation -> evaluations outside the schedule before its shuffle
 
     def prompts(self, step: int) -> list[int]:
         """The prompt indices of generation `step` (every rank's)."""
@@ -57,12 +59,18 @@ class TrlOrder:
                                else list(range(self.dataset_size)))
         return self.epochs[epoch][chunk * self.per_generation : (chunk + 1) * self.per_generation]
 
+    def note_evaluation(self, step: int) -> None:
+        """An evaluation outside the schedule (a script's evaluate(), a callback's should_evaluate) before generation
+        `step`: its DataLoader's draw comes before that generation's shuffle."""
+        self.unscheduled[step] = self.unscheduled.get(step, 0) + 1
+
     def rows(self, step: int, num_rows: int) -> torch.Tensor:
         """(N,) the order generation `step`'s rows of this rank are cut into micro-batches, every iteration."""
         while len(self.shuffles) <= step:
             generation = len(self.shuffles)
             draws = (generation % self.generations_per_epoch == 0) + (generation > 0 and self.evaluates_after(
-                generation - 1))  # the epoch's DataLoader iterator and an evaluation's each draw its seed
+                generation - 1)) + self.unscheduled.get(generation, 0)  # the epoch's and each evaluation's
+            # DataLoader iterator draw their seeds
             for _ in range(draws):
                 torch.empty((), dtype=torch.int64).random_(generator=self.global_rng)
             self.shuffles.append(torch.randperm(num_rows, generator=self.global_rng))

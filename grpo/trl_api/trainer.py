@@ -37,9 +37,9 @@ logger = logging.getLogger("grpo")
 TRL_REWARD_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")  # what trl passes a reward function too
 TRL_PROMPT_COLUMNS = ("prompt", "image", "images")  # what remove_unused_columns=True keeps, as trl
 TRAINER_STATE = "trainer_state.json"  # in each checkpoint, as transformers writes it
-LAST_VALUE = ("learning_rate", "grad_norm")  # logged as the step's value; every other metric as the mean, as trl
-TRANSFORMERS_KEYS = ("loss", *LAST_VALUE)  # what transformers logs at logging steps only; trl's own metrics also
-# go into the summary at the end
+LAST_VALUE = ("learning_rate", "grad_norm", "num_tokens")  # logged as the last value; the others as the mean, as trl
+# what transformers logs at logging steps only; trl's own metrics also go into the summary at the end
+TRANSFORMERS_KEYS = ("loss", "learning_rate", "grad_norm")
 OURS_ONLY = ("advantages/", "answers/", "cpu_threads", "sample_time", "skipped_updates", "tokens_per_second",
              "dynamic_sampling/")  # our metrics (metrics.jsonl keeps them) that trl does not log
 LORA_DEFAULTS = dict(bias="none", modules_to_save=None, use_rslora=False, use_dora=False, init_lora_weights=True)
@@ -66,6 +66,16 @@ def _rows(dataset, name: str, remove_unused_columns: bool) -> list[dict] | None:
     if remove_unused_columns:
         rows = [{key: value for key, value in row.items() if key in TRL_PROMPT_COLUMNS} for row in rows]
     return rows
+
+
+def _window_means(window: dict[str, list[float]], last: tuple[str, ...]) -> dict:
+    """Each key's values over a logging window as trl logs them: the last value for `last`'s keys, else the mean of
+    those not NaN (None when all are)."""
+    means = {}
+    for key, values in window.items():
+        kept = [value for value in values if not math.isnan(value)]
+        means[key] = values[-1] if key in last else (sum(kept) / len(kept) if kept else None)
+    return means
 
 
 def _with_trainer_arguments(fn, arguments: Callable[[], dict]):
@@ -159,13 +169,17 @@ class GRPOTrainer:
         # evaluation is trl's (grpo.trl_api.evaluation), run here every eval_every of our steps, not by the loop
         self.eval_every, settings["eval_steps"] = settings["eval_steps"], 0
         self.num_generations_eval = self.args.num_generations_eval or self.args.num_generations
-        if self.eval_rows is not None and (self.args.per_device_eval_batch_size * world_size) % \
-                self.num_generations_eval:
-            raise ValueError(f"per_device_eval_batch_size={self.args.per_device_eval_batch_size} x {world_size} "
-                             f"processes must be a multiple of num_generations_eval={self.num_generations_eval}, "
-                             "as trl requires")
+        if self.eval_rows is not None and self.args.per_device_eval_batch_size % self.num_generations_eval:
+            raise ValueError(f"per_device_eval_batch_size={self.args.per_device_eval_batch_size} must be a multiple of "
+                             f"num_generations_eval={self.num_generations_eval} here (trl lets a group span "
+                             "processes in evaluation; this evaluation keeps each group on one)")
         settings["max_prompt_length"] = self._longest_prompt(processing_class, settings, tools)
         self.settings = settings
+        if self.args.max_steps <= 0:  # transformers: epochs x the optimizer steps of one pass over the sampler's
+            # generations (an epoch's incomplete last one dropped), rounded up; here to whole generations
+            generations = len(self.train_rows) // OurConfig(**settings).prompts_per_generation
+            settings["max_steps"] = max(1, math.ceil(math.ceil(self.args.num_train_epochs * generations
+                                                               * self.updates_per_step) / self.updates_per_step))
         self.rewards = _reward_specs(reward_funcs, self.args.reward_weights, lambda: dict(
             trainer_state=self.state, log_metric=self._log_metric, log_extra=self._log_extra))
         self.logged_metrics: dict[str, list[float]] = {}  # the reward functions' log_metric, until the next step
@@ -185,6 +199,7 @@ class GRPOTrainer:
         self.callback_handler = CallbackHandler(list(callbacks or []), model, processing_class, None, None)
         quiet.setLevel(level)
         self.engine = None  # grpo.core.trainer.Trainer, built by train() or evaluate() (it may resume)
+        self.order, self._in_schedule = None, False  # trl's data order (grpo.trl_api.rollouts.TrlOrder)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     def _longest_prompt(self, tokenizer, settings: dict, tools) -> int:
@@ -216,8 +231,8 @@ class GRPOTrainer:
         # trl's order of prompts and of micro-batch rows, and its rollout_func where our sampler would run
         evaluates_after = lambda step: bool(self.eval_every) and (step + 1) % self.eval_every == 0  # noqa: E731
         order = TrlOrder(len(self.train_rows), self.engine.loop.prompts_per_generation, self.args.seed,
-                         self.args.shuffle_dataset, evaluates_after)
-        self.engine.order = DataOrder(order.prompts, order.rows)
+                         self.args.shuffle_dataset, evaluates_after, self.engine.world.rank)
+        self.engine.order, self.order = DataOrder(order.prompts, order.rows), order
         if self.rollout_func is not None:
             call = RolloutFunction(lambda prompts: self.rollout_func(prompts, self))
             self.engine.sample_rollout = call.sample_rollout
@@ -257,13 +272,12 @@ class GRPOTrainer:
         else:
             engine = self.engine or self._build(None)
 
-        state, args = self.state, self.args
-        updates = self.updates_per_step
+        args, updates = self.args, self.updates_per_step
+        self.state = state = TrainerState()  # as transformers: each train() starts a fresh state (log_history too)
         if resume and (engine.run.resume_from / TRAINER_STATE).exists():
             self.state = state = TrainerState.load_from_json(str(engine.run.resume_from / TRAINER_STATE))
         state.max_steps = engine.loop.total_steps * updates
         state.global_step = engine.step * updates
-        state.logging_steps, state.save_steps = self.settings["logging_steps"], self.settings["save_steps"]
         state.eval_steps = self.eval_every * updates
         state.num_train_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else 1
         # trl's epoch: optimizer steps over those of one pass, whose last incomplete generation is dropped
@@ -279,14 +293,17 @@ class GRPOTrainer:
 
         log_every = math.ceil(state.max_steps * args.logging_steps) if args.logging_steps < 1 \
             else int(args.logging_steps)  # in optimizer steps, as transformers
+        state.logging_steps, state.save_steps = log_every, self.settings["save_steps"] * updates
+        evaluated_last = False  # an evaluation at the last step leaves trl's model in eval mode (see the summary)
 
         def step_end(step: int, metrics: dict, per_update: list | None):
             """After each of our steps: trl's events and log entries for each optimizer update it made."""
+            nonlocal evaluated_last
             numbers = {key: float(value) for key, value in metrics.items()
                        if isinstance(value, (int, float)) and not isinstance(value, bool)
                        and not key.startswith(OURS_ONLY)}
-            numbers.update({name: sum(values) / len(values) for name, values in self.logged_metrics.items()})
-            self.logged_metrics.clear()
+            numbers.update(self._take_logged_metrics())
+            save = evaluate = stop = False  # each update's callbacks may ask; the next on_step_begin clears them
             # the generation's metrics go with its first update; each update's loss statistics with that update
             for index, own in enumerate(per_update or [{}]):
                 if index:
@@ -295,22 +312,28 @@ class GRPOTrainer:
                 epoch = state.epoch or 0.0
                 state.epoch = state.global_step / (generations_per_epoch * updates)
                 self.control = handler.on_step_end(args, state, self.control)
-                if math.floor(state.epoch) > math.floor(epoch):  # a pass over the prompts ended
-                    self.control = handler.on_epoch_end(args, state, self.control)
+                if math.floor(state.epoch) > math.floor(epoch) and state.global_step < state.max_steps:
+                    self.control = handler.on_epoch_end(args, state, self.control)  # a pass over the prompts ended
                     self.control = handler.on_epoch_begin(args, state, self.control)
                 timing = {key: numbers[key] / len(per_update or [{}]) for key in ("step_time",) if key in numbers}
                 for key, value in ({**numbers, **own} if index == 0 else {**own, **timing}).items():
                     window.setdefault(key, []).append(float(value))
                 losses.append(own.get("loss", numbers.get("loss", 0.0)))
-                due = state.global_step % log_every == 0 or self.control.should_log
+                due = state.global_step % log_every == 0 or self.control.should_log or (
+                    args.logging_first_step and state.global_step == 1)
                 if args.logging_strategy != "no" and due:
-                    self.log({key: (values[-1] if key in LAST_VALUE else sum(values) / len(values))
-                              for key, values in window.items()})
+                    self.log(_window_means(window, LAST_VALUE))
                     window.clear()
                     self.control.should_log = False
-            if (self.eval_every and step % self.eval_every == 0) or self.control.should_evaluate:
+                save, evaluate = save or self.control.should_save, evaluate or self.control.should_evaluate
+                stop = stop or self.control.should_training_stop
+            last = step * updates >= state.max_steps
+            # transformers evaluates every eval_steps, and at the last step when that is not one of them
+            scheduled = bool(self.eval_every) and step % self.eval_every == 0  # TrlOrder counts these draws
+            if scheduled or (self.eval_every and last) or evaluate:
+                self._in_schedule = scheduled
                 self.evaluate()
-            save, stop = self.control.should_save, self.control.should_training_stop
+                self._in_schedule, evaluated_last = False, last
             self.control.should_save = self.control.should_evaluate = False
             if not stop and step < engine.loop.total_steps:  # nothing runs between this step's end and the next
                 self.control = handler.on_step_begin(args, state, self.control)
@@ -336,9 +359,10 @@ class GRPOTrainer:
                    * args.gradient_accumulation_steps / max(runtime, 1e-9),
                    "train_steps_per_second": steps_run / max(runtime, 1e-9), "total_flos": 0.0,
                    "train_loss": sum(losses) / len(losses) if losses else 0.0}
-        if args.logging_strategy != "no":  # trl's metrics since the last logging step join the summary, as trl
-            summary.update({key: sum(values) / len(values) for key, values in window.items()
-                            if key not in TRANSFORMERS_KEYS})
+        if not evaluated_last:  # trl's metrics since the last entry join the summary (the whole run's with
+            # logging_strategy "no"), unless an evaluation at the last step left trl's model in eval mode
+            summary.update(_window_means({key: values for key, values in window.items()
+                                          if key not in TRANSFORMERS_KEYS}, LAST_VALUE))
         self.log(summary)
         self.control = handler.on_epoch_end(args, state, self.control)
         self.control = handler.on_train_end(args, state, self.control)
@@ -348,12 +372,19 @@ class GRPOTrainer:
     def _log_metric(self, name: str, value: float) -> None:
         self.logged_metrics.setdefault(name, []).append(float(value))
 
+    def _take_logged_metrics(self) -> dict:
+        """The reward functions' log_metric values since the last call, each name's mean (NaN-aware, as trl)."""
+        taken = _window_means(self.logged_metrics, ())
+        self.logged_metrics.clear()
+        return taken
+
     def _log_extra(self, column: str, values: list) -> None:
         """trl adds these to its completions table; here samples.jsonl keeps the rewards and texts only."""
 
     def log(self, logs: dict) -> None:
         """One entry of state.log_history (with epoch and step, as transformers), and the callbacks' on_log."""
-        entry = {**logs, "epoch": self.state.epoch, "step": self.state.global_step}
+        entry = {**logs, **({"epoch": self.state.epoch} if self.state.epoch is not None else {}),
+                 "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
@@ -366,9 +397,20 @@ class GRPOTrainer:
                                                                  self.args.remove_unused_columns)
         if rows is None:
             raise ValueError("evaluate() needs an eval_dataset")
-        engine = self.engine or self._build(None)
+        if self.engine is None:  # transformers then logs the preparation's time with every later evaluation
+            started = time.time()
+            self._build(None)
+            self.model_preparation_time = round(time.time() - started, 4)
+        engine = self.engine
+        if not self._in_schedule:  # trl's eval DataLoader draws from the stream that orders micro-batches
+            self.order.note_evaluation(engine.step)
+        pending = self._take_logged_metrics()  # a training step's; the evaluation's reward calls log their own
         metrics = evaluate_like_trl(engine, rows, self.args.seed, self.num_generations_eval,
                                     self.args.per_device_eval_batch_size)
+        metrics.update(self._take_logged_metrics())
+        if hasattr(self, "model_preparation_time"):
+            metrics["model_preparation_time"] = self.model_preparation_time
+        self.logged_metrics.update({name: [value] for name, value in pending.items()})
         return self._evaluated({f"{metric_key_prefix}_{key}": value for key, value in metrics.items()
                                 if not key.startswith(OURS_ONLY)})
 
