@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     try:
         rows, task = load_task_rows(config.dataset, config.split, config.skip_bad_rows, config.system_prompt,
                                     config.one_shot, config.task_settings, config.task_seed, config.answer_extraction,
-                                    config.trust_task_verifier)
+                                    config.trust_task_verifier, config.dataset_prompt_column)
         config.raise_problems(unused_settings(config, task))  # a flag that would do nothing is refused, not ignored
         rows = rows[: config.limit] if config.limit else rows
         environments = load_environments(config)  # their get_reward scores join the rewards, as in training

@@ -293,6 +293,7 @@ def _recipe(tmp_path, replace: dict | None = None) -> Path:
     data.mkdir()
     rows = [{"problem": f"What is {i} + {i + 1}?", "solution": f"${2 * i + 1}$"} for i in range(16)]
     (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (data / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:4]))
     text = RECIPE.read_text().replace("model_name_or_path: ../Qwen2.5-0.5B-Instruct", "model_name_or_path: tiny")
     text = text.replace("dataset_name: OpenR1-Math-220k/all", f"dataset_name: {data}")
     for old, new in (replace or {}).items():
@@ -304,7 +305,7 @@ def _recipe(tmp_path, replace: dict | None = None) -> Path:
 
 
 @pytest.mark.slow
-def test_an_open_r1_recipe_loads_says_what_it_maps_and_leaves_and_trains(tmp_path, caplog):
+def test_an_open_r1_recipe_loads_says_what_it_maps_and_leaves_and_trains(tmp_path, caplog, capsys):
     import train
 
     pytest.importorskip("math_verify", reason="accuracy_reward: the tasks extra")
@@ -329,6 +330,12 @@ def test_an_open_r1_recipe_loads_says_what_it_maps_and_leaves_and_trains(tmp_pat
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len([step for step in steps if "loss" in step]) == 2
     assert "rewards/accuracy_reward/mean" in steps[0] and "rewards/think_format/mean" in steps[0]
+    # eval.py evaluates the run as it trained: its prompts from the same column, scored by its rewards
+    import eval as evaluation
+
+    assert evaluation.main(["--model", str(tmp_path / "run"), "--limit", "2", "--max-completion-length", "8",
+                            "--output-dir", str(tmp_path / "eval")]) == 0
+    assert "dataset_prompt_column='problem'" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("replace, message", [

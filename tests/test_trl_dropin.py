@@ -264,7 +264,16 @@ def test_a_callback_that_stops_and_resume_from_checkpoint_give_trls_numbers(tmp_
 
 
 def test_a_rollout_func_that_returns_too_little_is_one_clear_error(tmp_path, tiny_model_dir):
-    """A rollout_func without a required key, or with fewer completions than prompts x G, is named in one line."""
+    """A rollout_func without a required key, or with fewer completions than prompts x G, is named in one line; so
+    is a stream without max_steps, or one shorter than a generation."""
+    GRPOConfig, GRPOTrainer = _classes("ours")
+    stream = datasets.Dataset.from_list(ROWS[:1]).to_iterable_dataset()
+    for settings, message in ((dict(max_steps=-1), "train_dataset is an IterableDataset: set max_steps"),
+                              (dict(max_steps=2), r"yields fewer prompts than one generation takes \(2\)")):
+        with pytest.raises(ValueError, match=message):
+            GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[correct], train_dataset=stream,
+                        args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=8,
+                                        num_generations=4, **settings))
     with pytest.raises(ValueError, match=r"rollout_func must return a dict with the keys .*missing \['logprobs'\]"):
         small_script(_classes("ours"), tiny_model_dir, tmp_path / "a", {},
                      lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2]]})
@@ -355,4 +364,26 @@ def test_callbacks_evaluate_before_training_log_metric_and_unscorable_rewards_gi
         histories[engine] = trainer.state.log_history
     assert any(entry.get("rewards/half_none/mean", 0) is None for entry in histories["trl"])
     assert any("eval_mean_words" in entry for entry in histories["trl"])
+    assert_same_log_history(histories["ours"], histories["trl"])
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "in-order"])
+def test_an_iterable_dataset_gives_trls_numbers(shuffle, tmp_path, tiny_model_dir):
+    """A streaming train_dataset (an IterableDataset, max_steps set): trl reads it through datasets' buffered
+    shuffle and its repeat transform, and goes round it again (set_epoch) when it ends; the drop-in reads the same
+    rows in the same order. 11 rows, 2 prompts a generation, 8 steps: a second pass."""
+    histories, seen = {}, {}
+    for engine in ("trl", "ours"):
+        seen[engine] = []
+        GRPOConfig, GRPOTrainer = _classes(engine)
+        args = GRPOConfig(output_dir=str(tmp_path / engine), use_cpu=True, bf16=False, report_to="none", seed=3,
+                          logging_steps=1, per_device_train_batch_size=8, num_generations=4, learning_rate=1e-4,
+                          max_steps=8, save_strategy="no", gradient_checkpointing=False, max_completion_length=64,
+                          shuffle_dataset=shuffle)
+        stream = datasets.Dataset.from_list(ROWS).to_iterable_dataset()
+        trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[correct, tagged], args=args,
+                              train_dataset=stream, rollout_func=table_rollout(gsm8k_golds(ROWS), seen[engine]))
+        trainer.train()
+        histories[engine] = trainer.state.log_history
+    assert seen["ours"] == seen["trl"] and len(seen["trl"]) == 8
     assert_same_log_history(histories["ours"], histories["trl"])

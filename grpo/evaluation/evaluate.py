@@ -51,6 +51,7 @@ class EvalConfig(ConfigMixin):
     compare: str | None = option(None, "a second model evaluated on the same problems under the same settings, "
                                  "printed side by side")
     dataset: str = shared("dataset")
+    dataset_prompt_column: str | None = shared("dataset_prompt_column")
     split: str = option("test", "dataset split (a trained run's: its --eval-split)", from_run="eval_split")
     limit: int = option(0, "evaluate the first N problems (0 = all)")
     system_prompt: str | None = shared("system_prompt")

@@ -36,9 +36,13 @@ class TrlOrder:
     """trl's prompt and row orders (module docstring) for `dataset_size` prompts, `per_generation` a generation."""
 
     def __init__(self, dataset_size: int, per_generation: int, seed: int, shuffle: bool,
-                 evaluates_after: Callable[[int], bool] = lambda generation: False, rank: int = 0):
+                 evaluates_after: Callable[[int], bool] = lambda generation: False, rank: int = 0,
+                 stream_starts: list[int] | None = None):
         """`evaluates_after(g)`: whether the run evaluates after generation g's updates (trl's eval_steps); `rank`:
-        this process's index, whose global generator trl seeds with seed + rank (set_seed(device_specific=True))."""
+        this process's index, whose global generator trl seeds with seed + rank (set_seed(device_specific=True));
+        `stream_starts`: an IterableDataset's rows, already in trl's order, one pass of it starting at each of these
+        generations (grpo.trl_api.trainer._stream_rows)."""
+        self.stream_starts = None if stream_starts is None else set(stream_starts)
         self.dataset_size, self.per_generation, self.shuffle = dataset_size, per_generation, shuffle
         self.evaluates_after = evaluates_after
         self.generations_per_epoch = dataset_size // per_generation
@@ -53,6 +57,8 @@ class TrlOrder:
 
     def prompts(self, step: int) -> list[int]:
         """The prompt indices of generation `step` (every rank's)."""
+        if self.stream_starts is not None:  # the rows are the stream's, in order
+            return list(range(step * self.per_generation, (step + 1) * self.per_generation))
         epoch, chunk = divmod(step, self.generations_per_epoch)
         while len(self.epochs) <= epoch:
             self.epochs.append(torch.randperm(self.dataset_size, generator=self.sampler).tolist() if self.shuffle
@@ -68,7 +74,9 @@ class TrlOrder:
         """(N,) the order generation `step`'s rows of this rank are cut into micro-batches, every iteration."""
         while len(self.shuffles) <= step:
             generation = len(self.shuffles)
-            draws = (generation % self.generations_per_epoch == 0) + (generation > 0 and self.evaluates_after(
+            starts = generation in self.stream_starts if self.stream_starts is not None \
+                else generation % self.generations_per_epoch == 0
+            draws = starts + (generation > 0 and self.evaluates_after(
                 generation - 1)) + self.unscheduled.get(generation, 0)  # the epoch's and each evaluation's
             # DataLoader iterator draw their seeds
             for _ in range(draws):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -45,12 +46,34 @@ OURS_ONLY = ("advantages/", "answers/", "cpu_threads", "sample_time", "skipped_u
 LORA_DEFAULTS = dict(bias="none", modules_to_save=None, use_rslora=False, use_dora=False, init_lora_weights=True)
 
 
+def _stream_rows(dataset, per_generation: int, generations: int, seed: int, shuffle: bool):
+    """The rows an IterableDataset gives trl's sampler for `generations` generations of `per_generation` prompts, in
+    trl's order: each pass over the stream shuffled by datasets' buffered shuffle seeded by `seed` (seed + the pass
+    under set_epoch), cut into generations, an incomplete last one dropped. Returns (rows, the generation each pass
+    starts at)."""
+    rows, starts = [], []
+    for epoch in itertools.count():
+        source = dataset.shuffle(seed=seed) if shuffle else dataset
+        source.set_epoch(epoch)
+        starts.append(len(rows) // per_generation)
+        chunk, complete = [], 0
+        for row in source:
+            chunk.append(dict(row))
+            if len(chunk) == per_generation:
+                rows, chunk, complete = rows + chunk, [], complete + 1
+                if len(rows) >= per_generation * generations:
+                    return rows, starts
+        if not complete:
+            raise ValueError(f"train_dataset (an IterableDataset) yields fewer prompts than one generation takes "
+                             f"({per_generation})")
+
+
 def _rows(dataset, name: str, remove_unused_columns: bool) -> list[dict] | None:
-    """A datasets Dataset (or a list of dicts) as rows; an IterableDataset is refused (its length is unknown)."""
+    """A datasets Dataset (or a list of dicts, or the rows an IterableDataset gave) as rows."""
     if dataset is None:
         return None
     if not hasattr(dataset, "__len__"):
-        raise ValueError(f"{name}: an IterableDataset is not supported here; pass a Dataset (or a list of rows)")
+        raise ValueError(f"{name}: an IterableDataset is supported as train_dataset only (pass a Dataset)")
     rows = [dict(row) for row in dataset]
     if not rows:
         raise ValueError(f"{name} is empty")
@@ -160,6 +183,13 @@ class GRPOTrainer:
         settings.update(model=str(name) if isinstance(model, str) else (str(name) or "given"),
                         dataset="train_dataset", overwrite=True, metrics_average="micro_batch",
                         **_lora_settings(peft_config))
+        self.stream_starts = None  # an IterableDataset's: the generation each pass over it starts at
+        if train_dataset is not None and not hasattr(train_dataset, "__len__"):
+            if self.args.max_steps <= 0:
+                raise ValueError("train_dataset is an IterableDataset: set max_steps (its length is unknown), as trl")
+            train_dataset, self.stream_starts = _stream_rows(
+                train_dataset, OurConfig(**settings).prompts_per_generation, settings["max_steps"], self.args.seed,
+                self.args.shuffle_dataset)
         self.train_rows = _rows(train_dataset, "train_dataset", self.args.remove_unused_columns)
         self.eval_rows = _rows(eval_dataset, "eval_dataset", self.args.remove_unused_columns)
         if self.train_rows is None:
@@ -231,7 +261,8 @@ class GRPOTrainer:
         # trl's order of prompts and of micro-batch rows, and its rollout_func where our sampler would run
         evaluates_after = lambda step: bool(self.eval_every) and (step + 1) % self.eval_every == 0  # noqa: E731
         order = TrlOrder(len(self.train_rows), self.engine.loop.prompts_per_generation, self.args.seed,
-                         self.args.shuffle_dataset, evaluates_after, self.engine.world.rank)
+                         self.args.shuffle_dataset and self.stream_starts is None, evaluates_after,
+                         self.engine.world.rank, self.stream_starts)
         self.engine.order, self.order = DataOrder(order.prompts, order.rows), order
         if self.rollout_func is not None:
             call = RolloutFunction(lambda prompts: self.rollout_func(prompts, self))
@@ -311,6 +342,9 @@ class GRPOTrainer:
                 state.global_step = (step - 1) * updates + index + 1
                 epoch = state.epoch or 0.0
                 state.epoch = state.global_step / (generations_per_epoch * updates)
+                if self.stream_starts is not None:  # the pass over the stream, and its steps over max_steps
+                    passes = [start for start in self.stream_starts if start < step]
+                    state.epoch = len(passes) - 1 + (state.global_step - passes[-1] * updates) / state.max_steps
                 self.control = handler.on_step_end(args, state, self.control)
                 if math.floor(state.epoch) > math.floor(epoch) and state.global_step < state.max_steps:
                     self.control = handler.on_epoch_end(args, state, self.control)  # a pass over the prompts ended
