@@ -310,6 +310,11 @@ class GRPOConfig(ConfigMixin):
     vllm_max_model_length: int | None = option(None, "tokens one request may hold (prompt and completion); default "
                                                "max_prompt_length + the larger of max_completion_length and "
                                                "eval_max_completion_length, which it must not be below")
+    vllm_structured_outputs_regex: str | None = option(None, "guided decoding (vLLM's structured outputs): every "
+                                                       "training completion vLLM samples matches this regular "
+                                                       "expression; the sampler's log-probs are the constrained "
+                                                       "distribution's. vLLM only (our sampler and transformers' "
+                                                       "generate do not constrain); not with tools")
     vllm_tensor_parallel_size: int = option(1, "GPUs one engine spans; > 1 only on generation processes (each engine "
                                             "then starts its own workers)")
     vllm_model_impl: str = option("auto", "the engine's model code: auto, vllm (its own) or transformers (vLLM's "
@@ -829,6 +834,18 @@ class GRPOConfig(ConfigMixin):
                             f"{terms}: raise it or leave it unset")
         if self.vllm_tensor_parallel_size < 1:
             problems.append(f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}")
+        if self.vllm_structured_outputs_regex is not None:
+            if self.generation_backend != "vllm":
+                problems.append(f"vllm_structured_outputs_regex needs --use-vllm: the {self.generation_backend} "
+                                "backend does not constrain decoding")
+            elif self.tools or self.environment:
+                problems.append("vllm_structured_outputs_regex with tools or environments: a regex over one turn "
+                                "would have to allow the tool calls and results too; not built")
+            try:
+                re.compile(self.vllm_structured_outputs_regex)
+            except re.error as error:
+                problems.append(f"vllm_structured_outputs_regex {self.vllm_structured_outputs_regex!r} is not a "
+                                f"regular expression: {error}")
         return problems
 
     def longest_request(self) -> tuple[int, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -247,6 +248,27 @@ def test_vllm_samples_with_the_repetition_penalty_and_returns_its_log_probs(tmp_
     step = launch(tmp_path, 1, **{**VLLM, "max_steps": 1, "repetition_penalty": 1.5})[1][0]["steps"][0]
     assert (step["sampled_logprobs"] - step["penalized"]).abs().max().item() < MISMATCH
     assert (step["sampled_logprobs"] - step["unpenalized"]).abs().max().item() > 100 * MISMATCH
+
+
+@pytest.mark.slow
+def test_vllm_guided_decoding_makes_every_completion_match_the_regex(tmp_path):
+    """vllm_structured_outputs_regex (trl's field): every training completion vLLM samples matches it, the EOS after
+    it; the options are refused where they cannot work."""
+    if VLLM_ERROR is not None and not REQUIRED:
+        pytest.skip(f"vLLM unavailable: {VLLM_ERROR}")
+    from grpo.tiny_model import build_tokenizer
+
+    regex = r"<answer>[0-9]{1,3}</answer>"
+    step = launch(tmp_path, 1, **{**VLLM, "max_steps": 1, "vllm_structured_outputs_regex": regex})[1][0]["steps"][0]
+    tokenizer = build_tokenizer()
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for group in step["completions"].values()
+             for ids in group]
+    assert texts and all(re.fullmatch(regex, text) for text in texts), texts
+    for settings, message in ((dict(vllm_structured_outputs_regex=regex), "needs --use-vllm"),
+                              (dict(use_vllm=True, vllm_structured_outputs_regex="(unclosed"),
+                               "is not a regular expression")):
+        with pytest.raises(ValueError, match=message):
+            GRPOConfig(**settings).validate()
 
 
 @pytest.mark.slow

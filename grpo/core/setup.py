@@ -376,7 +376,8 @@ def engine_settings(config: GRPOConfig, precision: str):
         dtype="float32" if precision == "fp32" else "bfloat16",
         gpu_memory_utilization=config.vllm_gpu_memory_utilization, kv_cache_gib=config.vllm_kv_cache_gib,
         enable_sleep_mode=config.vllm_enable_sleep_mode, tensor_parallel_size=config.vllm_tensor_parallel_size,
-        model_impl=config.vllm_model_impl, seed=config.seed)
+        model_impl=config.vllm_model_impl, seed=config.seed,
+        structured_outputs_regex=config.vllm_structured_outputs_regex)
 
 
 # ----------------------------------------------------------------------------- the pieces the steps use

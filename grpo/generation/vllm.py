@@ -74,6 +74,7 @@ class EngineSettings:
     tensor_parallel_size: int
     model_impl: str
     seed: int
+    structured_outputs_regex: str | None = None  # guided decoding: each training completion matches it
     max_model_length_from: str = "--vllm-max-model-length"  # the settings max_model_length comes from, for messages
     group_tokens_from: str = "tokens"  # how group_tokens adds up, each term with its flag, for messages
 
@@ -398,13 +399,16 @@ class VLLMGenerate:
         logprobs = [[] for _ in rows]
         active, round_ = list(range(len(rows))), 0
         eos = set(params.eos_token_ids)
+        regex = self.settings.structured_outputs_regex
+        guided = None if regex is None or params.temperature == 0 else vllm.sampling_params.StructuredOutputsParams(
+            regex=regex)  # training samples only: greedy evaluation decodes freely
         while active:
             requests, options = [], []
             for row in active:
                 seed = None if seeds is None else (seeds[row] + round_ * 0x9E3779B97F4A7C15) % 2**63
                 options.append(vllm.SamplingParams(
                     n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
-                    min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+                    min_p=params.min_p, repetition_penalty=params.repetition_penalty, structured_outputs=guided,
                     max_tokens=params.max_completion_length - len(completions[row]),
                     stop_token_ids=list(eos), ignore_eos=True, seed=seed, logprobs=0 if return_logprobs else None,
                     detokenize=False))

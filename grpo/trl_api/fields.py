@@ -207,8 +207,8 @@ FIELDS: dict[str, Field] = {
     "vllm_mode": refused("colocate", "only colocate is built (the engine in the training process)"),
     "vllm_model_impl": same("vllm", "vllm_model_impl"),
     "vllm_enable_sleep_mode": same(False, "vllm_enable_sleep_mode", "sleep level 1 (weights to CPU); trl level 2"),
-    "vllm_structured_outputs_regex": refused(None, "not built yet: guided decoding changes the sampled "
-                                                   "distribution"),
+    "vllm_structured_outputs_regex": same(None, "vllm_structured_outputs_regex", "vLLM's guided decoding of the "
+                                                                               "training completions"),
     "vllm_server_base_url": left(None, "only vllm_mode='colocate' is built"),
     "vllm_server_host": left("0.0.0.0", "only vllm_mode='colocate' is built"),
     "vllm_server_port": left(8000, "only vllm_mode='colocate' is built"),
