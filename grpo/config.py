@@ -312,8 +312,8 @@ class GRPOConfig(ConfigMixin):
                                                "eval_max_completion_length, which it must not be below")
     vllm_structured_outputs_regex: str | None = option(None, "guided decoding (vLLM's structured outputs): every "
                                                        "training completion vLLM samples matches this regular "
-                                                       "expression; the sampler's log-probs are the constrained "
-                                                       "distribution's. vLLM only (our sampler and transformers' "
+                                                       "expression (the behaviour log-probs are vLLM's processed "
+                                                       "ones, as trl's). vLLM only (our sampler and transformers' "
                                                        "generate do not constrain); not with tools")
     vllm_tensor_parallel_size: int = option(1, "GPUs one engine spans; > 1 only on generation processes (each engine "
                                             "then starts its own workers)")

@@ -185,7 +185,7 @@ def test_tool_results_continue_the_same_token_sequence(tiny_model_and_tokenizer)
     backend = object.__new__(VLLMGenerate)  # the backend around a planned engine (no vLLM process)
     backend.__dict__.update(model=model, pad_token_id=tokenizer.pad_token_id, in_process=True, processes=[],
                             tools=ToolSet([add, broken], tokenizer, eos), llm=engine, sleeping=False, stale=False,
-                            settings=SimpleNamespace(enable_sleep_mode=False))
+                            settings=SimpleNamespace(enable_sleep_mode=False, structured_outputs_regex=None))
     params = SamplingParams(max_completion_length=200, temperature=1.0, eos_token_ids=(eos,))
     sample = backend.generate([prompt], 4, params, torch.Generator().manual_seed(0), return_logprobs=True)
 
@@ -259,7 +259,9 @@ def test_vllm_guided_decoding_makes_every_completion_match_the_regex(tmp_path):
     from grpo.tiny_model import build_tokenizer
 
     regex = r"<answer>[0-9]{1,3}</answer>"
-    step = launch(tmp_path, 1, **{**VLLM, "max_steps": 1, "vllm_structured_outputs_regex": regex})[1][0]["steps"][0]
+    # a budget the longest match fits in, spelt a character a token (the regex does not follow the tokenizer)
+    step = launch(tmp_path, 1, **{**VLLM, "max_steps": 1, "max_completion_length": 24,
+                                  "vllm_structured_outputs_regex": regex})[1][0]["steps"][0]
     tokenizer = build_tokenizer()
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for group in step["completions"].values()
              for ids in group]

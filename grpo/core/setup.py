@@ -228,7 +228,8 @@ def models(config: GRPOConfig, processes: Processes, folder: RunFolder, data: Ru
     if config.gradient_checkpointing:
         use_gradient_checkpointing(policy)
     policy.train()
-    backend, engine = vllm_engine(config, processes, policy)  # where the vLLM engine runs, and what it reads
+    backend, engine = vllm_engine(config, processes, policy, data.tokenizer)  # where the vLLM engine runs, and what
+    # it reads
     distributed = "none" if processes.generating else resolve_mode(config.distributed, processes.world)
     if config.use_peft and distributed == "fsdp":
         raise ValueError("--use-peft under FSDP2 is not supported yet: use --distributed ddp (the adapters are "
@@ -359,10 +360,11 @@ def lora_settings(config: GRPOConfig) -> LoraSettings:
                         config.seed)
 
 
-def engine_settings(config: GRPOConfig, precision: str):
+def engine_settings(config: GRPOConfig, precision: str, tokenizer=None):
     """The vLLM engine's settings (grpo.generation.vllm.EngineSettings) for a run in `precision`, each length with
-    the flags it adds up from (for messages)."""
-    from grpo.generation.vllm import EngineSettings
+    the flags it adds up from (for messages); with guided decoding, a folder holding the run's `tokenizer` (vLLM's
+    structured outputs read the vocabulary from it)."""
+    from grpo.generation.vllm import EngineSettings, tokenizer_folder
 
     longest, terms = config.longest_request()
     group_tokens = config.max_prompt_length + config.num_generations * config.max_completion_length
@@ -377,7 +379,8 @@ def engine_settings(config: GRPOConfig, precision: str):
         gpu_memory_utilization=config.vllm_gpu_memory_utilization, kv_cache_gib=config.vllm_kv_cache_gib,
         enable_sleep_mode=config.vllm_enable_sleep_mode, tensor_parallel_size=config.vllm_tensor_parallel_size,
         model_impl=config.vllm_model_impl, seed=config.seed,
-        structured_outputs_regex=config.vllm_structured_outputs_regex)
+        structured_outputs_regex=config.vllm_structured_outputs_regex,
+        tokenizer=tokenizer_folder(tokenizer) if config.vllm_structured_outputs_regex and tokenizer else None)
 
 
 # ----------------------------------------------------------------------------- the pieces the steps use
@@ -636,10 +639,11 @@ def use_cpu_huge_pages() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def vllm_engine(config, processes: Processes, policy) -> tuple[str, object]:
+def vllm_engine(config, processes: Processes, policy, tokenizer=None) -> tuple[str, object]:
     """(the backend this process samples with, what builds vLLM's backend given the model, or None), placing the
     engine (docs/vllm.md): colocate, in every training process; with generation processes, in those only (the
-    training processes then evaluate with our sampler). Called before the policy is wrapped (FSDP2)."""
+    training processes then evaluate with our sampler). Called before the policy is wrapped (FSDP2). `tokenizer`: the
+    run's, which guided decoding needs the engine to read."""
     generators, generating, world = processes.generators, processes.generating, processes.world
     if config.generation_backend != "vllm":
         return config.generation_backend, None
@@ -655,6 +659,6 @@ def vllm_engine(config, processes: Processes, policy) -> tuple[str, object]:
     from grpo.generation.vllm import VLLMGenerate, engine_source
 
     return "vllm", functools.partial(VLLMGenerate, source=engine_source(policy),
-                                     settings=engine_settings(config, processes.precision),
+                                     settings=engine_settings(config, processes.precision, tokenizer),
                                      rows=config.completions_per_generation // max(world.size, 1),  # this rank's
                                      in_process=not generating, distributed=not generating and world.size > 1)

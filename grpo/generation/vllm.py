@@ -75,6 +75,7 @@ class EngineSettings:
     model_impl: str
     seed: int
     structured_outputs_regex: str | None = None  # guided decoding: each training completion matches it
+    tokenizer: str | None = None  # a folder with the run's tokenizer, which guided decoding reads (else none is)
     max_model_length_from: str = "--vllm-max-model-length"  # the settings max_model_length comes from, for messages
     group_tokens_from: str = "tokens"  # how group_tokens adds up, each term with its flag, for messages
 
@@ -138,6 +139,15 @@ def engine_source(model) -> str:
     return folder
 
 
+def tokenizer_folder(tokenizer) -> str:
+    """The run's tokenizer saved to a temporary folder (`grpo-vllm-tokenizer-*`, removed at exit), for an engine that
+    must read the vocabulary (structured outputs); the model's folder may not hold it (a model built in memory)."""
+    folder = tempfile.mkdtemp(prefix="grpo-vllm-tokenizer-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def build_engine(model, source: str, settings: EngineSettings, rows: int, in_process: bool, distributed: bool):
     """An LLM for the policy `model`, read from `source` (engine_source), its weights replaced by `sync_weights`
     before the first generation.
@@ -165,6 +175,8 @@ def build_engine(model, source: str, settings: EngineSettings, rows: int, in_pro
                    # a prompt prefilled in pieces discards a token and rewinds its request's seeded generator, which
                    # a CPU generator cannot do ("CPU Generator does not use offset")
                    enable_chunked_prefill=torch.cuda.is_available())
+    if settings.tokenizer is not None:  # guided decoding compiles its regex over the vocabulary
+        options.update(skip_tokenizer_init=False, tokenizer=settings.tokenizer)
     if distributed:
         options["distributed_executor_backend"] = "external_launcher"
     try:
