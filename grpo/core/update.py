@@ -255,6 +255,17 @@ def behaviour_correction(rollout: Rollout, old_logps: torch.Tensor, loss_mask: t
     return behaviour, is_weights, sampling_metrics(world, statistics)
 
 
+def rollout_tensors(rollout: Rollout, mask_truncated: bool, device) -> tuple[torch.Tensor, ...]:
+    """(prompt ids, prompt mask, completion ids, completion mask, loss mask) on `device`, the truncated completions
+    dropped from attention and loss when `mask_truncated` (trl's mask_truncated_completions)."""
+    completion_mask, loss_mask = rollout.completion_mask.to(device), rollout.loss_mask.to(device)  # (N, T)
+    if mask_truncated:
+        kept = (~rollout.truncated.to(device))[:, None]
+        completion_mask, loss_mask = completion_mask * kept, loss_mask * kept
+    return (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
+            completion_mask, loss_mask)
+
+
 def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, optimizer, scheduler,
                      state: StepState, world: World, functions: StepFunctions, reward_specs, num_updates: int = 1,
                      after_update=lambda: None, order: torch.Tensor | None = None) -> UpdateResult:
@@ -270,12 +281,8 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
     """
     check_rollout(options, world, rollout, num_updates)
     device, num_rows = models.device, rollout.num_rows
-    completion_mask, loss_mask = rollout.completion_mask.to(device), rollout.loss_mask.to(device)  # (N, T)
-    if options.mask_truncated_completions:  # drops them from attention and loss, as trl
-        kept = (~rollout.truncated.to(device))[:, None]
-        completion_mask, loss_mask = completion_mask * kept, loss_mask * kept
-    tensors = (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
-               completion_mask, loss_mask)
+    tensors = rollout_tensors(rollout, options.mask_truncated_completions, device)
+    completion_mask, loss_mask = tensors[3:]  # (N, T)
 
     # --- reference and old log-probs, without grad ---
     passes = partial(no_grad_logprobs, tensors=tensors, logprobs=functions.logprobs, batches=functions.batches,
@@ -359,12 +366,8 @@ def evaluate_rollout(rollout: Rollout, options: UpdateOptions, models: Models, w
     no entropy bonus. Returns the step's metrics (trl's names; the loss the mean over ranks) less grad_norm and
     learning_rate, and this rank's loss; nothing changes."""
     device = models.device
-    completion_mask, loss_mask = rollout.completion_mask.to(device), rollout.loss_mask.to(device)  # (N, T)
-    if options.mask_truncated_completions:
-        kept = (~rollout.truncated.to(device))[:, None]
-        completion_mask, loss_mask = completion_mask * kept, loss_mask * kept
-    tensors = (rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
-               completion_mask, loss_mask)
+    tensors = rollout_tensors(rollout, options.mask_truncated_completions, device)
+    loss_mask = tensors[4]  # (N, T)
     ref_logps = None
     if options.beta != 0.0:
         ref_logps = no_grad_logprobs(models.reference_call, tensors, functions.logprobs, functions.batches,

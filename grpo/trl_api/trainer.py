@@ -259,10 +259,8 @@ class GRPOTrainer:
                               reward_processing_classes=self.reward_processing_classes)
         self.processing_class = self.engine.data.tokenizer
         # trl's order of prompts and of micro-batch rows, and its rollout_func where our sampler would run
-        evaluates_after = lambda step: bool(self.eval_every) and (step + 1) % self.eval_every == 0  # noqa: E731
         order = TrlOrder(len(self.train_rows), self.engine.loop.prompts_per_generation, self.args.seed,
-                         self.args.shuffle_dataset and self.stream_starts is None, evaluates_after,
-                         self.engine.world.rank, self.stream_starts)
+                         self.args.shuffle_dataset, self._evaluates_after, self.engine.world.rank, self.stream_starts)
         self.engine.order, self.order = DataOrder(order.prompts, order.rows), order
         if self.rollout_func is not None:
             call = RolloutFunction(lambda prompts: self.rollout_func(prompts, self))
@@ -271,6 +269,10 @@ class GRPOTrainer:
         handler.model, handler.processing_class = self.engine.policy, self.processing_class
         handler.optimizer, handler.lr_scheduler = self.engine.optimizer, self.engine.scheduler
         return self.engine
+
+    def _evaluates_after(self, step: int) -> bool:
+        """Whether the schedule evaluates after our step `step` (0-based): every eval_every steps."""
+        return bool(self.eval_every) and (step + 1) % self.eval_every == 0
 
     @property
     def model(self):
@@ -335,21 +337,22 @@ class GRPOTrainer:
                        and not key.startswith(OURS_ONLY)}
             numbers.update(self._take_logged_metrics())
             save = evaluate = stop = False  # each update's callbacks may ask; the next on_step_begin clears them
+            timing = {key: numbers[key] / len(per_update or [{}]) for key in ("step_time",) if key in numbers}
             # the generation's metrics go with its first update; each update's loss statistics with that update
             for index, own in enumerate(per_update or [{}]):
                 if index:
                     self.control = handler.on_step_begin(args, state, self.control)
                 state.global_step = (step - 1) * updates + index + 1
                 epoch = state.epoch or 0.0
-                state.epoch = state.global_step / (generations_per_epoch * updates)
-                if self.stream_starts is not None:  # the pass over the stream, and its steps over max_steps
+                if self.stream_starts is None:
+                    state.epoch = state.global_step / (generations_per_epoch * updates)
+                else:  # the pass over the stream, and its steps over max_steps
                     passes = [start for start in self.stream_starts if start < step]
                     state.epoch = len(passes) - 1 + (state.global_step - passes[-1] * updates) / state.max_steps
                 self.control = handler.on_step_end(args, state, self.control)
                 if math.floor(state.epoch) > math.floor(epoch) and state.global_step < state.max_steps:
                     self.control = handler.on_epoch_end(args, state, self.control)  # a pass over the prompts ended
                     self.control = handler.on_epoch_begin(args, state, self.control)
-                timing = {key: numbers[key] / len(per_update or [{}]) for key in ("step_time",) if key in numbers}
                 for key, value in ({**numbers, **own} if index == 0 else {**own, **timing}).items():
                     window.setdefault(key, []).append(float(value))
                 losses.append(own.get("loss", numbers.get("loss", 0.0)))
