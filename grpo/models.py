@@ -204,16 +204,38 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template_fil
     return tokenizer
 
 
+def four_bit_config(quant_type: str, nested: bool, compute_dtype: torch.dtype):
+    """bitsandbytes' 4-bit storage for from_pretrained (QLoRA): the linear layers' weights in `quant_type` blocks,
+    dequantized to `compute_dtype` for each matmul. The output head and embeddings stay as they are."""
+    try:
+        import bitsandbytes  # noqa: F401  (transformers needs it to quantize)
+    except ImportError as error:
+        raise ValueError("--load-in-4bit needs bitsandbytes: pip install -e '.[bnb]'") from error
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=nested,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def is_quantized(model) -> bool:
+    """Whether from_pretrained stored the model's weights in 4 or 8 bits (they cannot be moved or cast)."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
 def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-               tokenizer=None, setting: str = "--model"):
-    """A causal LM in `dtype` on `device`. Local folders are checked for safetensors weights first."""
+               tokenizer=None, setting: str = "--model", quantization=None):
+    """A causal LM in `dtype` on `device`. Local folders are checked for safetensors weights first. `quantization`
+    (four_bit_config): the linear weights stored in 4 bits, loaded straight onto `device`."""
     from grpo.lora import is_adapter_folder, load_merged  # peft's side, loaded when a model is
 
+    if quantization is not None and (name in ("tiny",) or name.startswith("tiny:") or is_adapter_folder(name)):
+        raise ModelError(f"{setting} {name}: 4-bit loading needs a full checkpoint that from_pretrained reads")
     if name == "tiny" or name.startswith("tiny:"):
         shape = name.split(":", 1)[1] if ":" in name else "tiny"
         model, _ = build_tiny_model(shape, seed=0, tokenizer=tokenizer)
     elif name in OFFLINE_MODELS:
-        model = load_model(resolve_model_name(name, setting), device, dtype, trust_remote_code, tokenizer, setting)
+        model = load_model(resolve_model_name(name, setting), device, dtype, trust_remote_code, tokenizer, setting,
+                           quantization)
     elif is_adapter_folder(name):  # a LoRA checkpoint: its base (as the adapter names it) with the adapter merged
         model = load_merged(name, lambda base: load_model(base, device, dtype, trust_remote_code, tokenizer, setting))
     else:
@@ -222,9 +244,10 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype = torch.float
             _check_local_folder(path)
         elif name.startswith((".", "/", "~")):
             raise ModelError(f"{setting} {name}: no such folder")
+        placed = {} if quantization is None else dict(quantization_config=quantization, device_map={"": device})
         model = _from_pretrained(AutoModelForCausalLM, name, setting, dtype=dtype, trust_remote_code=trust_remote_code,
-                                 use_safetensors=True)
-    return model.to(device=device, dtype=dtype)
+                                 use_safetensors=True, **placed)
+    return model if is_quantized(model) else model.to(device=device, dtype=dtype)
 
 
 def eos_token_ids(model, tokenizer) -> tuple[int, ...]:

@@ -238,3 +238,69 @@ def test_cast_lm_head_to_fp32_needs_an_untied_head_and_runs_the_head_in_fp32(tmp
         out = model.lm_head(hidden)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, hidden.float() @ model.lm_head.weight.T, rtol=1e-6, atol=1e-6)
+
+
+def _saved_tiny(folder):
+    model, tokenizer = build_tiny_model("tiny", seed=0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_qlora_trains_adapters_over_a_4bit_base_and_resumes_exactly(tmp_path):
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install -e '.[bnb]'")
+    model = _saved_tiny(tmp_path / "model")
+    overrides = dict(model=model, max_steps=2, save_steps=1, beta=0.04, load_in_4bit=True, **LORA)
+    straight = Trainer(make_config(tmp_path / "a", **overrides))
+    linears = [m for m in straight.policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert linears and all(m.weight.quant_type == "nf4" for m in linears)  # every adapted projection's base
+    trainable = {n: p for n, p in straight.policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+
+    # The 4-bit layers compute what their dequantized weights compute: the log-probs of the same model with each
+    # base weight replaced by its dequantized fp32 matrix agree (the quantization error lives in the weights only).
+    dequantized, _ = build_tiny_model("tiny", seed=0)
+    hand = {}
+    for name, module in straight.policy.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+            path = name.replace(".base_layer", "")
+            hand[path] = weight
+    with torch.no_grad():
+        for path, weight in hand.items():
+            dequantized.get_submodule(path).weight.copy_(weight)
+    ids, attention, mask = _batch(dequantized.config.vocab_size, torch.Generator().manual_seed(5))
+    got, _ = straight.models.reference_call(completion_logprobs, ids, attention, mask)  # the adapters off
+    expected, _ = completion_logprobs(dequantized, ids, attention, mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    before = params_of(straight.policy)
+    straight.train()
+    after = params_of(straight.policy)
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert changed and all("lora_" in n for n in changed)
+    first = Trainer(make_config(tmp_path / "b", **overrides))
+    first.train(until_step=1)
+    resumed = Trainer(make_config(tmp_path / "b", resume=str(tmp_path / "b" / "run"), **overrides))
+    resumed.train()
+    a, b = (read_jsonl(tmp_path / side / "run" / "metrics.jsonl") for side in "ab")
+    for key in ("reward", "loss", "kl", "grad_norm"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+
+
+def test_qlora_settings_that_cannot_work_are_named(tmp_path):
+    with pytest.raises(ValueError, match="load_in_4bit need --use-peft"):
+        GRPOConfig(load_in_4bit=True).validate()
+    with pytest.raises(ValueError, match="load_in_4bit with save_merged"):
+        GRPOConfig(load_in_4bit=True, save_merged=True, use_peft=True, model="x").validate()
+    with pytest.raises(ValueError, match="load_in_4bit with a tiny model"):
+        GRPOConfig(load_in_4bit=True, use_peft=True, model="tiny").validate()
+    with pytest.raises(ValueError, match="quantized .* set use_peft"):
+        bnb = pytest.importorskip("bitsandbytes")  # noqa: F841
+        from transformers import AutoModelForCausalLM
+
+        from grpo.models import four_bit_config
+        quantized = AutoModelForCausalLM.from_pretrained(_saved_tiny(tmp_path / "m"), device_map={"": "cpu"},
+                                                         quantization_config=four_bit_config("nf4", False,
+                                                                                             torch.float32))
+        Trainer(make_config(tmp_path, model=str(tmp_path / "m")), policy=quantized)

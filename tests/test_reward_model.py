@@ -245,7 +245,7 @@ def test_the_trainer_puts_the_model_on_its_device_and_scores_its_rollout(rm_dir,
     trainer = Trainer(config)
     model = trainer.rewards[1].fn
     assert model.device == trainer.models.device and next(model.model.parameters()).device == trainer.models.device
-    metrics, rollout, prompts, texts = trainer.train_step()
+    metrics, rollout, prompts, texts, _ = trainer.train_step()
     completions = [[{"role": "assistant", "content": text}] for text in texts]
     expected = RewardModel(str(rm_dir))(prompts, completions)
     torch.testing.assert_close(rollout.rewards_per_func[:, 1], torch.tensor(expected), rtol=1e-5, atol=1e-6)

@@ -131,6 +131,22 @@ def test_transformers_generate_backend_behind_the_seam(tiny_model_and_tokenizer)
     again = TransformersGenerate(model, tokenizer.pad_token_id).generate(
         prompts, 3, SamplingParams(max_completion_length=6, eos_token_ids=(eos,)), torch.Generator().manual_seed(1))
     assert sampled.completion_ids.shape[0] == 6 and torch.equal(sampled.completion_ids, again.completion_ids)
+    # cache_implementation (trl's field) reaches generate: a static cache gives the dynamic one's greedy tokens
+    calls, generate = [], model.generate
+    model.generate = lambda *args, **kwargs: calls.append(kwargs.get("cache_implementation")) or generate(*args,
+                                                                                                         **kwargs)
+    try:
+        static = TransformersGenerate(model, tokenizer.pad_token_id, "static").generate(prompts, 2, params,
+                                                                                        return_logprobs=True)
+    finally:
+        del model.generate
+    assert calls == ["static"]
+    assert torch.equal(static.completion_ids, theirs.completion_ids)
+    torch.testing.assert_close(static.logprobs, theirs.logprobs, rtol=1e-5, atol=1e-5)
+    from grpo.config import GRPOConfig
+
+    with pytest.raises(ValueError, match="cache_implementation='static' is an option of transformers' generate"):
+        GRPOConfig(cache_implementation="static").validate()
 
 
 @pytest.mark.slow

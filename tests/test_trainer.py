@@ -363,8 +363,8 @@ def test_length_grouped_micro_batches_give_the_random_micro_batches_gradients(tm
         refresh_kernels(trainer)
         cells[grouping] = []
 
-        def recording(tensors, rows, out=cells[grouping]):
-            ids, attention_mask, loss_mask = original(tensors, rows)
+        def recording(tensors, rows, multiple=1, out=cells[grouping]):
+            ids, attention_mask, loss_mask = original(tensors, rows, multiple)
             out.append(ids.numel())
             return ids, attention_mask, loss_mask
 

@@ -11,6 +11,7 @@
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -82,7 +83,8 @@ def test_every_honoured_field_changes_the_setting_it_names():
                "vllm_importance_sampling_clip_min": 0.5, "epsilon_high": 0.3, "delta": 2.0,
                "chat_template_kwargs": {"enable_thinking": False}, "vllm_max_model_length": 1024,
                "max_tool_calling_iterations": 2, "off_policy_mask_threshold": 0.5, "output_dir": "elsewhere",
-               "num_train_epochs": 2.0, "top_k": 5, "report_to": "tensorboard", "eval_steps": 5}
+               "num_train_epochs": 2.0, "top_k": 5, "report_to": "tensorboard", "eval_steps": 5,
+               "pad_to_multiple_of": 64, "cache_implementation": "static"}
     for name, spec in FIELDS.items():
         if spec.kind != "honoured" or spec.ours not in our_fields:
             continue
@@ -98,6 +100,10 @@ def test_every_honoured_field_changes_the_setting_it_names():
         checked += 1
     assert checked >= 60, checked
     assert base["beta"] == 0.0 and base["loss_type"] == "dapo" and base["learning_rate"] == 1e-6
+    assert base["pad_to_multiple_of"] is None and "generation_backend" not in base  # "auto": no padding; our sampler
+    assert GRPOConfig(use_cpu=True, pad_to_multiple_of="16").our_settings()["pad_to_multiple_of"] == 16  # trl's CLI
+    assert GRPOConfig(use_cpu=True, cache_implementation="static").our_settings()["generation_backend"] == \
+        "transformers"  # trl's generate path, with that cache
 
 
 @pytest.mark.parametrize("per_device, accumulation, group, steps_per_generation",
@@ -145,6 +151,8 @@ def test_refused_values_and_unknown_fields_are_one_line_each():
     assert any(line.startswith("hub_model_id='me/model'") for line in left) and len(left) == 2
     assert GRPOConfig(scale_rewards=True).scale_rewards == "group"  # trl's conversions
     assert GRPOConfig(model_init_kwargs='{"dtype": "bfloat16"}').our_settings()["precision"] == "bf16-pure"
+    with pytest.raises(ValueError, match="pad_to_multiple_of='eight' is not supported here: use a whole number"):
+        GRPOConfig(pad_to_multiple_of="eight")
 
 
 class Recorder(TrainerCallback):
@@ -424,3 +432,68 @@ def test_recipe_model_arguments_and_spellings(tmp_path):
     assert "use_peft -> use_peft" in mapped
     with pytest.raises(ValueError, match="use_dora=True is not supported here"):
         recipe_settings({"model_name_or_path": "tiny", "use_dora": True})
+    qlora, _, _ = recipe_settings({"model_name_or_path": "m", "use_peft": True, "load_in_4bit": True,
+                                   "bnb_4bit_quant_type": "fp4", "use_bnb_nested_quant": True})  # trl's ModelConfig
+    assert (qlora["load_in_4bit"], qlora["bnb_4bit_quant_type"], qlora["use_bnb_nested_quant"]) == (True, "fp4", True)
+    with pytest.raises(ValueError, match="load_in_8bit=True is not supported here"):
+        recipe_settings({"model_name_or_path": "m", "use_peft": True, "load_in_8bit": True})
+
+
+def test_a_quantization_config_trains_lora_over_a_4bit_base(tmp_path, tiny_model_dir):
+    """trl's quantization_config (QLoRA): a BitsAndBytesConfig becomes load_in_4bit; the base layers are 4-bit and
+    only the adapters move. 8-bit weights are refused in one line."""
+    bnb = pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    from transformers import BitsAndBytesConfig
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=8, max_steps=2, logging_steps=1, save_strategy="no", use_cpu=True,
+                      bf16=False, learning_rate=1e-3, beta=0.04, seed=0)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="quantization_config: only 4-bit weights"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=reward_length, args=args, peft_config=lora,
+                    quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+                    train_dataset=datasets.Dataset.from_list(ROWS))
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[reward_length, reward_answer], args=args,
+                          peft_config=lora, train_dataset=datasets.Dataset.from_list(ROWS),
+                          quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True))
+    assert (trainer.settings["load_in_4bit"], trainer.settings["use_bnb_nested_quant"]) == (True, True)
+    trainer.train()
+    policy = trainer.engine.policy
+    assert any(isinstance(module, bnb.nn.Linear4bit) for module in policy.modules())
+    assert all("lora_" in name for name, p in policy.named_parameters() if p.requires_grad)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_log_completions_prints_and_writes_trls_table(tmp_path, capsys):
+    """log_completions: each logged step's completions in completions/completions_<step>.parquet (prompt,
+    completion, each reward, log_extra's columns, advantage) and a printed table of num_completions_to_print."""
+    pandas = pytest.importorskip("pandas")
+
+    def with_extra(completions, log_extra=None, **kwargs):
+        log_extra("words", [len(c[0]["content"].split()) for c in completions])
+        return [1.0] * len(completions)
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, max_steps=2, logging_steps=1, save_strategy="no", use_cpu=True,
+                      bf16=False, seed=0, log_completions=True, num_completions_to_print=3)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=[reward_length, with_extra], args=args,
+                          train_dataset=datasets.Dataset.from_list(ROWS))
+    trainer.train()
+    printed = capsys.readouterr().out
+    for step in (1, 2):
+        frame = pandas.read_parquet(tmp_path / "completions" / f"completions_{step:05d}.parquet")
+        assert list(frame.columns) == ["step", "prompt", "completion", "reward_length", "with_extra", "words",
+                                       "advantage"]
+        assert len(frame) == 8 and set(frame["step"]) == {step}
+        assert frame["words"].tolist() == [len(text.split()) for text in frame["completion"]]
+        # the advantages are the group-normalised rewards of each group of 4 (reward_length's alone vary)
+        for group in range(2):
+            rewards = torch.tensor(frame["reward_length"][group * 4:(group + 1) * 4].tolist())
+            expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            torch.testing.assert_close(torch.tensor(frame["advantage"][group * 4:(group + 1) * 4].tolist()),
+                                       expected, rtol=1e-4, atol=1e-5)
+        assert f"Step {step}" in printed
+    table = printed[printed.index("Step 2"):]
+    assert table.count("\n" + "-" * 10) >= 1 and sum(line.startswith("-") for line in table.splitlines()) == 4

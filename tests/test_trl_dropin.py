@@ -157,7 +157,7 @@ EVAL_ROWS = [{"prompt": [{"role": "user", "content": f"What is {i} + {2 * i}?"}]
 
 
 def small_script(classes, model_dir, output_dir, settings: dict, rollout_func, reward_funcs=(correct, tagged),
-                 callbacks=None, resume=None, eval_rows=None):
+                 callbacks=None, resume=None, eval_rows=None, eval_stream=False):
     """The same few lines under either engine: trl's GRPOConfig with `settings`, trl's GRPOTrainer, train()."""
     GRPOConfig, GRPOTrainer = classes
     base = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", logging_steps=1, seed=7,
@@ -167,9 +167,15 @@ def small_script(classes, model_dir, output_dir, settings: dict, rollout_func, r
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=list(reward_funcs), args=GRPOConfig(**{**base, **settings}),
                           train_dataset=datasets.Dataset.from_list(ROWS), rollout_func=rollout_func,
                           callbacks=callbacks,
-                          eval_dataset=None if eval_rows is None else datasets.Dataset.from_list(eval_rows))
+                          eval_dataset=None if eval_rows is None else _dataset(eval_rows, eval_stream))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
+
+
+def _dataset(rows, stream: bool):
+    """A Dataset of `rows`, or the IterableDataset that streams them."""
+    dataset = datasets.Dataset.from_list(rows)
+    return dataset.to_iterable_dataset() if stream else dataset
 
 
 def _classes(engine: str):
@@ -288,18 +294,22 @@ def test_a_rollout_func_that_returns_too_little_is_one_clear_error(tmp_path, tin
                                       dict(eval_strategy="steps", eval_steps=4, num_iterations=2, max_steps=8,
                                            per_device_eval_batch_size=4),
                                       dict(eval_strategy="steps", eval_steps=3, max_steps=8, per_device_eval_batch_size=8,
-                                           num_generations_eval=4)],
-                         ids=["eval-every-2", "eval-iterations-2", "eval-every-3-and-at-the-end"])
+                                           num_generations_eval=4),
+                                      dict(eval_strategy="steps", eval_steps=4, max_steps=8, per_device_eval_batch_size=8,
+                                           num_generations_eval=4, stream=True)],
+                         ids=["eval-every-2", "eval-iterations-2", "eval-every-3-and-at-the-end", "eval-stream"])
 def test_an_eval_dataset_gives_trls_numbers(settings, tmp_path, tiny_model_dir):
     """eval_dataset evaluated every eval_steps as trl does (sampled completions, here the table's, their loss and
     metrics without an update), between training steps whose numbers stay trl's (each evaluation draws from the
     stream that orders the micro-batches)."""
     histories, seen = {}, {}
     golds = gsm8k_golds(ROWS + EVAL_ROWS)
+    settings = dict(settings)
+    stream = settings.pop("stream", False)  # the eval set an IterableDataset
     for engine in ("trl", "ours"):
         seen[engine] = []
         trainer = small_script(_classes(engine), tiny_model_dir, tmp_path / engine, settings,
-                               table_rollout(golds, seen[engine]), eval_rows=EVAL_ROWS)
+                               table_rollout(golds, seen[engine]), eval_rows=EVAL_ROWS, eval_stream=stream)
         histories[engine] = trainer.state.log_history
     assert seen["ours"] == seen["trl"]
     assert sum("eval_loss" in entry for entry in histories["trl"]) == -(-8 // settings["eval_steps"])
@@ -386,4 +396,49 @@ def test_an_iterable_dataset_gives_trls_numbers(shuffle, tmp_path, tiny_model_di
         trainer.train()
         histories[engine] = trainer.state.log_history
     assert seen["ours"] == seen["trl"] and len(seen["trl"]) == 8
+    assert_same_log_history(histories["ours"], histories["trl"])
+
+
+def _peft_model(model_dir, seed: int = 11):
+    """The tiny model with a LoRA adapter whose B is not zero: a pretrained adapter, as a user would pass one (A and
+    B drawn from `seed`: peft draws A from the global generator)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), _lora_config())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
+
+
+def _lora_config():
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                           task_type="CAUSAL_LM")
+
+
+@pytest.mark.parametrize("given", ["peft_config", "peft_model"])
+def test_lora_gives_trls_numbers(given, tmp_path, tiny_model_dir):
+    """LoRA two ways, with beta > 0: a peft_config (the reference is the model with its adapter off), and a
+    PeftModel holding a trained adapter (the reference is a frozen copy of that adapter, as trl's `ref`)."""
+    histories, seen = {}, {}
+    for engine in ("trl", "ours"):
+        seen[engine] = []
+        GRPOConfig, GRPOTrainer = _classes(engine)
+        args = GRPOConfig(output_dir=str(tmp_path / engine), use_cpu=True, bf16=False, report_to="none", seed=7,
+                          logging_steps=1, per_device_train_batch_size=4, num_generations=4, learning_rate=1e-2,
+                          max_steps=4, save_strategy="no", gradient_checkpointing=False, max_completion_length=64,
+                          beta=0.04, loss_type="grpo")
+        model, peft_config = ((str(tiny_model_dir), _lora_config()) if given == "peft_config"
+                              else (_peft_model(tiny_model_dir), None))
+        trainer = GRPOTrainer(model=model, reward_funcs=[correct, tagged], args=args, peft_config=peft_config,
+                              train_dataset=datasets.Dataset.from_list(ROWS),
+                              rollout_func=table_rollout(gsm8k_golds(ROWS), seen[engine]))
+        trainer.train()
+        histories[engine] = trainer.state.log_history
+    assert seen["ours"] == seen["trl"]
+    assert all(entry["kl"] > 0 for entry in histories["trl"][1:-1])  # the adapter moved away from the reference
     assert_same_log_history(histories["ours"], histories["trl"])

@@ -253,3 +253,32 @@ def test_reference_sync_mixes_each_parameter_and_refuses_models_that_do_not_pair
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-7)
     with pytest.raises(ValueError):
         sync_reference(torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)), 0.5)
+
+
+@pytest.mark.parametrize("kernels", ["plain", "auto"])
+def test_pad_to_multiple_of_pads_each_micro_batch_and_changes_no_number(tmp_path, kernels):
+    """trl's pad_to_multiple_of: every forward of the update (and of the reference and old log-probs) sees a
+    sequence length that is a multiple of 64, padded on the left; the positions follow the mask, so the log-probs,
+    both updates' losses (the second on the weights the first made) and gradient norms are the unpadded run's.
+    (The weights themselves are not compared element by element: AdamW divides each gradient by its own root mean
+    square, so an element whose gradient is rounding noise, about 1e-9, moves by up to the learning rate either way.)"""
+    import dataclasses
+
+    results = {}
+    for multiple in (None, 64):
+        trainer = Trainer(make_config(tmp_path / str(multiple), pad_to_multiple_of=multiple, beta=0.04,
+                                      num_iterations=2, kernels=kernels))
+        lengths, loss = [], trainer.functions.update_loss
+
+        def recording(model, ids, *args, **kwargs):
+            lengths.append(ids.shape[1])
+            return loss(model, ids, *args, **kwargs)
+
+        trainer.functions = dataclasses.replace(trainer.functions, update_loss=recording)
+        results[multiple] = trainer.update(fixed_rollout(trainer))
+        assert lengths and all(length % 64 == 0 for length in lengths) == (multiple == 64), lengths
+    plain, padded = results[None], results[64]
+    for name in ("ref_logps", "old_logps"):
+        torch.testing.assert_close(getattr(padded, name), getattr(plain, name), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(padded.step_losses), torch.tensor(plain.step_losses), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.tensor(padded.grad_norms), torch.tensor(plain.grad_norms), rtol=1e-5, atol=1e-7)

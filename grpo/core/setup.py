@@ -47,9 +47,9 @@ from grpo.evaluation.evaluate import make_scorer, scorer_kind
 from grpo.generation.async_rollouts import split_world
 from grpo.generation.prompts import encode_prompts
 from grpo.generation.rollout import make_generation_backend
-from grpo.lora import AdaptersOff, LoraSettings, add_lora
-from grpo.models import (cast_head_to_fp32, disable_dropout, eos_token_ids, load_model, load_tokenizer,
-                         make_optimizer, resolve_device, resolve_precision)
+from grpo.lora import AdaptersOff, LoraSettings, add_lora, adopt_peft_model
+from grpo.models import (cast_head_to_fp32, disable_dropout, eos_token_ids, four_bit_config, is_quantized, load_model,
+                         load_tokenizer, make_optimizer, resolve_device, resolve_precision)
 from grpo.multiturn.environments import EnvironmentRollouts, Environments, load_environments
 from grpo.multiturn.tools import ToolSet, check_template_renders_tools, load_tools
 from grpo.parallel.distributed import World, init_world, resolve_mode, wrap_model
@@ -128,6 +128,7 @@ class LoopOptions:
     reward_clip_range: tuple[float, float] | None
     max_staleness: int | None
     generation_backend: str  # what a background thread's copy of the policy samples with (--max-staleness)
+    cache_implementation: str | None  # transformers' generate's KV cache (--generation-backend transformers)
     max_prompt_length: int  # the prompts the samplers hold (evaluation's too)
     logging_steps: int
     log_completions_steps: int
@@ -274,7 +275,8 @@ def step_functions(config: GRPOConfig, held: Models, data: RunData, backend: str
                                           config.cast_lm_head_to_fp32)
         sampler = choice.sampler(config.max_prompt_length)
     functions = dataclasses.replace(functions, advantage_estimator=estimator)
-    generation = make_generation_backend(backend, policy, data.tokenizer.pad_token_id, sampler, data.tool_set, engine)
+    generation = make_generation_backend(backend, policy, data.tokenizer.pad_token_id, sampler, data.tool_set, engine,
+                                         config.cache_implementation)
     # what FSDP2 gathers for a decode loop: nothing for a backend with weights of its own (vLLM gathers one parameter
     # at a time as it loads them)
     decode_weights = None if getattr(generation, "own_weights", False) else held.policy_call
@@ -323,6 +325,7 @@ def loop_options(config: GRPOConfig, policy, tokenizer, steps: int) -> LoopOptio
         behaviour_logprobs=config.corrects_behaviour, dynamic_sampling=config.dynamic_sampling,
         dynamic_sampling_max_rounds=config.dynamic_sampling_max_rounds, reward_clip_range=config.reward_clip_range,
         max_staleness=config.max_staleness, generation_backend=config.generation_backend,
+        cache_implementation=config.cache_implementation,
         max_prompt_length=config.max_prompt_length, logging_steps=config.logging_steps,
         log_completions_steps=config.log_completions_steps, save_steps=config.save_steps,
         eval_steps=config.eval_steps,
@@ -345,7 +348,7 @@ def update_options(config: GRPOConfig) -> UpdateOptions:
         importance_sampling_clip_max=config.importance_sampling_clip_max, max_grad_norm=config.max_grad_norm,
         max_bad_steps=config.max_bad_steps, sync_ref_model=config.sync_ref_model,
         ref_model_sync_steps=config.ref_model_sync_steps, ref_model_mixup_alpha=config.ref_model_mixup_alpha,
-        metrics_average=config.metrics_average)
+        metrics_average=config.metrics_average, pad_to_multiple_of=config.pad_to_multiple_of or 1)
 
 
 def checkpoint_options(config: GRPOConfig) -> CheckpointOptions:
@@ -557,12 +560,26 @@ def task_rows(config, rows, split: str, purpose: str) -> tuple[list[dict], str]:
 def load_policy(config, device, dtype, tokenizer, policy=None, resume_from=None, source=None, setting="--model"):
     """(policy, peft model or None): the model given, or loaded from --model (or the checkpoint resumed), its
     dropout off, its head in fp32 if asked, with LoRA adapters under --use-peft."""
+    compute_dtype = torch.float32 if resolve_precision(config.precision, device) == "fp32" else torch.bfloat16
+    quantization = four_bit_config(config.bnb_4bit_quant_type, config.use_bnb_nested_quant, compute_dtype) \
+        if config.load_in_4bit else None
+    given_adapter = policy is not None and hasattr(policy, "peft_config")  # a PeftModel (grpo.trl_api takes one)
+    if given_adapter and not config.use_peft:
+        raise ValueError("the model given is a PeftModel: set use_peft (its adapter trains)")
     if policy is not None:
-        policy = policy.to(device, dtype)
+        if quantization is not None and not is_quantized(policy):
+            raise ValueError("load_in_4bit: the model given was loaded in full precision; load it with a "
+                             "BitsAndBytesConfig (or pass its name) to train LoRA over a 4-bit base")
+        policy = policy if is_quantized(policy) else policy.to(device, dtype)
     elif config.use_peft and resume_from is not None:  # the base from --model, the adapter from the checkpoint
-        policy = load_model(config.model, device, dtype, config.trust_remote_code, tokenizer)
+        policy = load_model(config.model, device, dtype, config.trust_remote_code, tokenizer,
+                            quantization=quantization)
     else:
-        policy = load_model(source or config.model, device, dtype, config.trust_remote_code, tokenizer, setting)
+        policy = load_model(source or config.model, device, dtype, config.trust_remote_code, tokenizer, setting,
+                            quantization)
+    if is_quantized(policy) and not config.use_peft:
+        raise ValueError("the model given is quantized (4 or 8 bits): its weights cannot train; set use_peft "
+                         "(LoRA adapters over the quantized base, QLoRA)")
     if config.disable_dropout:  # before LoRA: the adapters' dropout is --lora-dropout's
         dropped = disable_dropout(policy)
         if dropped:
@@ -571,12 +588,16 @@ def load_policy(config, device, dtype, tokenizer, policy=None, resume_from=None,
     if config.cast_lm_head_to_fp32:
         cast_head_to_fp32(policy)
     peft_model = None
-    if config.use_peft:  # LoRA (grpo.lora): the loop keeps calling the Hugging Face model, its projections adapted
+    if given_adapter:
+        peft_model = adopt_peft_model(policy, config.beta != 0.0, resume_from)
+        policy = peft_model.get_base_model()
+    elif config.use_peft:  # LoRA (grpo.lora): the loop keeps calling the Hugging Face model, its projections adapted
         adapter = str(resume_from) if resume_from is not None else config.peft_adapter
         reference_adapter = config.peft_adapter if config.beta != 0.0 else None
         peft_model = add_lora(policy, lora_settings(config), adapter, reference_adapter=reference_adapter)
         peft_model.peft_config["default"].base_model_name_or_path = config.model
         policy = peft_model.get_base_model()
+    if peft_model is not None:
         trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
         logger.info("LoRA: %d trainable parameters of %d", trainable, sum(p.numel() for p in policy.parameters()))
     return policy, peft_model

@@ -36,7 +36,7 @@ from grpo.config import GRPOConfig
 from grpo.core import run_state, setup
 from grpo.core.checkpoint import CHECKPOINTS, latest_checkpoint
 from grpo.core.disk_full import DiskFullError, writing
-from grpo.core.metrics import PER_UPDATE, MetricsLogger, group_samples
+from grpo.core.metrics import PER_UPDATE, ROW_ADVANTAGES, MetricsLogger, completion_records
 from grpo.core.update import TrainingError, UpdateResult, train_on_rollout
 from grpo.algorithm.sampler import sample_groups
 from grpo.errors import PluginError
@@ -55,12 +55,14 @@ logger = logging.getLogger("grpo")
 
 
 class StepOutput(NamedTuple):
-    """One training step: its metrics, the rollout it trained on, and the prompts and texts of its rows."""
+    """One training step: its metrics, the rollout it trained on, the prompts and texts of its rows, and their
+    advantages ((N, 1), or (N, T) from a per-token estimator)."""
 
     metrics: dict
     rollout: Rollout
     prompts: list
     texts: list[str]
+    advantages: torch.Tensor
 
 
 class StepHooks(NamedTuple):
@@ -71,6 +73,8 @@ class StepHooks(NamedTuple):
 
     step_end: Callable[[int, dict, list | None], tuple[bool, bool]]
     saved: Callable[[int, Path], None]
+    completions: Callable[[int, list[dict]], None] | None = None  # every --log-completions-steps, on the main rank:
+    # every rank's completions of the step (grpo.core.metrics.completion_records)
 
 
 class DataOrder(NamedTuple):
@@ -116,7 +120,7 @@ class Trainer:
             while self.step < stop_at and not stopping:
                 threads = self.cpu_threads.adjust()  # the cores other processes left idle (grpo/parallel/threads.py)
                 # sample -> reward -> advantage -> reference/old log-probs -> loss and update
-                metrics, rollout, prompts, texts = self.train_step(rollouts)
+                metrics, rollout, prompts, texts, advantages = self.train_step(rollouts)
                 per_update = metrics.pop(PER_UPDATE, None)  # for the hooks: each update's own, when several
                 if rollouts is not None and self.step < stop_at:  # the generator samples ahead from the new weights
                     rollouts.publish(self.step, self.state.updates, self.policy)
@@ -128,14 +132,21 @@ class Trainer:
                 # evaluate -> log -> checkpoint
                 if loop.eval_steps and (self.step % loop.eval_steps == 0 or self.step == loop.total_steps):
                     metrics.update(self.run_eval())
+                samples = None
+                if loop.log_completions_steps and self.step % loop.log_completions_steps == 0:
+                    samples = completion_records(prompts, texts, rollout.rewards_per_func,
+                                                 [spec.name for spec in self.rewards], advantages,
+                                                 rollout.loss_mask.to(advantages.device))
+                    if hooks is not None and hooks.completions is not None:  # a collective: every rank's records
+                        gathered = [record for part in self.world.gather_objects(samples) for record in part]
+                        if main:
+                            hooks.completions(self.step, gathered)
                 if main:
                     with writing(run_dir, f"step {self.step}'s lines of metrics.jsonl and samples.jsonl"):
                         console = self.step % loop.logging_steps == 0 or self.step == loop.total_steps
                         metrics_logger.log(self.step, metrics, console=console)
-                        if loop.log_completions_steps and self.step % loop.log_completions_steps == 0:
-                            names = [spec.name for spec in self.rewards]
-                            metrics_logger.log_samples(self.step, group_samples(
-                                prompts, texts, rollout.rewards_per_func, names, loop.group_size))
+                        if samples is not None:  # the first group's
+                            metrics_logger.log_samples(self.step, samples[: loop.group_size])
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl') or 0:.4f}",
                                 len=f"{metrics['completions/mean_length']:.0f}")
@@ -176,11 +187,12 @@ class Trainer:
         rollout, prompts, texts, extra = self._sampled_ahead(rollouts) if rollouts else self.collect_rollout(self.step)
         sampled = time.perf_counter()  # sample -> reward done; extra: dynamic sampling's or the staleness metrics
         metrics = {**self.train_on_rollout(rollout), **extra}  # advantage -> ... -> optimizer -> metrics
+        advantages = metrics.pop(ROW_ADVANTAGES)
         self.state.step += 1
         tokens = self.world.sum(rollout.completion_mask.sum().item())
         metrics.update(step_time=time.perf_counter() - started, sample_time=sampled - started,
                        tokens_per_second=tokens / max(sampled - started, 1e-9))
-        return StepOutput(metrics, rollout, prompts, texts)
+        return StepOutput(metrics, rollout, prompts, texts, advantages)
 
     def watch_answers(self, prompts: list, texts: list[str]) -> dict:
         """The step's answers/* metrics over every rank's completions, and the collapse check
@@ -268,7 +280,8 @@ class Trainer:
             def make_backend(model):
                 sampler = self.kernels.sampler(loop.max_prompt_length) if self.kernels is not None else sample_groups
                 return make_generation_backend(loop.generation_backend, model, self.data.tokenizer.pad_token_id,
-                                               sampler, self.data.tool_set)
+                                               sampler, self.data.tool_set,
+                                               cache_implementation=loop.cache_implementation)
 
             rollouts = BackgroundRollouts(lambda step, backend: self.collect_rollout(step, backend), make_backend,
                                           self.policy, self.step, stop_at, lag)

@@ -41,7 +41,7 @@ from grpo.algorithm.advantages import AdvantageBatch, estimate_advantages, rewar
 from grpo.algorithm.loss import EntropyControl, LossStats
 from grpo.algorithm.off_policy import behaviour_weights, mismatch_statistics
 from grpo.algorithm.step import StepFunctions
-from grpo.core.metrics import PER_UPDATE, sampling_metrics, step_metrics, update_metrics
+from grpo.core.metrics import PER_UPDATE, ROW_ADVANTAGES, sampling_metrics, step_metrics, update_metrics
 from grpo.errors import NoSignalError, TrainingError
 from grpo.generation.rollout import Rollout, seeded
 from grpo.parallel.distributed import World, accumulating, full_tensor
@@ -74,6 +74,7 @@ class UpdateOptions:
     ref_model_sync_steps: int
     ref_model_mixup_alpha: float
     metrics_average: str  # "step" or "micro_batch" (grpo.core.metrics.step_metrics)
+    pad_to_multiple_of: int = 1  # each micro-batch's sequence length a multiple of this (micro_batch)
 
 
 @dataclass
@@ -122,16 +123,20 @@ class UpdateResult:
     num_items_in_batch: float = 0.0  # real completion tokens of one optimizer update over every rank
 
 
-def micro_batch(tensors, rows):
-    """The rows' (n, P' + T') sequences, attention mask and (n, T') loss mask, trimmed of the columns that are
-    padding in every one of these rows (left of prompts, right of completions). `tensors`: the rollout's
-    prompt ids, prompt mask, completion ids, completion mask and loss mask
-    (grpo.generation.rollout.Rollout.loss_mask)."""
+def micro_batch(tensors, rows, multiple: int = 1):
+    """The rows' (n, L) sequences, attention mask and (n, T') loss mask, trimmed of the columns that are padding in
+    every one of these rows (left of prompts, right of completions), L = P' + T' then padded on the left to a
+    multiple of `multiple` (trl's pad_to_multiple_of: fewer shapes for a compiler; the positions follow the mask,
+    so no number changes). `tensors`: the rollout's prompt ids, prompt mask, completion ids, completion mask and
+    loss mask (grpo.generation.rollout.Rollout.loss_mask)."""
     prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask = (tensor[rows] for tensor in tensors)
     prompt_len = int(prompt_mask.sum(-1).max())
     completion_len = max(1, int(completion_mask.sum(-1).max()))
     ids = torch.cat([prompt_ids[:, -prompt_len:], completion_ids[:, :completion_len]], 1)  # (n, P' + T')
     attention_mask = torch.cat([prompt_mask[:, -prompt_len:], completion_mask[:, :completion_len]], 1)
+    extra = -ids.shape[1] % multiple
+    if extra:  # (n, L) with L a multiple of `multiple`
+        ids, attention_mask = (torch.nn.functional.pad(t, (extra, 0)) for t in (ids, attention_mask))
     return ids, attention_mask, loss_mask[:, :completion_len]  # (n, T')
 
 
@@ -154,12 +159,13 @@ def advantage_batch(rollout: Rollout, loss_mask: torch.Tensor, old_logps, ref_lo
 
 @torch.no_grad()
 def no_grad_logprobs(call, tensors, logprobs: Callable, batches: Callable, micro_batch_size: int,
-                     autocast) -> torch.Tensor:
-    """(N, T) log-probs of the completions under `call`'s model, micro-batch by micro-batch, without grad."""
+                     autocast, multiple: int = 1) -> torch.Tensor:
+    """(N, T) log-probs of the completions under `call`'s model, micro-batch by micro-batch, without grad
+    (`multiple`: micro_batch's)."""
     completion_mask = tensors[3]  # (N, T)
     out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=completion_mask.device)
     for rows in batches(completion_mask.sum(-1), micro_batch_size):
-        ids, attention_mask, mask = micro_batch(tensors, rows)
+        ids, attention_mask, mask = micro_batch(tensors, rows, multiple)
         with autocast:
             logps, _ = call(logprobs, ids, attention_mask, attention_mask[:, -mask.shape[1]:])  # (n, T')
         out[rows, : mask.shape[1]] = logps
@@ -286,7 +292,8 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
 
     # --- reference and old log-probs, without grad ---
     passes = partial(no_grad_logprobs, tensors=tensors, logprobs=functions.logprobs, batches=functions.batches,
-                     micro_batch_size=options.micro_batch_size, autocast=models.autocast)
+                     micro_batch_size=options.micro_batch_size, autocast=models.autocast,
+                     multiple=options.pad_to_multiple_of)
     ref_logps = passes(models.reference_call) if options.beta != 0.0 else None
     # old log-probs when some update runs after the policy moved, when w = pi_old / pi_b needs them, or the KL
     # penalty in the reward (of the policy that sampled)
@@ -327,7 +334,7 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
             finite, losses = signal, []
             for index, rows in enumerate(functions.update_batches(update_rows, lengths, options.micro_batch_size)):
                 rows = rows.to(device)
-                ids, attention_mask, mask = micro_batch(tensors, rows)
+                ids, attention_mask, mask = micro_batch(tensors, rows, options.pad_to_multiple_of)
                 advantage, old, ref, sampled, weights = (None if values is None else values[rows, : mask.shape[1]]
                                                          for values in per_row)  # (n, 1) or (n, T') each
                 with accumulating(models.policy_call, last=index == num_micro - 1):  # DDP: one all-reduce
@@ -354,6 +361,7 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
                            result.learning_rates[-1], state.skipped_updates, state.tokens_seen, options.metrics_average)
     if len(result.grad_norms) > 1:  # each update's own loss, gradient norm, rate and loss statistics (trl logs them)
         metrics[PER_UPDATE] = update_metrics(world, result, num_micro, options.metrics_average)
+    metrics[ROW_ADVANTAGES] = advantages  # (N, 1) or (N, T_max)
     result.metrics = {**sampling_stats, **metrics, **reward_stats}
     return result
 
@@ -371,13 +379,14 @@ def evaluate_rollout(rollout: Rollout, options: UpdateOptions, models: Models, w
     ref_logps = None
     if options.beta != 0.0:
         ref_logps = no_grad_logprobs(models.reference_call, tensors, functions.logprobs, functions.batches,
-                                     options.micro_batch_size, models.autocast)
+                                     options.micro_batch_size, models.autocast, options.pad_to_multiple_of)
     weights = torch.tensor([spec.weight for spec in reward_specs], dtype=torch.float32)  # (K,)
     batch = advantage_batch(rollout, loss_mask, None, ref_logps, weights, options, world)
     all_advantages, reward_stats = estimate_advantages(functions.advantage_estimator, batch,
                                                        options.normalize_advantages)
     advantages = world.local_rows(all_advantages).to(device)  # (N, 1) or (N, T_max)
-    ids, attention_mask, mask = micro_batch(tensors, torch.arange(rollout.num_rows, device=device))
+    ids, attention_mask, mask = micro_batch(tensors, torch.arange(rollout.num_rows, device=device),
+                                            options.pad_to_multiple_of)
     aggregation = dict(num_micro_batches=1, max_completion_length=options.max_completion_length,
                        num_items_in_batch=world.sum(loss_mask.sum().item()) / world.size)
     training = models.policy.training

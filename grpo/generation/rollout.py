@@ -212,10 +212,11 @@ class GroupSampler:
 
 
 class TransformersGenerate:
-    """`model.generate` behind the same seam: each prompt repeated G times, sampled with transformers."""
+    """`model.generate` behind the same seam: each prompt repeated G times, sampled with transformers.
+    `cache_implementation`: generate's KV cache (transformers' name: static, offloaded, ...; None: its default)."""
 
-    def __init__(self, model, pad_token_id: int):
-        self.model, self.pad_token_id = model, pad_token_id
+    def __init__(self, model, pad_token_id: int, cache_implementation: str | None = None):
+        self.model, self.pad_token_id, self.cache_implementation = model, pad_token_id, cache_implementation
 
     @torch.no_grad()
     def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False) -> GroupSample:
@@ -226,6 +227,8 @@ class TransformersGenerate:
                        output_logits=return_logprobs, return_dict_in_generate=True)
         if params.repetition_penalty != 1.0:
             options.update(repetition_penalty=params.repetition_penalty)
+        if self.cache_implementation is not None:
+            options.update(cache_implementation=self.cache_implementation)
         if params.temperature > 0:
             options.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
                            min_p=params.min_p or None)
@@ -268,12 +271,13 @@ class TransformersGenerate:
 
 
 def make_generation_backend(name: str, model, pad_token_id: int, sample=sample_groups,
-                            tools=None, engine=None) -> GenerationBackend:
+                            tools=None, engine=None, cache_implementation: str | None = None) -> GenerationBackend:
     """`sample`: the group sampler our backend calls (grpo.core.setup.step_functions says which); `tools`:
     grpo.multiturn.tools.ToolSet, which our sampler and vLLM can feed (GRPOConfig.validate checks that); `engine`:
-    vllm's backend with its placement and settings, given the model (grpo.core.setup.vllm_engine)."""
+    vllm's backend with its placement and settings, given the model (grpo.core.setup.vllm_engine);
+    `cache_implementation`: transformers' generate's (GRPOConfig.validate refuses it with the others)."""
     if name == "transformers":
-        return TransformersGenerate(model, pad_token_id)
+        return TransformersGenerate(model, pad_token_id, cache_implementation)
     if name == "vllm":
         return engine(model, pad_token_id, tools=tools)
     return GroupSampler(model, pad_token_id, sample, tools)

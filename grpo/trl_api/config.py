@@ -36,6 +36,15 @@ def _text(value) -> str:
     return getattr(value, "value", value) if not isinstance(value, str) else value  # an enum's value
 
 
+def _padding(value, check: bool = False):
+    """trl's pad_to_multiple_of as ours: 'auto' (trl pads on Neuron only), None, 'none' -> None; a whole number (or its
+    text, as trl's CLI passes it) -> int. `check`: whether the value is one of those."""
+    if value is None or str(value).lower() in ("auto", "none", "null"):
+        return True if check else None
+    whole = str(value).isdigit() and int(value) >= 1 and not isinstance(value, float)
+    return whole if check else int(value)
+
+
 class GRPOConfig:
     """trl 1.16's GRPOConfig on this engine (module docstring): every trl field is an attribute, at trl's default
     unless given."""
@@ -94,6 +103,8 @@ class GRPOConfig:
             ("report_to", len(self.report_to) <= 1 and all(r in ("tensorboard", "wandb") for r in self.report_to),
              "'none', 'tensorboard' or 'wandb' (one)"),
             ("fp16", not self.fp16 or not self.bf16, "fp16 and bf16 both set"),
+            ("pad_to_multiple_of", _padding(self.pad_to_multiple_of, check=True),
+             "a whole number >= 1, 'auto' or None"),
             ("fsdp", not self.fsdp or set(str(self.fsdp).split()) <= {"full_shard", "auto_wrap", "offload"},
              "'full_shard', with 'auto_wrap' and 'offload'"),
             ("model_init_kwargs", set(self.model_init_kwargs or {}) <= set(MODEL_INIT_KEYS),
@@ -162,7 +173,10 @@ class GRPOConfig:
             importance_sampling_clip_min=self.vllm_importance_sampling_clip_min,
             log_completions_steps=(self._steps("logging_steps", batch.updates_per_step, exact=False)
                                    if self.log_completions else 0),
+            pad_to_multiple_of=_padding(self.pad_to_multiple_of),
         )
+        if self.cache_implementation is not None and not self.use_vllm:  # trl's generate path, with that cache
+            settings["generation_backend"] = "transformers"
         settings.update(self.generation_kwargs or {})  # trl: they override the sampling fields
         if self.fsdp:
             settings.update(distributed="fsdp", fsdp_cpu_offload="offload" in str(self.fsdp).split())

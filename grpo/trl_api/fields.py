@@ -191,7 +191,9 @@ FIELDS: dict[str, Field] = {
     "max_completion_length": same(512, "max_completion_length"),
     "ds3_gather_for_generation": left(True, NO_DEEPSPEED),
     "shuffle_dataset": same(True, "shuffle_dataset", "in trl's order (trl_api.rollouts.TrlOrder)"),
-    "pad_to_multiple_of": left("auto", "padding changes no number; micro-batches are padded to their longest row"),
+    "pad_to_multiple_of": same("auto", "pad_to_multiple_of", "an int pads each micro-batch's sequences (prompt and "
+                                                            "completion together) on the left to a multiple of it; "
+                                                            "'auto' and None: no padding (auto pads on Neuron only)"),
     "generation_batch_size": same(None, "steps_per_generation", BATCH),
     "steps_per_generation": same(None, "steps_per_generation", BATCH),
     "temperature": same(1.0, "temperature"),
@@ -202,7 +204,9 @@ FIELDS: dict[str, Field] = {
                                         "override those fields, as trl; other keys are refused"),
     "chat_template_kwargs": same(None, "chat_template_kwargs"),
     "repetition_penalty": same(1.0, "repetition_penalty", "the sampler's log-probs are the penalized distribution's"),
-    "cache_implementation": left(None, "our sampler keeps its own KV cache"),
+    "cache_implementation": same(None, "cache_implementation", "set: completions are sampled by transformers' "
+                                                               "generate with that cache, as trl (refused with "
+                                                               "use_vllm); None: our sampler"),
     "use_vllm": same(False, "use_vllm"),
     "vllm_mode": refused("colocate", "only colocate is built (the engine in the training process)"),
     "vllm_model_impl": same("vllm", "vllm_model_impl"),
@@ -252,11 +256,16 @@ FIELDS: dict[str, Field] = {
     "vllm_importance_sampling_clip_min": same(None, "importance_sampling_clip_min"),
     "off_policy_mask_threshold": same(None, "off_policy_mask_threshold"),
     "use_bias_correction_kl": same(True, "use_bias_correction_kl"),
-    "log_completions": same(False, "log_completions_steps", "True: samples.jsonl every logging_steps; trl prints a "
-                                                           "table and writes parquet"),
+    "log_completions": same(False, "log_completions_steps", "True: every logging_steps GRPOTrainer prints the "
+                                                           "step's completions and writes completions/*.parquet, as "
+                                                           "trl (prompt: its last message's text); samples.jsonl "
+                                                           "holds the first group"),
     "log_multimodal": left(True, "text only here"),
-    "num_completions_to_print": left(None, "completions go to samples.jsonl, not to a printed table"),
-    "log_unique_prompts": left(False, "completions go to samples.jsonl, not to a wandb table"),
+    "num_completions_to_print": same(None, "", "GRPOTrainer prints that many of the logged completions, drawn at "
+                                               "random (all when None), as trl"),
+    "log_unique_prompts": left(False, "trl drops repeated prompts from its wandb / trackio completions table; no "
+                                      "completions table is sent to wandb here (the parquet files keep every "
+                                      "completion, as trl's)"),
     "log_completions_hub_repo": refused(None, NO_HUB),
     "use_transformers_continuous_batching": refused(False, "our sampler (or vLLM) batches the generation"),
     "transformers_continuous_batching_config": refused(None, "our sampler (or vLLM) batches the generation"),

@@ -47,10 +47,10 @@ LEFT = {
 }
 # trl's ModelConfig: the model, and its LoRA (peft) settings
 LORA_KEYS = {"use_peft": "use_peft", "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-             "lora_target_modules": "lora_target_modules"}
-LORA_REFUSED = {"use_rslora": False, "use_dora": False, "load_in_4bit": False, "load_in_8bit": False,
-                "lora_modules_to_save": None, "lora_task_type": "CAUSAL_LM", "use_bnb_nested_quant": False,
-                "bnb_4bit_quant_type": "nf4"}
+             "lora_target_modules": "lora_target_modules", "load_in_4bit": "load_in_4bit",
+             "bnb_4bit_quant_type": "bnb_4bit_quant_type", "use_bnb_nested_quant": "use_bnb_nested_quant"}
+LORA_REFUSED = {"use_rslora": False, "use_dora": False, "load_in_8bit": False, "lora_modules_to_save": None,
+                "lora_task_type": "CAUSAL_LM", "bnb_4bit_quant_storage": None}
 MODEL_KEYS = ("model_name_or_path", "model_revision", "torch_dtype", "dtype", "attn_implementation",
               "trust_remote_code", *LORA_KEYS, *LORA_REFUSED)
 DATA_KEYS = ("dataset_name", "dataset_config", "dataset_configs", "dataset_train_split", "dataset_test_split",
@@ -86,7 +86,7 @@ def recipe_settings(values: dict, where: str = "recipe") -> tuple[dict, list[str
     for key, accepted in LORA_REFUSED.items():
         if values.get(key, accepted) != accepted:
             problems.append(f"{where}: {key}={values[key]!r} is not supported here (LoRA here: r, alpha, dropout and "
-                            "target modules)")
+                            "target modules, over a 4-bit base with load_in_4bit)")
     if values.get("model_revision") not in (None, "main"):
         problems.append(f"{where}: model_revision={values['model_revision']!r} is not supported here: models load "
                         "at their main revision (point model_name_or_path at a folder of that revision)")

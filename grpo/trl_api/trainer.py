@@ -69,12 +69,10 @@ def _stream_rows(dataset, per_generation: int, generations: int, seed: int, shuf
 
 
 def _rows(dataset, name: str, remove_unused_columns: bool) -> list[dict] | None:
-    """A datasets Dataset (or a list of dicts, or the rows an IterableDataset gave) as rows."""
+    """A datasets Dataset or IterableDataset (or a list of dicts) as rows."""
     if dataset is None:
         return None
-    if not hasattr(dataset, "__len__"):
-        raise ValueError(f"{name}: an IterableDataset is supported as train_dataset only (pass a Dataset)")
-    rows = [dict(row) for row in dataset]
+    rows = [dict(row) for row in dataset]  # an IterableDataset (eval_dataset) read to its end, as trl evaluates
     if not rows:
         raise ValueError(f"{name} is empty")
     if "prompt" not in rows[0]:
@@ -89,6 +87,13 @@ def _rows(dataset, name: str, remove_unused_columns: bool) -> list[dict] | None:
     if remove_unused_columns:
         rows = [{key: value for key, value in row.items() if key in TRL_PROMPT_COLUMNS} for row in rows]
     return rows
+
+
+def _eval_set(dataset, seed: int, remove_unused_columns: bool) -> tuple[list[dict] | None, bool]:
+    """(rows, streamed): an IterableDataset is read in trl's order, datasets' buffered shuffle seeded by `seed` (the
+    same at every evaluation), and evaluated in that order; a Dataset's order is drawn at evaluation."""
+    streamed = dataset is not None and not hasattr(dataset, "__len__")
+    return _rows(dataset.shuffle(seed=seed) if streamed else dataset, "eval_dataset", remove_unused_columns), streamed
 
 
 def _window_means(window: dict[str, list[float]], last: tuple[str, ...]) -> dict:
@@ -154,6 +159,28 @@ def _lora_settings(peft_config) -> dict:
                 **({"lora_target_modules": sorted(targets)} if targets and not isinstance(targets, str) else {}))
 
 
+def _quantization_settings(quantization_config, model) -> dict:
+    """transformers' BitsAndBytesConfig as our 4-bit settings (QLoRA); for a model given loaded, ignored (as trl)."""
+    if quantization_config is None:
+        return {}
+    if not isinstance(model, str):
+        logger.warning("quantization_config is ignored: the model is already loaded (as trl)")
+        return {}
+    get = functools.partial(getattr, quantization_config)
+    refused = [(not get("load_in_4bit", False), "only 4-bit weights (load_in_4bit=True) train here, under LoRA"),
+               (str(get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.") != "uint8",
+                "bnb_4bit_quant_storage: the 4-bit blocks are stored as uint8 here"),
+               (get("llm_int8_skip_modules", None) is not None, "llm_int8_skip_modules: every linear layer but the "
+                                                                "output head is quantized here")]
+    problems = [f"quantization_config: {why}" for bad, why in refused if bad]
+    OurConfig.raise_problems(problems)
+    compute = str(get("bnb_4bit_compute_dtype", "float32")).removeprefix("torch.")
+    logger.info("quantization_config: the 4-bit weights are computed in the run's precision (bf16 or fp32), "
+                "bnb_4bit_compute_dtype=%s aside", compute)
+    return dict(load_in_4bit=True, bnb_4bit_quant_type=get("bnb_4bit_quant_type", "nf4"),
+                use_bnb_nested_quant=bool(get("bnb_4bit_use_double_quant", False)))
+
+
 class GRPOTrainer:
     """trl 1.16's GRPOTrainer, run by grpo.core.trainer.Trainer (module docstring)."""
 
@@ -168,9 +195,8 @@ class GRPOTrainer:
                     "optimizers: the optimizer and schedule are built from args (optim, lr_scheduler_type)"),
                    (rollout_func is not None and (tools or environment_factory),
                     "rollout_func with tools or environment_factory: the function samples whole rollouts here"),
-                   (quantization_config is not None, "quantization_config is not supported here yet"),
-                   (type(model).__name__.startswith("Peft"), "model: pass the base model and peft_config, not a "
-                                                            "PeftModel")]
+                   (hasattr(model, "peft_config") and peft_config is not None,
+                    "model is a PeftModel and peft_config is given: merge and unload its adapter first, as trl asks")]
         problems = [why for bad, why in refused if bad]
         if isinstance(eval_dataset, dict):
             if len(eval_dataset) != 1:
@@ -182,7 +208,9 @@ class GRPOTrainer:
         settings = self.args.our_settings(world_size)
         settings.update(model=str(name) if isinstance(model, str) else (str(name) or "given"),
                         dataset="train_dataset", overwrite=True, metrics_average="micro_batch",
-                        **_lora_settings(peft_config))
+                        **_lora_settings(model.peft_config["default"] if hasattr(model, "peft_config")
+                                         else peft_config),
+                        **_quantization_settings(quantization_config, model))
         self.stream_starts = None  # an IterableDataset's: the generation each pass over it starts at
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
             if self.args.max_steps <= 0:
@@ -191,7 +219,7 @@ class GRPOTrainer:
                 train_dataset, OurConfig(**settings).prompts_per_generation, settings["max_steps"], self.args.seed,
                 self.args.shuffle_dataset)
         self.train_rows = _rows(train_dataset, "train_dataset", self.args.remove_unused_columns)
-        self.eval_rows = _rows(eval_dataset, "eval_dataset", self.args.remove_unused_columns)
+        self.eval_rows, self.eval_streamed = _eval_set(eval_dataset, self.args.seed, self.args.remove_unused_columns)
         if self.train_rows is None:
             raise ValueError("train_dataset is required")
         if settings["eval_steps"] and self.eval_rows is None:
@@ -213,6 +241,7 @@ class GRPOTrainer:
         self.rewards = _reward_specs(reward_funcs, self.args.reward_weights, lambda: dict(
             trainer_state=self.state, log_metric=self._log_metric, log_extra=self._log_extra))
         self.logged_metrics: dict[str, list[float]] = {}  # the reward functions' log_metric, until the next step
+        self.extra_columns: dict[str, list] = {}  # the reward functions' log_extra, the last values of each column
         self.policy, self.processing_class = (None if isinstance(model, str) else model), processing_class
         self.reward_processing_classes, self.tools, self.environment_factory = (reward_processing_classes, tools,
                                                                                 environment_factory)
@@ -389,7 +418,7 @@ class GRPOTrainer:
         from grpo.core.trainer import StepHooks
         from transformers.trainer_utils import TrainOutput
 
-        result = engine.train(hooks=StepHooks(step_end, saved))
+        result = engine.train(hooks=StepHooks(step_end, saved, self._completions if args.log_completions else None))
         runtime = time.time() - started
         steps_run = max(state.global_step, 1)
         summary = {"train_runtime": runtime, "train_samples_per_second": steps_run * args.per_device_train_batch_size
@@ -416,7 +445,18 @@ class GRPOTrainer:
         return taken
 
     def _log_extra(self, column: str, values: list) -> None:
-        """trl adds these to its completions table; here samples.jsonl keeps the rewards and texts only."""
+        """A column of the completions table (log_completions), one value per completion the reward function saw."""
+        self.extra_columns[column] = list(values)
+
+    def _completions(self, step: int, records: list[dict]) -> None:
+        """trl's log_completions at a logged step: the completions written to completions/completions_<step>.parquet
+        and printed as a table (num_completions_to_print of them)."""
+        from grpo.trl_api.completions import completions_frame, format_completions, write_completions
+
+        global_step = step * self.updates_per_step
+        frame = completions_frame(records, global_step, self.extra_columns)
+        write_completions(self.args.output_dir, frame, global_step)
+        print(format_completions(frame, global_step, self.args.num_completions_to_print), flush=True)
 
     def log(self, logs: dict) -> None:
         """One entry of state.log_history (with epoch and step, as transformers), and the callbacks' on_log."""
@@ -430,8 +470,8 @@ class GRPOTrainer:
         each prompt (or the rollout_func's), scored, their loss and metrics without an update."""
         from grpo.trl_api.evaluation import evaluate_like_trl
 
-        rows = self.eval_rows if eval_dataset is None else _rows(eval_dataset, "eval_dataset",
-                                                                 self.args.remove_unused_columns)
+        rows, streamed = (self.eval_rows, self.eval_streamed) if eval_dataset is None else _eval_set(
+            eval_dataset, self.args.seed, self.args.remove_unused_columns)
         if rows is None:
             raise ValueError("evaluate() needs an eval_dataset")
         if self.engine is None:  # transformers then logs the preparation's time with every later evaluation
@@ -443,7 +483,7 @@ class GRPOTrainer:
             self.order.note_evaluation(engine.step)
         pending = self._take_logged_metrics()  # a training step's; the evaluation's reward calls log their own
         metrics = evaluate_like_trl(engine, rows, self.args.seed, self.num_generations_eval,
-                                    self.args.per_device_eval_batch_size)
+                                    self.args.per_device_eval_batch_size, in_order=streamed)
         metrics.update(self._take_logged_metrics())
         if hasattr(self, "model_preparation_time"):
             metrics["model_preparation_time"] = self.model_preparation_time
