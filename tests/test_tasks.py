@@ -131,7 +131,9 @@ def test_transformers_generate_backend_behind_the_seam(tiny_model_and_tokenizer)
     again = TransformersGenerate(model, tokenizer.pad_token_id).generate(
         prompts, 3, SamplingParams(max_completion_length=6, eos_token_ids=(eos,)), torch.Generator().manual_seed(1))
     assert sampled.completion_ids.shape[0] == 6 and torch.equal(sampled.completion_ids, again.completion_ids)
-    # cache_implementation (trl's field) reaches generate: a static cache gives the dynamic one's greedy tokens
+    # cache_implementation (trl's field) reaches generate: a static cache gives the dynamic one's greedy tokens; and
+    # no sampling setting comes from the model's generation_config.json (Qwen2.5's sets a repetition penalty)
+    model.generation_config.repetition_penalty = 1.5
     calls, generate = [], model.generate
     model.generate = lambda *args, **kwargs: calls.append(kwargs.get("cache_implementation")) or generate(*args,
                                                                                                          **kwargs)
@@ -140,6 +142,7 @@ def test_transformers_generate_backend_behind_the_seam(tiny_model_and_tokenizer)
                                                                                         return_logprobs=True)
     finally:
         del model.generate
+        model.generation_config.repetition_penalty = 1.0
     assert calls == ["static"]
     assert torch.equal(static.completion_ids, theirs.completion_ids)
     torch.testing.assert_close(static.logprobs, theirs.logprobs, rtol=1e-5, atol=1e-5)

@@ -261,6 +261,10 @@ def test_bad_inputs_are_one_clear_error(tmp_path):
         GRPOTrainer(model="tiny", reward_funcs=[reward_length, reward_answer],
                     args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, reward_weights=[1.0]),
                     train_dataset=datasets.Dataset.from_list(ROWS))
+    with pytest.raises(ValueError, match="cache_implementation with tools or environment_factory: tool calls run in"):
+        GRPOTrainer(model="tiny", reward_funcs=reward_length, tools=[reward_length],
+                    args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, cache_implementation="static"),
+                    train_dataset=datasets.Dataset.from_list(ROWS))
     with pytest.raises(ValueError, match="rollout_func with tools or environment_factory: the function samples"):
         GRPOTrainer(model="tiny", reward_funcs=reward_length, args=args, rollout_func=lambda prompts, trainer: {},
                     tools=[reward_length], train_dataset=datasets.Dataset.from_list(ROWS))
@@ -437,6 +441,8 @@ def test_recipe_model_arguments_and_spellings(tmp_path):
     assert (qlora["load_in_4bit"], qlora["bnb_4bit_quant_type"], qlora["use_bnb_nested_quant"]) == (True, "fp4", True)
     with pytest.raises(ValueError, match="load_in_8bit=True is not supported here"):
         recipe_settings({"model_name_or_path": "m", "use_peft": True, "load_in_8bit": True})
+    recipe_settings({"model_name_or_path": "m", "use_peft": True, "load_in_4bit": True,
+                     "bnb_4bit_quant_storage": "uint8"})  # what 4-bit storage is here
 
 
 def test_a_quantization_config_trains_lora_over_a_4bit_base(tmp_path, tiny_model_dir):
@@ -467,8 +473,10 @@ def test_a_quantization_config_trains_lora_over_a_4bit_base(tmp_path, tiny_model
 
 
 def test_log_completions_prints_and_writes_trls_table(tmp_path, capsys):
-    """log_completions: each logged step's completions in completions/completions_<step>.parquet (prompt,
-    completion, each reward, log_extra's columns, advantage) and a printed table of num_completions_to_print."""
+    """log_completions: at each training log (optimizer steps 3 and 6 with logging_steps 3 and two optimizer steps a
+    generation; the final summary's log at 6 too, as trl) the last generation's completions go to
+    completions/completions_<step>.parquet with trl's columns (the prompt's messages, the completion as an assistant
+    message, each reward, log_extra's columns, the advantage), and num_completions_to_print of them are printed."""
     pandas = pytest.importorskip("pandas")
 
     def with_extra(completions, log_extra=None, **kwargs):
@@ -476,24 +484,70 @@ def test_log_completions_prints_and_writes_trls_table(tmp_path, capsys):
         return [1.0] * len(completions)
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, logging_steps=1, save_strategy="no", use_cpu=True,
-                      bf16=False, seed=0, log_completions=True, num_completions_to_print=3)
+                      steps_per_generation=2, max_completion_length=8, max_steps=6, logging_steps=3,
+                      save_strategy="no", use_cpu=True, bf16=False, seed=0, log_completions=True,
+                      num_completions_to_print=3)
     trainer = GRPOTrainer(model="tiny", reward_funcs=[reward_length, with_extra], args=args,
                           train_dataset=datasets.Dataset.from_list(ROWS))
     trainer.train()
     printed = capsys.readouterr().out
-    for step in (1, 2):
+    files = sorted(path.name for path in (tmp_path / "completions").iterdir())
+    assert files == ["completions_00003.parquet", "completions_00006.parquet"], files
+    for step in (3, 6):
         frame = pandas.read_parquet(tmp_path / "completions" / f"completions_{step:05d}.parquet")
         assert list(frame.columns) == ["step", "prompt", "completion", "reward_length", "with_extra", "words",
                                        "advantage"]
-        assert len(frame) == 8 and set(frame["step"]) == {step}
-        assert frame["words"].tolist() == [len(text.split()) for text in frame["completion"]]
+        assert len(frame) == 16 and set(frame["step"]) == {step}  # a generation: 4 prompts x 4 completions
+        prompts = {row["prompt"][0]["content"] for row in ROWS}
+        assert all(list(prompt)[-1]["content"] in prompts for prompt in frame["prompt"])
+        texts = [list(completion)[0]["content"] for completion in frame["completion"]]
+        assert all(list(completion)[0]["role"] == "assistant" for completion in frame["completion"])
+        assert frame["words"].tolist() == [len(text.split()) for text in texts]
         # the advantages are the group-normalised rewards of each group of 4 (reward_length's alone vary)
-        for group in range(2):
+        for group in range(4):
             rewards = torch.tensor(frame["reward_length"][group * 4:(group + 1) * 4].tolist())
             expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
             torch.testing.assert_close(torch.tensor(frame["advantage"][group * 4:(group + 1) * 4].tolist()),
                                        expected, rtol=1e-4, atol=1e-5)
-        assert f"Step {step}" in printed
-    table = printed[printed.index("Step 2"):]
-    assert table.count("\n" + "-" * 10) >= 1 and sum(line.startswith("-") for line in table.splitlines()) == 4
+    assert printed.count("Step 3\n") == 1 and printed.count("Step 6\n") == 2  # the summary's log prints again
+    table = printed[printed.index("Step 3"):printed.index("Step 6")]
+    assert sum(line.startswith("-") for line in table.splitlines()) == 4  # the header's rule and 3 rows'
+
+
+def test_a_peft_model_resumes_on_the_same_trainer_and_saves_as_trl(tmp_path, tiny_model_dir):
+    """A PeftModel with beta > 0: train, then train(resume_from_checkpoint=True) on the same trainer (its `ref`
+    adapter is kept, not added twice); trainer.model is the PeftModel, and save_model writes peft's adapter files,
+    which peft loads back into the same log-probs."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from grpo.algorithm.logprobs import completion_logprobs
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights="gaussian")  # any init: the adapter is the model's own
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, max_steps=2, logging_steps=1, save_steps=1, use_cpu=True,
+                      bf16=False, seed=0, beta=0.04, learning_rate=1e-3)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_length], args=args,
+                          train_dataset=datasets.Dataset.from_list(ROWS))
+    trainer.train()
+    first = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    assert trainer.state.global_step == 2
+    assert [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] == first  # step 2 again
+    assert isinstance(trainer.model, peft.PeftModel) and set(trainer.model.peft_config) == {"default", "ref"}
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "adapter_model.safetensors").is_file()
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                            str(tmp_path / "saved"))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    mask, completion = torch.ones_like(ids), torch.ones(1, 3, dtype=torch.long)
+    expected, _ = completion_logprobs(trainer.model.get_base_model(), ids, mask, completion)
+    got, _ = completion_logprobs(loaded.get_base_model(), ids, mask, completion)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="a PeftModel whose one adapter is named 'default' is supported here, got "
+                                         r"\['mine'\]"):
+        GRPOTrainer(model=peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora,
+                                              adapter_name="mine"), reward_funcs=[reward_length], args=args,
+                    train_dataset=datasets.Dataset.from_list(ROWS))

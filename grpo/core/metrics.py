@@ -160,17 +160,19 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def completion_records(prompts: list, texts: list[str], rewards_per_func, names: list[str],
-                       advantages: torch.Tensor | None, loss_mask: torch.Tensor) -> list[dict]:
-    """A step's completions as records: the prompt (its last message's text), the completion, its rewards (None
-    where a reward function could not score) and its advantage (`advantages`: (N, 1), or (N, T) per token,
-    averaged over the completion's tokens of `loss_mask` (N, T))."""
+                       advantages: torch.Tensor | None, loss_mask: torch.Tensor,
+                       whole_prompts: bool = False) -> list[dict]:
+    """A step's completions as records: the prompt (its last message's text; `whole_prompts`: as given, chat
+    messages or text), the completion, its rewards (None where a reward function could not score) and its advantage
+    (`advantages`: (N, 1), or (N, T) per token, averaged over the completion's tokens of `loss_mask` (N, T))."""
     if advantages is not None and advantages.shape[1] > 1:
         mask = loss_mask[:, : advantages.shape[1]].to(advantages)  # (N, T)
         advantages = (advantages * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     advantages = None if advantages is None else advantages[:, 0].tolist()
     records = []
     for row in range(len(texts)):
-        prompt = prompts[row][-1]["content"] if isinstance(prompts[row], list) else str(prompts[row])
+        prompt = prompts[row] if whole_prompts else (
+            prompts[row][-1]["content"] if isinstance(prompts[row], list) else str(prompts[row]))
         rewards = {name: (None if math.isnan(value) else value)
                    for name, value in zip(names, rewards_per_func[row].tolist(), strict=True)}
         records.append({"prompt": prompt, "completion": texts[row], "rewards": rewards,
@@ -250,7 +252,7 @@ def loss_stats_metrics(world, stats: list, average: str) -> dict:
 
 
 PER_UPDATE = "per_update"  # a step's metrics: the list of its updates' own, when it has several (never logged)
-ROW_ADVANTAGES = "advantages"  # the update's metrics: this rank's (N, 1) or (N, T) advantages (taken by train_step)
+ROW_ADVANTAGES = "advantages"  # Trainer.train_on_rollout's: this rank's (N, 1) or (N, T) advantages (train_step's)
 
 
 def update_metrics(world, update, num_micro: int, average: str) -> list[dict]:

@@ -571,6 +571,8 @@ def load_policy(config, device, dtype, tokenizer, policy=None, resume_from=None,
             raise ValueError("load_in_4bit: the model given was loaded in full precision; load it with a "
                              "BitsAndBytesConfig (or pass its name) to train LoRA over a 4-bit base")
         policy = policy if is_quantized(policy) else policy.to(device, dtype)
+        for parameter in policy.parameters():  # a model trained before (a trainer built again to resume) holds
+            parameter.grad = None  # gradients, which would make the optimizer's restore skip setting up its state
     elif config.use_peft and resume_from is not None:  # the base from --model, the adapter from the checkpoint
         policy = load_model(config.model, device, dtype, config.trust_remote_code, tokenizer,
                             quantization=quantization)

@@ -73,8 +73,8 @@ class StepHooks(NamedTuple):
 
     step_end: Callable[[int, dict, list | None], tuple[bool, bool]]
     saved: Callable[[int, Path], None]
-    completions: Callable[[int, list[dict]], None] | None = None  # every --log-completions-steps, on the main rank:
-    # every rank's completions of the step (grpo.core.metrics.completion_records)
+    completions: Callable[[int, list[dict]], None] | None = None  # after each step, on every rank: every rank's
+    # completions of the step, their prompts whole (grpo.core.metrics.completion_records)
 
 
 class DataOrder(NamedTuple):
@@ -134,13 +134,10 @@ class Trainer:
                     metrics.update(self.run_eval())
                 samples = None
                 if loop.log_completions_steps and self.step % loop.log_completions_steps == 0:
-                    samples = completion_records(prompts, texts, rollout.rewards_per_func,
-                                                 [spec.name for spec in self.rewards], advantages,
-                                                 rollout.loss_mask.to(advantages.device))
-                    if hooks is not None and hooks.completions is not None:  # a collective: every rank's records
-                        gathered = [record for part in self.world.gather_objects(samples) for record in part]
-                        if main:
-                            hooks.completions(self.step, gathered)
+                    samples = self.completion_records(rollout, prompts, texts, advantages)
+                if hooks is not None and hooks.completions is not None:  # a collective: every rank's records
+                    hooks.completions(self.step, [record for part in self.world.gather_objects(
+                        self.completion_records(rollout, prompts, texts, advantages, True)) for record in part])
                 if main:
                     with writing(run_dir, f"step {self.step}'s lines of metrics.jsonl and samples.jsonl"):
                         console = self.step % loop.logging_steps == 0 or self.step == loop.total_steps
@@ -193,6 +190,12 @@ class Trainer:
         metrics.update(step_time=time.perf_counter() - started, sample_time=sampled - started,
                        tokens_per_second=tokens / max(sampled - started, 1e-9))
         return StepOutput(metrics, rollout, prompts, texts, advantages)
+
+    def completion_records(self, rollout: Rollout, prompts: list, texts: list[str], advantages: torch.Tensor,
+                           whole_prompts: bool = False) -> list[dict]:
+        """This rank's completions of a step as records (grpo.core.metrics.completion_records)."""
+        return completion_records(prompts, texts, rollout.rewards_per_func, [spec.name for spec in self.rewards],
+                                  advantages, rollout.loss_mask.to(advantages.device), whole_prompts)
 
     def watch_answers(self, prompts: list, texts: list[str]) -> dict:
         """The step's answers/* metrics over every rank's completions, and the collapse check
@@ -327,8 +330,10 @@ class Trainer:
                                 self.generation.after_update, self.order.rows(self.state.step, rollout.num_rows))
 
     def train_on_rollout(self, rollout: Rollout) -> dict:
-        """The update's metrics (`update` for its intermediate values too)."""
-        return self.update(rollout).metrics
+        """The update's metrics (`update` for its intermediate values too), and the rows' advantages under
+        ROW_ADVANTAGES (never logged: train_step takes them)."""
+        result = self.update(rollout)
+        return {**result.metrics, ROW_ADVANTAGES: result.advantages}
 
     def run_eval(self) -> dict:
         """The held-out slice, greedy and scored (every rank; FSDP2 gathers the weights), rank 0 writing

@@ -41,7 +41,7 @@ from grpo.algorithm.advantages import AdvantageBatch, estimate_advantages, rewar
 from grpo.algorithm.loss import EntropyControl, LossStats
 from grpo.algorithm.off_policy import behaviour_weights, mismatch_statistics
 from grpo.algorithm.step import StepFunctions
-from grpo.core.metrics import PER_UPDATE, ROW_ADVANTAGES, sampling_metrics, step_metrics, update_metrics
+from grpo.core.metrics import PER_UPDATE, sampling_metrics, step_metrics, update_metrics
 from grpo.errors import NoSignalError, TrainingError
 from grpo.generation.rollout import Rollout, seeded
 from grpo.parallel.distributed import World, accumulating, full_tensor
@@ -361,7 +361,6 @@ def train_on_rollout(rollout: Rollout, options: UpdateOptions, models: Models, o
                            result.learning_rates[-1], state.skipped_updates, state.tokens_seen, options.metrics_average)
     if len(result.grad_norms) > 1:  # each update's own loss, gradient norm, rate and loss statistics (trl logs them)
         metrics[PER_UPDATE] = update_metrics(world, result, num_micro, options.metrics_average)
-    metrics[ROW_ADVANTAGES] = advantages  # (N, 1) or (N, T_max)
     result.metrics = {**sampling_stats, **metrics, **reward_stats}
     return result
 

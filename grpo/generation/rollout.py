@@ -222,15 +222,16 @@ class TransformersGenerate:
     def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False) -> GroupSample:
         device = next(self.model.parameters()).device
         prompt, prompt_mask = left_pad(prompt_ids, self.pad_token_id, device)  # (B, P)
+        # every sampling setting given, so that none comes from the model's generation_config.json (Qwen2.5's sets
+        # repetition_penalty 1.05, top_k 20, ...); compiling is off, as trl: prompt lengths change every step
         options = dict(do_sample=params.temperature > 0, max_new_tokens=params.max_completion_length,
                        eos_token_id=list(params.eos_token_ids), pad_token_id=self.pad_token_id,
-                       output_logits=return_logprobs, return_dict_in_generate=True)
-        if params.repetition_penalty != 1.0:
-            options.update(repetition_penalty=params.repetition_penalty)
+                       output_logits=return_logprobs, return_dict_in_generate=True,
+                       repetition_penalty=params.repetition_penalty, disable_compile=True)
         if self.cache_implementation is not None:
             options.update(cache_implementation=self.cache_implementation)
         if params.temperature > 0:
-            options.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
+            options.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                            min_p=params.min_p or None)
         # generate draws from the global RNG: seed it from `generator`, and leave the caller's state as it was.
         if isinstance(generator, RowUniforms):  # model.generate takes no per-row noise: one seed from it

@@ -3,7 +3,8 @@
 trl 1.16 prints, at each log, a table of the last generation's completions (`num_completions_to_print` of them drawn
 at random, all when None): prompt, completion, each reward, the advantage and the columns reward functions added
 with `log_extra`. It also writes them all to `output_dir/completions/completions_<step>.parquet`. Both are done
-here from the engine's records (grpo.core.metrics.completion_records); the prompt is its last message's text.
+here from the engine's records (grpo.core.metrics.completion_records), at each training log as trl: a chat
+prompt is kept as its messages, and its completion as one assistant message.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ def completions_frame(records: list[dict], step: int, extra: dict[str, list]):
     """The records as trl's table: step, prompt, completion, one column per reward, the extra columns, advantage."""
     import pandas as pd  # a dependency of datasets
 
+    chat = [isinstance(r["prompt"], list) for r in records]  # trl keeps a conversation's messages
     columns = {"step": [step] * len(records), "prompt": [r["prompt"] for r in records],
-               "completion": [r["completion"] for r in records]}
+               "completion": [[{"role": "assistant", "content": r["completion"]}] if is_chat else r["completion"]
+                              for r, is_chat in zip(records, chat, strict=True)]}
     for name in records[0]["rewards"] if records else ():
         columns[name] = [r["rewards"][name] for r in records]
     columns.update({name: values for name, values in extra.items() if len(values) == len(records)})
@@ -50,6 +53,8 @@ def format_completions(frame, step: int, num_samples: int | None, width: int | N
     widths = [wide if name in text_columns else narrow for name in names]
 
     def cell(value) -> str:
+        if isinstance(value, (list, tuple)):  # messages: their texts, one after another
+            value = " ".join(m.get("content", "") if isinstance(m, dict) else str(m) for m in value)
         return f"{value:.2f}" if isinstance(value, float) else ("" if value is None else str(value))
 
     def line(cells: list[list[str]]) -> list[str]:

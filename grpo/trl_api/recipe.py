@@ -84,7 +84,7 @@ def recipe_settings(values: dict, where: str = "recipe") -> tuple[dict, list[str
         trl_values["model_init_kwargs"] = model_init
     lora = {ours: values[key] for key, ours in LORA_KEYS.items() if key in values}
     for key, accepted in LORA_REFUSED.items():
-        if values.get(key, accepted) != accepted:
+        if values.get(key, accepted) not in (accepted, *(("uint8",) if key == "bnb_4bit_quant_storage" else ())):
             problems.append(f"{where}: {key}={values[key]!r} is not supported here (LoRA here: r, alpha, dropout and "
                             "target modules, over a 4-bit base with load_in_4bit)")
     if values.get("model_revision") not in (None, "main"):

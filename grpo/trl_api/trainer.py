@@ -144,19 +144,30 @@ def _reward_specs(reward_funcs, reward_weights, arguments: Callable[[], dict]) -
     return specs
 
 
-def _lora_settings(peft_config) -> dict:
-    """peft's LoraConfig as our LoRA settings; options not built here are refused."""
+def _lora_settings(peft_config, where: str = "peft_config") -> dict:
+    """peft's LoraConfig as our LoRA settings; options not built here are refused. `where`: "model" for the config of
+    a PeftModel given, whose adapter is already initialized (any init_lora_weights)."""
     if peft_config is None:
         return {}
-    different = [f"{key}={getattr(peft_config, key, value)!r}" for key, value in LORA_DEFAULTS.items()
+    defaults = {key: value for key, value in LORA_DEFAULTS.items() if where != "model" or key != "init_lora_weights"}
+    different = [f"{key}={getattr(peft_config, key, value)!r}" for key, value in defaults.items()
                  if getattr(peft_config, key, value) != value]
     if type(peft_config).__name__ != "LoraConfig" or different:
-        raise ValueError(f"peft_config: only a LoraConfig with {LORA_DEFAULTS} is supported here"
+        raise ValueError(f"{where}: only a LoraConfig with {defaults} is supported here"
                          + (f" (got {', '.join(different)})" if different else ""))
     targets = peft_config.target_modules
     return dict(use_peft=True, lora_r=peft_config.r, lora_alpha=peft_config.lora_alpha,
                 lora_dropout=peft_config.lora_dropout,
                 **({"lora_target_modules": sorted(targets)} if targets and not isinstance(targets, str) else {}))
+
+
+def _adapter_config(peft_model):
+    """The LoraConfig of a PeftModel given as model: its adapter 'default' (the one peft's get_peft_model makes)."""
+    adapters = [name for name in peft_model.peft_config if name != "ref"]
+    if adapters != ["default"]:
+        raise ValueError(f"model: a PeftModel whose one adapter is named 'default' is supported here, got {adapters} "
+                         "(peft names the adapter of get_peft_model(model, config) 'default')")
+    return peft_model.peft_config["default"]
 
 
 def _quantization_settings(quantization_config, model) -> dict:
@@ -195,6 +206,9 @@ class GRPOTrainer:
                     "optimizers: the optimizer and schedule are built from args (optim, lr_scheduler_type)"),
                    (rollout_func is not None and (tools or environment_factory),
                     "rollout_func with tools or environment_factory: the function samples whole rollouts here"),
+                   (self.args.cache_implementation is not None and (tools or environment_factory),
+                    "cache_implementation with tools or environment_factory: tool calls run in our sampler (or "
+                    "vLLM), which keep their own KV cache; leave cache_implementation unset"),
                    (hasattr(model, "peft_config") and peft_config is not None,
                     "model is a PeftModel and peft_config is given: merge and unload its adapter first, as trl asks")]
         problems = [why for bad, why in refused if bad]
@@ -208,8 +222,8 @@ class GRPOTrainer:
         settings = self.args.our_settings(world_size)
         settings.update(model=str(name) if isinstance(model, str) else (str(name) or "given"),
                         dataset="train_dataset", overwrite=True, metrics_average="micro_batch",
-                        **_lora_settings(model.peft_config["default"] if hasattr(model, "peft_config")
-                                         else peft_config),
+                        **(_lora_settings(_adapter_config(model), "model") if hasattr(model, "peft_config")
+                           else _lora_settings(peft_config)),
                         **_quantization_settings(quantization_config, model))
         self.stream_starts = None  # an IterableDataset's: the generation each pass over it starts at
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
@@ -242,6 +256,7 @@ class GRPOTrainer:
             trainer_state=self.state, log_metric=self._log_metric, log_extra=self._log_extra))
         self.logged_metrics: dict[str, list[float]] = {}  # the reward functions' log_metric, until the next step
         self.extra_columns: dict[str, list] = {}  # the reward functions' log_extra, the last values of each column
+        self.last_completions = None  # (records, extra columns) of the last generation, for log_completions
         self.policy, self.processing_class = (None if isinstance(model, str) else model), processing_class
         self.reward_processing_classes, self.tools, self.environment_factory = (reward_processing_classes, tools,
                                                                                 environment_factory)
@@ -305,7 +320,10 @@ class GRPOTrainer:
 
     @property
     def model(self):
-        return self.engine.policy if self.engine is not None else self.policy
+        """The policy as trl's trainer holds it: the peft model under LoRA (its adapters are what trains)."""
+        if self.engine is None:
+            return self.policy
+        return self.engine.models.peft_model if self.engine.models.peft_model is not None else self.engine.policy
 
     @property
     def updates_per_step(self) -> int:
@@ -449,20 +467,31 @@ class GRPOTrainer:
         self.extra_columns[column] = list(values)
 
     def _completions(self, step: int, records: list[dict]) -> None:
-        """trl's log_completions at a logged step: the completions written to completions/completions_<step>.parquet
-        and printed as a table (num_completions_to_print of them)."""
+        """The step's completions (every rank's), kept for the logs to come (log_completions), with the log_extra
+        columns of every rank (a collective: every rank is here)."""
+        parts = self.engine.world.gather_objects(self.extra_columns)
+        extra = {name: [value for part in parts for value in part.get(name, [])] for name in parts[0]}
+        self.last_completions = records, extra
+
+    def _log_completions(self) -> None:
+        """trl's log_completions at each training log: the last generation's completions written to
+        completions/completions_<global step>.parquet and printed as a table (num_completions_to_print of them)."""
         from grpo.trl_api.completions import completions_frame, format_completions, write_completions
 
-        global_step = step * self.updates_per_step
-        frame = completions_frame(records, global_step, self.extra_columns)
-        write_completions(self.args.output_dir, frame, global_step)
-        print(format_completions(frame, global_step, self.args.num_completions_to_print), flush=True)
+        records, extra = self.last_completions
+        frame = completions_frame(records, self.state.global_step, extra)
+        write_completions(self.args.output_dir, frame, self.state.global_step)
+        print(format_completions(frame, self.state.global_step, self.args.num_completions_to_print), flush=True)
 
     def log(self, logs: dict) -> None:
         """One entry of state.log_history (with epoch and step, as transformers), and the callbacks' on_log."""
         entry = {**logs, **({"epoch": self.state.epoch} if self.state.epoch is not None else {}),
                  "step": self.state.global_step}
         self.state.log_history.append(entry)
+        # trl writes the completions at every log; an evaluation's own completions are not kept here
+        if self.args.log_completions and self.last_completions and not any(key.startswith("eval_") for key in logs) \
+                and self.engine.world.is_main:
+            self._log_completions()
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
@@ -497,7 +526,8 @@ class GRPOTrainer:
         return metrics
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """The policy and tokenizer, from_pretrained-loadable (safetensors), in output_dir (default args.output_dir)."""
+        """The policy and tokenizer, from_pretrained-loadable (safetensors), in output_dir (default args.output_dir);
+        under LoRA the adapter in peft's format (adapter_config.json, adapter_model.safetensors), as trl."""
         folder = Path(output_dir or self.args.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         model = self.model
