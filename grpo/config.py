@@ -51,7 +51,8 @@ GSM8K_RECIPE_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "corr
 MAY_CHANGE_ON_RESUME = frozenset({
     "max_steps", "epochs", "trust_remote_code", "environment_timeout", "vllm_gpu_memory_utilization",
     "vllm_kv_cache_gib", "vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_tensor_parallel_size",
-    "vllm_model_impl", "sandbox_isolation", "generation_processes", "max_bad_steps", "save_merged", "device",
+    "vllm_model_impl", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+    "vllm_group_port", "sandbox_isolation", "generation_processes", "max_bad_steps", "save_merged", "device",
     "precision", "gradient_checkpointing", "logprob_chunk_size", "pad_to_multiple_of", "kernels", "distributed",
     "fsdp_cpu_offload",
     "distributed_timeout", "adapt_cpu_threads", "output_dir", "overwrite", "resume", "resume_with_changed_settings",
@@ -298,9 +299,18 @@ class GRPOConfig(ConfigMixin):
     use_vllm: bool = option(False, "trl's switch: the same as --generation-backend vllm",
                             section="vLLM (--generation-backend vllm; trl's names; docs/vllm.md)")
     vllm_mode: str = option("colocate", "where the engine runs: colocate = inside each process that samples (each "
-                            "training process; the --generation-processes ranks with --max-staleness under torchrun). "
-                            "trl's `server` (a `vllm serve` process reached over NCCL) is not built: generation "
-                            "processes are this project's separate engine", choices=VLLM_MODES)
+                            "training process; the --generation-processes ranks with --max-staleness under torchrun); "
+                            "server = vLLM's own server, started apart (`python -m grpo.generation.vllm_server "
+                            "--model M` prints and runs the line), which the trainer pushes weights to",
+                            choices=VLLM_MODES)
+    vllm_server_base_url: str | None = option(None, "with --vllm-mode server: the server's URL "
+                                              "(http://host:port); takes the place of host and port")
+    vllm_server_host: str = option("0.0.0.0", "with --vllm-mode server: the server's host (0.0.0.0: this machine)")
+    vllm_server_port: int = option(8000, "with --vllm-mode server: the server's port")
+    vllm_server_timeout: float = option(240.0, "with --vllm-mode server: seconds to wait for the server to answer at "
+                                        "start, and for any one request or weight push")
+    vllm_group_port: int = option(51216, "with --vllm-mode server: the port this machine opens for the weight "
+                                  "transfer (the server's workers connect to it)")
     vllm_gpu_memory_utilization: float = option(0.3, "share of the GPU's memory the engine takes for its weights and "
                                                 "KV cache (trl's colocate default); unused on a CPU, where "
                                                 "--vllm-kv-cache-gib sizes it")
@@ -850,9 +860,18 @@ class GRPOConfig(ConfigMixin):
             self.generation_backend = "vllm"
         problems = []
         if self.vllm_mode == "server":
-            problems.append("vllm_mode='server' (trl's `vllm serve` over NCCL) is not built: use "
-                            "vllm_mode='colocate', or generation processes (--max-staleness under torchrun) for an "
-                            "engine on ranks of its own (docs/vllm.md)")
+            problems += [f"--vllm-mode server with {why}" for bad, why in (
+                (self.generation_backend != "vllm", "another backend: it needs --use-vllm"),
+                (self.max_staleness is not None, "--max-staleness: generation overlapping the update is not built "
+                                                 "for the server yet (a synchronous run)"),
+                (self.vllm_enable_sleep_mode, "--vllm-enable-sleep-mode: the server keeps its own memory"),
+                (self.vllm_tensor_parallel_size > 1, "--vllm-tensor-parallel-size: the server's own command sets "
+                                                     "its parallelism")) if bad]
+            if not 0 < self.vllm_server_port < 65536 or not 0 < self.vllm_group_port < 65536:
+                problems.append(f"vllm_server_port and vllm_group_port must be ports (1-65535), got "
+                                f"{self.vllm_server_port} and {self.vllm_group_port}")
+            if not self.vllm_server_timeout > 0:
+                problems.append(f"vllm_server_timeout must be > 0 seconds, got {self.vllm_server_timeout}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             problems.append(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
         if self.vllm_kv_cache_gib is not None and not self.vllm_kv_cache_gib > 0:

@@ -10,7 +10,9 @@ before and after training (`engine_start`, `engine_end`).
 Scenarios: `engine_raise` (the engine fails in step 2), `engine_kill` (the processes of a generation rank's
 engine are killed in step 2), `train` (the run), `kill` (rank 1 kills itself mid-step 2), `raise` (rank 1 raises in step 2);
 with --max-staleness (generation processes, the last ranks): `gen_kill` / `gen_raise` (the generation process
-kills itself / raises while sampling step 2). JSON overrides are GRPOConfig fields, plus `until`
+kills itself / raises while sampling step 2). With --vllm-mode server, `record_each_push` records the server's and
+the policy's log-probs of FIXED_SEQUENCE at the start and after each update (`pushes`), and `kill_server_at_step`
+kills the process group `server_pid` before that step samples. JSON overrides are GRPOConfig fields, plus `until`
 (train(until_step=...)). Under --max-staleness the training ranks receive their rows from the generation
 processes, so their records hold no prompt indices or completions.
 """
@@ -48,6 +50,12 @@ BASE = dict(model="tiny", dataset="synthetic:64", prompts_per_step=4, num_genera
             warmup_ratio=0.0, beta=0.04, max_steps=3, distributed_timeout=30.0)
 
 
+def completion_length(completions, **kwargs) -> list[float]:
+    """A reward with a signal on any model (`tests.distributed_worker:completion_length`): the completion's length in
+    characters / 100 (the server tests' SmolLM2 writes no answer within their 16 tokens)."""
+    return [len(completion[0]["content"]) / 100 for completion in completions]
+
+
 @torch.no_grad()
 def penalized_logprobs(model, rollout, penalty: float, temperature: float) -> torch.Tensor:
     """(N, T) the rollout's completion tokens' log-probs under `model` with the repetition penalty, recomputed from one
@@ -73,6 +81,14 @@ def engine_logps(trainer, token_ids: list[int]):
     """A vLLM backend's engine: its log-probs of `token_ids` (each token after the first), after loading the
     policy's weights if an update made them stale; None for other backends (tests/test_vllm.py)."""
     generation = trainer.generation
+    if hasattr(generation, "server"):  # --vllm-mode server: the same question over HTTP
+        if generation.stale:
+            generation.sync_weights()
+        choice = generation.server.call("v1/completions", {"model": generation.served_model, "prompt": token_ids,
+                                                           "max_tokens": 1, "temperature": 0.0,
+                                                           "prompt_logprobs": 0})["choices"][0]
+        return torch.tensor([entry[str(token)]["logprob"]
+                             for entry, token in zip(choice["prompt_logprobs"][1:], token_ids[1:])])
     if not hasattr(generation, "llm"):
         return None
     from vllm import SamplingParams
@@ -104,6 +120,9 @@ def main():
     out, scenario = Path(sys.argv[1]), sys.argv[2]
     overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     until = overrides.pop("until", None)  # stop (and save) after this step: a run in two pieces
+    each_push = overrides.pop("record_each_push", False)  # --vllm-mode server: the server's log-probs after each push
+    kill_server_at = overrides.pop("kill_server_at_step", None)  # ... and the server killed before this step
+    server_pid = overrides.pop("server_pid", None)
     config = GRPOConfig(**{**BASE, "output_dir": str(out / "run"), **overrides})
     trainer = Trainer(config)
     rank = trainer.processes.global_rank
@@ -115,6 +134,8 @@ def main():
     current = {}
 
     def collecting(step):
+        if kill_server_at is not None and step + 1 == kill_server_at:
+            os.killpg(server_pid, signal.SIGKILL)
         rollout, prompts, texts, metrics = collect(step)
         size = config.prompts_per_generation // trainer.world.size  # this rank's slice of the step's prompts
         indices = batch_indices(trainer, step)[rank * size : (rank + 1) * size]
@@ -136,6 +157,8 @@ def main():
 
     def updating(rollout):  # the public call with every intermediate value
         last = update(rollout)
+        if each_push:  # the update made the server stale: push now and ask it
+            record["pushes"].append((engine_logps(trainer, FIXED_SEQUENCE), policy_logps(trainer, FIXED_SEQUENCE)))
         record["steps"].append({**current, "metrics": last.metrics,
                                 "advantages": trainer.world.gather_rows(last.advantages.cpu()),
                                 "ref_logps": None if last.ref_logps is None else last.ref_logps.cpu()})
@@ -174,6 +197,7 @@ def main():
         trainer.collect_rollout = generating
     trainer.update, trainer.optimizer.step = updating, stepping
     engine_start = None if trainer.processes.generating else engine_logps(trainer, FIXED_SEQUENCE)
+    record["pushes"] = [(engine_start, policy_logps(trainer, FIXED_SEQUENCE))] if each_push else []
     result = trainer.train(until_step=until)
     record.update(result=result, params=full_params(trainer), generating=trainer.processes.generating,
                   engine_start=engine_start, engine_end=None if trainer.processes.generating else engine_logps(trainer, FIXED_SEQUENCE),

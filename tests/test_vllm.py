@@ -62,7 +62,9 @@ def test_use_vllm_is_trls_switch_and_the_options_are_checked():
     assert not GRPOConfig().validate().corrects_behaviour  # our sampler's synchronous loop is unchanged
     cases = {
         "asks for the vllm backend": dict(use_vllm=True, generation_backend="transformers"),
-        "vllm_mode='server'": dict(generation_backend="vllm", vllm_mode="server"),
+        "--vllm-mode server with --max-staleness": dict(generation_backend="vllm", vllm_mode="server", max_staleness=1),
+        "--vllm-mode server with another backend": dict(vllm_mode="server"),
+        "vllm_server_timeout must be > 0": dict(generation_backend="vllm", vllm_mode="server", vllm_server_timeout=0),
         "vllm_gpu_memory_utilization must be in": dict(generation_backend="vllm", vllm_gpu_memory_utilization=1.5),
         "vllm_kv_cache_gib must be > 0": dict(generation_backend="vllm", vllm_kv_cache_gib=0.0),
         "--vllm-max-model-length 100 is below the longest request, --max-prompt-length 64 \\+ "

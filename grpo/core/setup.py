@@ -670,6 +670,12 @@ def vllm_engine(config, processes: Processes, policy, tokenizer=None) -> tuple[s
     generators, generating, world = processes.generators, processes.generating, processes.world
     if config.generation_backend != "vllm":
         return config.generation_backend, None
+    if config.vllm_mode == "server":  # vLLM's own server, apart from the run (GRPOConfig refuses what cannot go)
+        from grpo.generation.vllm_server import ServerSettings, VLLMServerGenerate, base_url
+
+        settings = ServerSettings(base_url(config), config.vllm_server_timeout, config.vllm_group_port,
+                                  config.model, config.vllm_structured_outputs_regex)
+        return "vllm", functools.partial(VLLMServerGenerate, settings=settings, sender=world.rank == 0, world=world)
     if config.max_staleness is not None and not generators and not generating:
         raise ValueError("--max-staleness with --generation-backend vllm needs generation processes: launch with "
                          "torchrun and --generation-processes, so that the engine has ranks of its own (a background "

@@ -235,15 +235,11 @@ def engine_errors():
         raise TrainingError(f"the vLLM engine failed: {type(error).__name__}: {one_line(error)}") from error
 
 
-def inference_weights(model: torch.nn.Module):
-    """(name, tensor) for every weight of a Hugging Face model under its checkpoint's names, each once (tied weights
-    once): the names vLLM's `load_weights` reads. A LoRA layer (peft) stands for its base layer, its weight given
-    with the active adapters merged in, out of place (W + (alpha / r) B A, peft's get_delta_weight: the module's own
-    weight is never touched, so no rounding from a merge and unmerge drifts the frozen base); the adapters
-    themselves are not weights of the served model. FSDP2's sharded parameters are gathered one at a time (a
-    collective: every rank iterates)."""
-    from grpo.parallel.distributed import full_tensor
-
+def served_parameters(model: torch.nn.Module):
+    """(checkpoint name, parameter, the LoRA layer that adapts it or None) for every weight of a Hugging Face model,
+    each once (tied weights once): the names vLLM's `load_weights` reads. A LoRA layer (peft) stands for its base
+    layer; the adapters themselves are not weights of the served model. Nothing is gathered or copied: the shapes
+    are the full ones (FSDP2's DTensors report them)."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
@@ -257,10 +253,19 @@ def inference_weights(model: torch.nn.Module):
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))
-                tensor = full_tensor(param.detach())
-                yield prefix + name, tensor if adapted is None or name != "weight" else merged(adapted, tensor)
+                yield prefix + name, param, adapted if name == "weight" else None
         for name, child in module.named_children():
             yield from visit(child, f"{prefix}{name}.")
+
+    yield from visit(model, "")
+
+
+def inference_weights(model: torch.nn.Module):
+    """(name, tensor) for every weight of served_parameters: a LoRA layer's weight with the active adapters merged
+    in, out of place (W + (alpha / r) B A, peft's get_delta_weight: the module's own weight is never touched, so no
+    rounding from a merge and unmerge drifts the frozen base). FSDP2's sharded parameters are gathered one at a time
+    (a collective: every rank iterates)."""
+    from grpo.parallel.distributed import full_tensor
 
     def merged(layer, weight):
         if layer.merged or layer.disable_adapters:
@@ -274,7 +279,9 @@ def inference_weights(model: torch.nn.Module):
                 weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
         return weight
 
-    yield from visit(model, "")
+    for name, param, adapted in served_parameters(model):
+        tensor = full_tensor(param.detach())
+        yield name, tensor if adapted is None else merged(adapted, tensor)
 
 
 class VLLMGenerate:
@@ -406,39 +413,50 @@ class VLLMGenerate:
     def _sample(self, rows, params, seeds, turns, return_logprobs):
         """Each row's completion tokens and their log-probs; with tools, rounds of requests until no row has a
         tool result to go on from."""
-        vllm = import_vllm()
         completions = [[] for _ in rows]
         logprobs = [[] for _ in rows]
         active, round_ = list(range(len(rows))), 0
         eos = set(params.eos_token_ids)
-        regex = self.settings.structured_outputs_regex
-        guided = None if regex is None or params.temperature == 0 else vllm.sampling_params.StructuredOutputsParams(
-            regex=regex)  # training samples only: greedy evaluation decodes freely
         while active:
             requests, options = [], []
             for row in active:
                 seed = None if seeds is None else (seeds[row] + round_ * 0x9E3779B97F4A7C15) % 2**63
-                options.append(vllm.SamplingParams(
+                options.append(dict(
                     n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
-                    min_p=params.min_p, repetition_penalty=params.repetition_penalty, structured_outputs=guided,
+                    min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                     max_tokens=params.max_completion_length - len(completions[row]),
-                    stop_token_ids=list(eos), ignore_eos=True, seed=seed, logprobs=0 if return_logprobs else None,
-                    detokenize=False))
-                requests.append({"prompt_token_ids": rows[row] + completions[row]})
-            with engine_errors():
-                outputs = self._watched(self.llm.generate, requests, options, use_tqdm=False)
+                    stop_token_ids=list(eos), ignore_eos=True, seed=seed, logprobs=0 if return_logprobs else None))
+                requests.append(rows[row] + completions[row])
             going_on = []
-            for row, output in zip(active, outputs, strict=True):
-                out = output.outputs[0]
-                tokens = list(out.token_ids)
+            for row, (tokens, token_logprobs) in zip(active, self._complete(requests, options), strict=True):
                 completions[row] += tokens
-                logprobs[row] += ([entry[token].logprob for entry, token in zip(out.logprobs, tokens, strict=True)]
-                                  if return_logprobs else [0.0] * len(tokens))
+                logprobs[row] += token_logprobs if return_logprobs else [0.0] * len(tokens)
                 if turns is not None and tokens and tokens[-1] in eos and self._takes_tool_result(
                         turns, row, completions, logprobs, params.max_completion_length):
                     going_on.append(row)
             active, round_ = going_on, round_ + 1
         return completions, logprobs
+
+    def _complete(self, prompts: list[list[int]], options: list[dict]) -> list[tuple[list[int], list[float] | None]]:
+        """Each request's completion tokens and their log-probs (None when not asked), in order: `prompts` as token
+        ids, `options` vLLM's SamplingParams as keywords. Guided decoding applies to sampled requests only (greedy
+        evaluation decodes freely)."""
+        vllm = import_vllm()
+        regex = self.settings.structured_outputs_regex
+        params = [vllm.SamplingParams(**option, detokenize=False, structured_outputs=None
+                                      if regex is None or option["temperature"] == 0
+                                      else vllm.sampling_params.StructuredOutputsParams(regex=regex))
+                  for option in options]
+        with engine_errors():
+            outputs = self._watched(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts], params,
+                                    use_tqdm=False)
+        done = []
+        for output in outputs:
+            out = output.outputs[0]
+            tokens = list(out.token_ids)
+            done.append((tokens, None if out.logprobs is None else
+                         [entry[token].logprob for entry, token in zip(out.logprobs, tokens, strict=True)]))
+        return done
 
     @staticmethod
     def _takes_tool_result(turns, row, completions, logprobs, budget) -> bool:

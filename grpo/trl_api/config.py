@@ -174,6 +174,7 @@ class GRPOConfig:
             log_completions_steps=(self._steps("logging_steps", batch.updates_per_step, exact=False)
                                    if self.log_completions else 0),
             pad_to_multiple_of=_padding(self.pad_to_multiple_of),
+            vllm_mode=self.vllm_mode if self.use_vllm else "colocate",  # trl reads it only with use_vllm
         )
         if self.cache_implementation is not None and not self.use_vllm:  # trl's generate path, with that cache
             settings["generation_backend"] = "transformers"

@@ -208,16 +208,17 @@ FIELDS: dict[str, Field] = {
                                                                "generate with that cache, as trl (refused with "
                                                                "use_vllm); None: our sampler"),
     "use_vllm": same(False, "use_vllm"),
-    "vllm_mode": refused("colocate", "only colocate is built (the engine in the training process)"),
+    "vllm_mode": same("colocate", "vllm_mode", "server: vLLM's own server, its weights pushed over the grpo_gloo "
+                                               "transfer engine (docs/vllm.md; trl's NCCL engine is not used yet)"),
     "vllm_model_impl": same("vllm", "vllm_model_impl"),
     "vllm_enable_sleep_mode": same(False, "vllm_enable_sleep_mode", "sleep level 1 (weights to CPU); trl level 2"),
     "vllm_structured_outputs_regex": same(None, "vllm_structured_outputs_regex", "vLLM's guided decoding of the "
                                                                                "training completions"),
-    "vllm_server_base_url": left(None, "only vllm_mode='colocate' is built"),
-    "vllm_server_host": left("0.0.0.0", "only vllm_mode='colocate' is built"),
-    "vllm_server_port": left(8000, "only vllm_mode='colocate' is built"),
-    "vllm_server_timeout": left(240.0, "only vllm_mode='colocate' is built"),
-    "vllm_group_port": left(51216, "only vllm_mode='colocate' is built"),
+    "vllm_server_base_url": same(None, "vllm_server_base_url"),
+    "vllm_server_host": same("0.0.0.0", "vllm_server_host"),
+    "vllm_server_port": same(8000, "vllm_server_port"),
+    "vllm_server_timeout": same(240.0, "vllm_server_timeout"),
+    "vllm_group_port": same(51216, "vllm_group_port"),
     "vllm_gpu_memory_utilization": same(0.3, "vllm_gpu_memory_utilization"),
     "vllm_max_model_length": same(None, "vllm_max_model_length"),
     "vllm_tensor_parallel_size": same(1, "vllm_tensor_parallel_size"),
