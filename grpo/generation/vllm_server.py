@@ -160,10 +160,8 @@ class VLLMServerGenerate(VLLMGenerate):
 
     def _join_transfer_group(self) -> None:
         """The weight-transfer group: this process (rank 0) and each server worker, meeting at its own port."""
-        import socket
-
         workers = int(self.server.call("get_world_size").get("world_size", 1))
-        host = socket.gethostbyname(socket.gethostname()) if not _is_local(self.server.url) else "127.0.0.1"
+        host = _address_towards(self.server.url)
         init_info = {"master_address": host, "master_port": self.settings.group_port, "world_size": workers + 1,
                      "rank_offset": 1, "timeout_s": self.settings.timeout_s}
         self.store, self.group = _while_calling(
@@ -222,9 +220,17 @@ class VLLMServerGenerate(VLLMGenerate):
         self.group = self.store = None
 
 
-def _is_local(url: str) -> bool:
-    host = urllib.parse.urlparse(url).hostname or ""
-    return host in ("localhost", "127.0.0.1", "0.0.0.0", "::1")
+def _address_towards(url: str) -> str:
+    """This machine's address as the server sees it (where its workers connect for the weight transfer): the
+    loopback for a server on this machine, else the address of the interface that routes to it."""
+    import socket
+
+    parsed = urllib.parse.urlparse(url)
+    if (parsed.hostname or "") in ("localhost", "127.0.0.1", "0.0.0.0", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a UDP connect sends nothing: it picks a route
+        probe.connect((parsed.hostname, parsed.port or 80))
+        return probe.getsockname()[0]
 
 
 def _while_calling(work, server: Server, path: str, body: dict):
