@@ -109,6 +109,7 @@ def _errors(done) -> list[str]:
     return [line for line in done.stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.usefixtures("memory_heavy")  # a server and two trainers on the real model: not beside another such test
 def test_the_server_mode_end_to_end(tmp_path):
     """One server for every scenario (a server takes a minute to start on two cores), in order:
     1. one trainer: the server follows each update; 2. two trainer ranks (DDP, gloo) share it; 3. LoRA, merged out of
