@@ -70,16 +70,23 @@ def add_lora(model, settings: LoraSettings, adapter: str | None = None, referenc
     return wrapped
 
 
+def trained_adapter_config(peft_model):
+    """The LoraConfig of a peft model given whole: its one adapter, named 'default' (besides `ref`, which adopting
+    it adds)."""
+    adapters = [name for name in peft_model.peft_config if name != REFERENCE_ADAPTER]
+    if adapters != ["default"]:
+        raise ValueError(f"model: a PeftModel whose one adapter is named 'default' is supported here, got "
+                         f"{adapters} (peft names the adapter of get_peft_model(model, config) 'default')")
+    return peft_model.peft_config["default"]
+
+
 def adopt_peft_model(peft_model, keep_reference: bool, resume_from: str | Path | None = None):
     """A peft model given whole (trl's GRPOTrainer takes one): its adapter `default` trains. With `keep_reference`
     its starting weights are copied, frozen, into the adapter `ref`, the reference (as trl); a model adopted before
     (a trainer that builds its run again, to resume) keeps the `ref` it got then. A checkpoint resumed then replaces
     the trained adapter's weights."""
     peft = _peft()
-    adapters = [name for name in peft_model.peft_config if name != REFERENCE_ADAPTER]
-    if adapters != ["default"]:
-        raise ValueError(f"model: a PeftModel whose one adapter is named 'default' is supported here, got "
-                         f"{adapters} (peft names the adapter of get_peft_model(model, config) 'default')")
+    trained_adapter_config(peft_model)
     if keep_reference and REFERENCE_ADAPTER not in peft_model.peft_config:
         peft_model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(peft_model.peft_config["default"]))
         with torch.no_grad():

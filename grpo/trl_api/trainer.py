@@ -30,6 +30,7 @@ import torch
 from grpo.config import GRPOConfig as OurConfig
 from grpo.core.checkpoint import latest_checkpoint
 from grpo.core.trainer import DataOrder
+from grpo.lora import trained_adapter_config
 from grpo.trl_api.config import GRPOConfig
 from grpo.trl_api.rollouts import RolloutFunction, TrlOrder
 from rewards.registry import MODEL_PREFIX, RewardModel, RewardSpec
@@ -161,15 +162,6 @@ def _lora_settings(peft_config, where: str = "peft_config") -> dict:
                 **({"lora_target_modules": sorted(targets)} if targets and not isinstance(targets, str) else {}))
 
 
-def _adapter_config(peft_model):
-    """The LoraConfig of a PeftModel given as model: its adapter 'default' (the one peft's get_peft_model makes)."""
-    adapters = [name for name in peft_model.peft_config if name != "ref"]
-    if adapters != ["default"]:
-        raise ValueError(f"model: a PeftModel whose one adapter is named 'default' is supported here, got {adapters} "
-                         "(peft names the adapter of get_peft_model(model, config) 'default')")
-    return peft_model.peft_config["default"]
-
-
 def _quantization_settings(quantization_config, model) -> dict:
     """transformers' BitsAndBytesConfig as our 4-bit settings (QLoRA); for a model given loaded, ignored (as trl)."""
     if quantization_config is None:
@@ -222,7 +214,7 @@ class GRPOTrainer:
         settings = self.args.our_settings(world_size)
         settings.update(model=str(name) if isinstance(model, str) else (str(name) or "given"),
                         dataset="train_dataset", overwrite=True, metrics_average="micro_batch",
-                        **(_lora_settings(_adapter_config(model), "model") if hasattr(model, "peft_config")
+                        **(_lora_settings(trained_adapter_config(model), "model") if hasattr(model, "peft_config")
                            else _lora_settings(peft_config)),
                         **_quantization_settings(quantization_config, model))
         self.stream_starts = None  # an IterableDataset's: the generation each pass over it starts at
