@@ -1,6 +1,9 @@
 """Shared fixtures. No test touches the network: HF_HUB_OFFLINE is forced before transformers loads."""
 
+import contextlib
+import ctypes
 import fcntl
+import gc
 import os
 import tempfile
 
@@ -23,14 +26,34 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 SHARED_GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 
 
-@pytest.fixture
-def memory_heavy():
-    """A test that holds many GiB (both trainers on the real model) runs while no other such test does, across the
-    xdist workers of one run: two at once do not fit in this machine's memory (docs/log.md has the figures). The
-    other worker goes on with the tests that do not take this lock."""
+def release_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim). A worker that ran the real model in its
+    own process otherwise keeps GiBs it freed, which the other worker's subprocesses may need."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+@contextlib.contextmanager
+def memory_heavy_section():
+    """Work that holds many GiB (both trainers on the real model, a vLLM server and its trainers) runs while no other
+    such work does, across the xdist workers of one run: two at once do not fit in this machine's memory (docs/log.md
+    has the figures). The other worker goes on with what does not take this lock. Module fixtures that compute on the
+    real model take it too: pytest sets them up before a test's own fixtures, so a test's lock would not cover them."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
     with open(Path(tempfile.gettempdir()) / f"grpo-memory-heavy-{run}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            release_memory()
+
+
+@pytest.fixture
+def memory_heavy():
+    with memory_heavy_section():
         yield
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import gsm8k_dir
+from tests.conftest import gsm8k_dir, memory_heavy_section, release_memory
 from data import add_prompts
 from grpo.models import ModelError, eos_token_ids, resolve_model_name
 from grpo.generation.prompts import encode_prompt
@@ -30,6 +30,14 @@ def _model_folder() -> str:
         return resolve_model_name(NAME)
     except ModelError as error:
         pytest.skip(f"the real model is not fetched here: {error}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_back_at_the_end():
+    """The model, its completions and the parity runs are freed when the module ends; hand their pages back (the
+    other worker may run a vLLM server and two trainers next, tests/test_vllm_server.py)."""
+    yield
+    release_memory()
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +245,11 @@ def real_completions(real, rollout_rows):
 
 @pytest.fixture(scope="module")
 def rounding(real, rollout_rows, real_completions) -> dict:
+    with memory_heavy_section():  # an fp64 copy of the model and its full logits: GiBs
+        return fp32_rounding(real, rollout_rows, real_completions)
+
+
+def fp32_rounding(real, rollout_rows, real_completions) -> dict:
     """The largest |fp32 - fp64| of a completion token's log-prob on the first rollout's rows: `trl`, trl's way (one
     padded forward, full logits, log-softmax); `ours`, the worst of grpo.algorithm.logprobs and grpo.kernels.logprobs (with and
     without the shared-prompt, unpadded passes); `batching`, trl's way batched against one row at a time."""
@@ -300,9 +313,12 @@ def test_same_numbers_as_trl_on_the_real_model(real_dir, parity_rows, real_compl
     from tests import test_trl_parity as parity
 
     settings = dict(parity.BASE, **change)
-    parity.assert_same_numbers_as_trl(Path(real_dir), parity_rows, settings, tmp_path, kernels, real_completions,
-                                      max_len=REAL_MAX_LEN, num_rollouts=REAL_ROLLOUTS, floor=real_floor, lr=REAL_LR,
-                                      param_rtol=REAL_PARAM_RTOL)
+    try:
+        parity.assert_same_numbers_as_trl(Path(real_dir), parity_rows, settings, tmp_path, kernels, real_completions,
+                                          max_len=REAL_MAX_LEN, num_rollouts=REAL_ROLLOUTS, floor=real_floor,
+                                          lr=REAL_LR, param_rtol=REAL_PARAM_RTOL)
+    finally:
+        parity.drop_trainers()
 
 
 def test_fp32_rounding_floor_of_the_real_model(rounding):

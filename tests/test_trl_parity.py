@@ -256,7 +256,23 @@ def make_trl(model_dir, rows, settings, completions_for=fixed_completions, max_l
         trainer.use_vllm, trainer._last_loaded_step = True, trainer.state.global_step
         trainer.vllm_generation = types.SimpleNamespace(sync_weights=lambda: None)
     trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
+    _BUILT.append(trainer)
     return trainer, state
+
+
+_BUILT: list = []  # the trainers make_trl and make_ours built, for drop_trainers
+
+
+def drop_trainers() -> None:
+    """Free what every trainer built so far holds (weights, gradients, optimizer states). After a comparison
+    something in trl's set-up keeps make_trl's frame, and with it both trainers, alive: on the real model ~7 GiB
+    that a test worker would keep for the rest of the run (tests/test_real_model.py calls this)."""
+    while _BUILT:
+        trainer = _BUILT.pop()
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is not None:
+            accelerator.free_memory()
+        trainer.__dict__.clear()
 
 
 def trl_step(trainer, state, inputs, rollout_index, ga, iterations, k=1):
@@ -309,7 +325,9 @@ def make_ours(model_dir, rows, settings, tmp_path, kernels, max_len=MAX_LEN, lr=
     )
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     specs = [RewardSpec(fn.__name__, fn, w) for fn, w in zip(REWARDS, WEIGHTS)]
-    return Trainer(config, policy=policy, reward_functions=specs, train_rows=rows)
+    trainer = Trainer(config, policy=policy, reward_functions=specs, train_rows=rows)
+    _BUILT.append(trainer)
+    return trainer
 
 
 def our_step(trainer, inputs, completions, grads_out, tool_masks=None, behaviour=None):
