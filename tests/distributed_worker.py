@@ -56,6 +56,15 @@ def completion_length(completions, **kwargs) -> list[float]:
     return [len(completion[0]["content"]) / 100 for completion in completions]
 
 
+def long_completion(completions, **kwargs) -> list[float]:
+    """1 for a completion over LONG characters: some of the tiny model's groups tie and others do not, so dynamic
+    sampling drops groups and samples more rounds (`tests.distributed_worker:long_completion`)."""
+    return [float(len(completion[0]["content"]) > LONG) for completion in completions]
+
+
+LONG = 20
+
+
 @torch.no_grad()
 def penalized_logprobs(model, rollout, penalty: float, temperature: float) -> torch.Tensor:
     """(N, T) the rollout's completion tokens' log-probs under `model` with the repetition penalty, recomputed from one

@@ -265,6 +265,21 @@ def test_generation_processes_at_staleness_0_compute_what_one_synchronous_proces
     assert [row["sample/staleness_max"] for row in _logged(tmp_path / "run")] == [0.0, 0.0, 0.0]
 
 
+def test_dynamic_sampling_on_a_generation_process_is_the_synchronous_runs(tmp_path):
+    """--dynamic-sampling with one generator and one trainer at --max-staleness 0: the generator's extra rounds are
+    the synchronous run's, so the metrics and weights are its own bit for bit; groups were dropped and rounds added."""
+    settings = dict(dynamic_sampling=True, dynamic_sampling_max_rounds=4, reward=["tests.distributed_worker:long_completion"],
+                    importance_sampling_correction=False)
+    _, (alone,) = launch(tmp_path / "single", 1, **settings)
+    _, ranks = launch(tmp_path / "split", 2, max_staleness=0, **settings)
+    _compare_async(alone, ranks, 0.0)
+    keys = ("dynamic_sampling/rounds", "dynamic_sampling/dropped_groups", "dynamic_sampling/filled")
+    logged = [{key: row[key] for key in keys} for row in _logged(tmp_path / "single" / "run")]
+    assert [{key: row[key] for key in keys} for row in _logged(tmp_path / "split" / "run")] == logged
+    assert sum(row["dynamic_sampling/dropped_groups"] for row in logged) > 0, logged
+    assert max(row["dynamic_sampling/rounds"] for row in logged) >= 2, logged
+
+
 def test_generation_processes_run_ahead_within_max_staleness(tmp_path):
     """--max-staleness 1: every step after the first trains on rows sampled one update earlier, and the weights
     move (the run is not the synchronous one). The folder holds an older run, which --overwrite replaces: one

@@ -161,9 +161,6 @@ def processes(config: GRPOConfig) -> Processes:
     global_rank, generators, channel = world.rank, [], None
     if config.max_staleness is not None and world.size > 1:
         world, generators, channel = split_world(world, config.generation_processes)
-        if config.dynamic_sampling:
-            raise ValueError("--dynamic-sampling with generation processes is not supported: its extra rounds "
-                             "need every training rank's groups (one process with --max-staleness runs it)")
     device = resolve_device(config.device)
     if device.type == "cuda" and torch.distributed.is_initialized():
         device = torch.device("cuda", world.local_rank)

@@ -227,11 +227,11 @@ class _Sender:
         self.thread = threading.Thread(target=self._run, name="grpo-weights", daemon=True)
         self.thread.start()
 
-    def put(self, message, flat: torch.Tensor | None = None) -> None:
+    def put(self, message, tensors: list[torch.Tensor] = ()) -> None:
         if self.error is not None:
             raise GenerationError(f"sending to the generation processes failed: {self.error}")
         with self.condition:
-            self.queue.append((message, flat))
+            self.queue.append((message, tensors))
             self.condition.notify()
 
     def _run(self) -> None:
@@ -240,9 +240,9 @@ class _Sender:
                 with self.condition:
                     while not self.queue:
                         self.condition.wait()
-                    message, flat = self.queue.pop(0)
+                    message, tensors = self.queue.pop(0)
                 for rank in self.generators:
-                    for tensor in (*_header(message), *(() if flat is None else (flat,))):
+                    for tensor in (*_header(message), *tensors):
                         dist.send(tensor, rank, group=self.channel)
                 if message[0] == "stop":
                     return
@@ -255,7 +255,7 @@ class _Sender:
 
 class ProcessRollouts:
     """The training ranks' side: each rank reads its rows of every step from the store, written by its generation
-    rank; training rank 0 sends the weights (a flat fp32 vector) after every step."""
+    rank; training rank 0 sends the weights (fp32, one parameter after the other) after every step."""
 
     def __init__(self, world, generators: list[int], start: int, channel):
         self.world, self.generators, self.start = world, generators, start
@@ -272,10 +272,10 @@ class ProcessRollouts:
         parts = []  # one full parameter at a time, freed at once: FSDP2 never holds the unsharded model
         for param in model.parameters():
             full = full_tensor(param.detach())  # FSDP2: a collective on every training rank
-            if self.sender is not None:
-                parts.append(full.reshape(-1).float().cpu())
+            if self.sender is not None:  # a copy on the CPU: the sender thread sends it while training goes on
+                parts.append(full.to(device="cpu", dtype=torch.float32, copy=True))
         if self.sender is not None:
-            self.sender.put(("weights", steps_done, version), torch.cat(parts))
+            self.sender.put(("weights", steps_done, version), parts)
 
     def get(self, step: int) -> tuple:
         """(collected, policy version) of `step`, checking every second that the generation process is alive."""
@@ -307,15 +307,6 @@ def on_cpu(rollout):
                                            if isinstance(getattr(rollout, f.name), torch.Tensor)})
 
 
-@torch.no_grad()
-def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy a flat fp32 vector (the parameters laid end to end) into `params`, each keeping its dtype and device."""
-    offset = 0
-    for param in params:
-        param.copy_(flat[offset : offset + param.numel()].view_as(param))
-        offset += param.numel()
-
-
 def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list[int], num_trainers: int,
                     start: int, total: int, lag: int, channel, on_weights=lambda: None) -> None:
     """A generation rank: for every step, wait for the weights it samples from (messages from training rank 0,
@@ -335,7 +326,6 @@ def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list
     threading.Thread(target=heartbeat, daemon=True).start()
     served = served_by(rank, generators, num_trainers)
     params = list(model.parameters())
-    numel = sum(p.numel() for p in params)
     done, version = start - 1, 0
 
     def next_message() -> bool:  # apply the next weights; False at the stop
@@ -344,9 +334,11 @@ def generation_loop(collect, model: torch.nn.Module, rank: int, generators: list
         if message[0] == "stop":
             return False
         _, done, version = message
-        flat = torch.empty(numel, dtype=torch.float32)
-        dist.recv(flat, 0, group=channel)
-        load_flat(params, flat)
+        with torch.no_grad():  # one parameter at a time (fp32), each into its place: no whole-model buffer
+            for param in params:
+                received = torch.empty(param.shape, dtype=torch.float32)
+                dist.recv(received, 0, group=channel)
+                param.copy_(received)
         on_weights()
         return True
 
