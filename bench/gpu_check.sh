@@ -17,8 +17,9 @@
 #   5. memory and step time of the full fine-tune, 8-bit AdamW and LoRA r=16 at the 0.5B shape (bench/memory.py;
 #      peft and bitsandbytes travel as wheels in .whl/ too);
 #   6. vLLM against our compiled sampler (bench/vllm_bench.py): the qwen2.5-0.5b shape, bf16, 16 prompts x G=8 x 256 tokens,
-#      tokens/s; needs vLLM for CUDA on the machine (its wheel is too large to travel in .whl/): skipped, saying
-#      so, where `import vllm` fails.
+#      tokens/s; then a vLLM server of that model (--vllm-mode server): one weight push's seconds (grpo_gloo, through
+#      the CPU) and tokens/s over HTTP against the colocated engine; needs vLLM for CUDA on the machine (its wheel is
+#      too large to travel in .whl/): skipped, saying so, where `import vllm` fails.
 # trl, datasets and their missing dependencies travel as wheels in .whl/ when the machine lacks them (see the
 # device README; transformers travels too, so both sides run the version the CPU tests use): `bash
 # bench/gpu_wheels.sh` here writes them, and the device call carries `.whl`.
@@ -54,7 +55,7 @@ timeout "$(left 120)" python3 bench/distributed.py --device cuda \
 timeout "$(left 150)" python3 bench/memory.py --device cuda --shape qwen2.5-0.5b --setups full,full-8bit,lora \
   --prompts 16 --group 8 --micro-batch 32 --new-tokens 256 2>&1 | tee "$OUT/memory.txt"
 if python3 -c "import vllm" >/dev/null 2>&1; then
-  timeout "$(left 150)" python3 bench/vllm_bench.py --device cuda --shape qwen2.5-0.5b --precision bf16 --parts sampler \
+  timeout "$(left 240)" python3 bench/vllm_bench.py --device cuda --shape qwen2.5-0.5b --precision bf16 --parts sampler,server \
     --prompts 16 --group 8 --new-tokens 256 --out "$OUT/vllm" 2>&1 | tee "$OUT/vllm.txt"
 else
   echo "vLLM is not installed on this machine: the vLLM comparison is skipped" | tee "$OUT/vllm.txt"
@@ -63,4 +64,4 @@ echo "=== summary ==="; cat "$OUT/machine.txt"; grep -v " run: " "$OUT/trainer.t
 head -8 "$OUT"/profile/realistic-ours-0.txt 2>/dev/null; grep -A3 "s/step" "$OUT/trainer_unshared.txt" "$OUT/trainer_chunk.txt"
 head -8 "$OUT"/profile-unshared/realistic-ours-unshared-0.txt 2>/dev/null
 head -8 "$OUT"/profile-chunk1536/realistic-ours-0.txt 2>/dev/null
-tail -3 "$OUT/gpu_tests.txt"; tail -3 "$OUT/mismatch.txt"; tail -6 "$OUT/sampler.txt"; tail -4 "$OUT/fsdp.txt"; tail -6 "$OUT/memory.txt"; tail -6 "$OUT/vllm.txt"
+tail -3 "$OUT/gpu_tests.txt"; tail -3 "$OUT/mismatch.txt"; tail -6 "$OUT/sampler.txt"; tail -4 "$OUT/fsdp.txt"; tail -6 "$OUT/memory.txt"; tail -12 "$OUT/vllm.txt"

@@ -17,6 +17,9 @@ Parts (--parts):
     async     steps per hour with the same cores: the vllm backend in one process (--threads), against a vLLM
               generation rank beside one training rank (torchrun, --max-staleness 1, --threads / 2 each); our
               sampler's pair the same way, for the figure docs/off-policy.md already has
+    server    a vLLM server of the model in a process of its own (--vllm-mode server): the seconds of one weight push
+              (every parameter through the grpo_gloo engine), and tokens/s through its HTTP API against the
+              colocated engine, on the same B x G x T work
 """
 
 from __future__ import annotations
@@ -118,6 +121,97 @@ def sampler_part(args) -> dict:
     return result
 
 
+def served_model(args, out: Path):
+    """(model, tokenizer, the folder a server reads): --model's, or a random-init model of --shape written to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if args.precision == "fp32" else torch.bfloat16
+    if args.shape:
+        from grpo.tiny_model import build_tiny_model
+
+        model, tokenizer = build_tiny_model(args.shape, seed=0)
+        folder = out / f"model-{args.shape}"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return model.to(args.device, dtype).eval(), tokenizer, str(folder)
+    path = resolve_model(args.model)
+    return (AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval(),
+            AutoTokenizer.from_pretrained(path), path)
+
+
+def server_part(args, out: Path) -> dict:
+    """A vLLM server of the model (`python -m grpo.generation.vllm_server`, a process of its own) against the colocated
+    engine: the weight push's seconds (every parameter through the grpo_gloo engine, then the prefix cache reset) and
+    the tokens/s of B x G x T through /v1/completions, medians of --repeats, alternated."""
+    import socket
+
+    import torch
+
+    from grpo.algorithm.sampler import RowUniforms, SamplingParams
+    from grpo.config import GRPOConfig
+    from grpo.core.setup import engine_settings
+    from grpo.generation.vllm import VLLMGenerate, engine_source
+    from grpo.generation.vllm_server import ServerSettings, VLLMServerGenerate
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer, path = served_model(args, out)
+    port, log = free_port(), (out / "server.log").open("w")
+    command = [sys.executable, "-m", "grpo.generation.vllm_server", "--model", path, "--host", "127.0.0.1", "--port",
+               str(port), "--dtype", "float32" if args.precision == "fp32" else "bfloat16"]
+    command += ["--kv-cache-gib", "1"] if args.device == "cpu" else []
+    print("$ " + " ".join(command[1:]), flush=True)
+    server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 return_dict=False) for q in questions(args.prompts)]
+        params = SamplingParams(args.new_tokens, 1.0, eos_token_ids=())  # no EOS: completions run to T tokens
+        remote = VLLMServerGenerate(model, tokenizer.pad_token_id, ServerSettings(
+            f"http://127.0.0.1:{port}", 900.0, free_port(), path), sender=True)
+        config = GRPOConfig(model="tiny" if args.shape else path, num_generations=args.group,
+                            prompts_per_step=args.prompts, micro_batch_size=args.group,
+                            max_completion_length=args.new_tokens, max_prompt_length=max(map(len, prompts)),
+                            precision=args.precision).validate()
+        local = VLLMGenerate(model, tokenizer.pad_token_id, engine_source(model),
+                             engine_settings(config, args.precision), rows=args.prompts * args.group)
+
+        def noise(repeat):
+            return RowUniforms.per_prompt([torch.Generator().manual_seed(repeat * 1000 + p)
+                                           for p in range(args.prompts)], args.group, args.new_tokens)
+
+        def timed(call) -> float:
+            started = time.perf_counter()
+            call()
+            return time.perf_counter() - started
+
+        times = {"push": [], "server": [], "colocated": []}
+        for repeat in range(args.repeats + 1):  # the first is a warm-up
+            row = {"push": timed(remote.sync_weights),
+                   "server": timed(lambda: remote.generate(prompts, args.group, params, noise(repeat))),
+                   "colocated": timed(lambda: local.generate(prompts, args.group, params, noise(repeat)))}
+            for name, seconds in row.items():
+                times[name] += [seconds] if repeat else []
+        local.close()
+        remote.close()
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait(60)
+    tokens = args.prompts * args.group * args.new_tokens
+    megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    result = {name: statistics.median(values) for name, values in times.items()}
+    print(f"\nserver: {args.prompts} prompts x G={args.group} x {args.new_tokens} tokens, {args.precision}, "
+          f"{args.device}, median of {args.repeats}")
+    print(f"  weight push  {result['push']:8.2f} s for {megabytes:.0f} MiB ({megabytes / result['push']:.0f} MiB/s)")
+    for name in ("server", "colocated"):
+        print(f"  {name:11s} {result[name]:8.2f} s {tokens / result[name]:8.0f} tokens/s")
+    return result
+
+
 def train_flags(args, backend: str, steps: int, seed: int = 0) -> list[str]:
     return ["--model", resolve_model(args.model), "--dataset", str(GSM8K), "--max-steps", str(steps),
             "--prompts-per-step", str(args.prompts), "--num-generations", str(args.group),
@@ -189,7 +283,7 @@ def async_part(args, out: Path) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="sampler,step,mismatch,async")
+    parser.add_argument("--parts", default="sampler,step,mismatch,async,server")
     parser.add_argument("--model", default=MODEL, help="a fetched offline name, a folder or a hub id")
     parser.add_argument("--shape", default=None, help="the sampler part on a random-init model of this shape "
                         "(grpo/tiny_model.py: qwen2.5-0.5b) instead of --model")
@@ -208,7 +302,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {"settings": vars(args)}
     parts = {"sampler": lambda: sampler_part(args), "step": lambda: step_part(args, out),
-             "mismatch": lambda: mismatch_part(args, out), "async": lambda: async_part(args, out)}
+             "mismatch": lambda: mismatch_part(args, out), "async": lambda: async_part(args, out),
+             "server": lambda: server_part(args, out)}
     for part in args.parts.split(","):
         results[part] = parts[part]()
         (out / "results.json").write_text(json.dumps(results, indent=2))

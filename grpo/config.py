@@ -862,8 +862,6 @@ class GRPOConfig(ConfigMixin):
         if self.vllm_mode == "server":
             problems += [f"--vllm-mode server with {why}" for bad, why in (
                 (self.generation_backend != "vllm", "another backend: it needs --use-vllm"),
-                (self.max_staleness is not None, "--max-staleness: generation overlapping the update is not built "
-                                                 "for the server yet (a synchronous run)"),
                 (self.vllm_enable_sleep_mode, "--vllm-enable-sleep-mode: the server keeps its own memory"),
                 (self.vllm_tensor_parallel_size > 1, "--vllm-tensor-parallel-size: the server's own command sets "
                                                      "its parallelism")) if bad]

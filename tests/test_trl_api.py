@@ -551,3 +551,36 @@ def test_a_peft_model_resumes_on_the_same_trainer_and_saves_as_trl(tmp_path, tin
         GRPOTrainer(model=peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora,
                                               adapter_name="mine"), reward_funcs=[reward_length], args=args,
                     train_dataset=datasets.Dataset.from_list(ROWS))
+
+
+def test_a_rollout_funcs_keys_reach_rewards_that_no_column_gives(tmp_path):
+    """trl hands a rollout_func's extra keys to the reward functions, so a reward may need an argument no dataset
+    column has (examples/server_multiturn.py's `solved`): not refused at set-up; one that nothing gives still fails,
+    at the first step, naming it."""
+    def rollout_func(prompts, trainer):
+        tokenizer = trainer.processing_class
+        prompt_ids = [tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+                      for prompt in prompts]
+        completions = [[5 + index % 3, tokenizer.eos_token_id] for index in range(len(prompts))]
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None,
+                "solved": [index % 2 == 0 for index in range(len(prompts))]}
+
+    def solved_reward(completions, solved, **kwargs):
+        return [float(value) for value in solved]
+
+    def missing_reward(completions, nowhere, **kwargs):
+        return [0.0] * len(completions)
+
+    args = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=4, max_steps=1,
+                logging_steps=1, use_cpu=True, seed=0)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=[solved_reward], args=GRPOConfig(output_dir=str(tmp_path / "a"),
+                                                                                       **args),
+                          train_dataset=datasets.Dataset.from_list(ROWS), rollout_func=rollout_func)
+    trainer.train()
+    assert [entry["rewards/solved_reward/mean"] for entry in trainer.state.log_history
+            if "rewards/solved_reward/mean" in entry] == [0.5]
+    trainer = GRPOTrainer(model="tiny", reward_funcs=[missing_reward], args=GRPOConfig(output_dir=str(tmp_path / "b"),
+                                                                                        **args),
+                          train_dataset=datasets.Dataset.from_list(ROWS), rollout_func=rollout_func)
+    with pytest.raises(Exception, match="nowhere"):
+        trainer.train()

@@ -62,7 +62,8 @@ def test_use_vllm_is_trls_switch_and_the_options_are_checked():
     assert not GRPOConfig().validate().corrects_behaviour  # our sampler's synchronous loop is unchanged
     cases = {
         "asks for the vllm backend": dict(use_vllm=True, generation_backend="transformers"),
-        "--vllm-mode server with --max-staleness": dict(generation_backend="vllm", vllm_mode="server", max_staleness=1),
+        "--vllm-mode server with --vllm-enable-sleep-mode": dict(generation_backend="vllm", vllm_mode="server",
+                                                                  vllm_enable_sleep_mode=True),
         "--vllm-mode server with another backend": dict(vllm_mode="server"),
         "vllm_server_timeout must be > 0": dict(generation_backend="vllm", vllm_mode="server", vllm_server_timeout=0),
         "vllm_gpu_memory_utilization must be in": dict(generation_backend="vllm", vllm_gpu_memory_utilization=1.5),
@@ -75,6 +76,7 @@ def test_use_vllm_is_trls_switch_and_the_options_are_checked():
     for message, fields in cases.items():
         with pytest.raises(ValueError, match=message):
             GRPOConfig(**fields).validate()
+    GRPOConfig(generation_backend="vllm", vllm_mode="server", max_staleness=1).validate()  # a background thread
     GRPOConfig(generation_backend="vllm", tools=["data.calculator:calculator"]).validate()  # tools: our sampler and vLLM
     with pytest.raises(ValueError, match="sampler or vllm"):
         GRPOConfig(generation_backend="transformers", tools=["data.calculator:calculator"]).validate()
@@ -84,7 +86,7 @@ def test_placement_refusals():
     from grpo.core.setup import Processes, vllm_engine
 
     def processes(generators=()):  # one training process, with the generation ranks given
-        return Processes(SimpleNamespace(size=1), 0, list(generators), None, torch.device("cpu"), "fp32")
+        return Processes(SimpleNamespace(size=1, rank=0), 0, list(generators), None, torch.device("cpu"), "fp32")
 
     with pytest.raises(ValueError, match="needs generation processes"):
         vllm_engine(GRPOConfig(generation_backend="vllm", max_staleness=1).validate(), processes(), None)
@@ -94,6 +96,13 @@ def test_placement_refusals():
     assert vllm_engine(GRPOConfig(generation_backend="vllm", max_staleness=0).validate(), processes([1]),
                        None) == ("sampler", None)
     assert vllm_engine(GRPOConfig().validate(), processes(), None) == ("sampler", None)
+    # a server: one process with --max-staleness samples on it from a background thread and evaluates with ours;
+    # under torchrun the generation processes --max-staleness takes would have nothing to do
+    server = GRPOConfig(generation_backend="vllm", vllm_mode="server", max_staleness=1).validate()
+    backend, builder = vllm_engine(server, processes(), None)
+    assert backend == "sampler" and builder.func.__name__ == "VLLMServerGenerate"
+    with pytest.raises(ValueError, match="server with --max-staleness under torchrun"):
+        vllm_engine(server, processes([1]), None)
 
 
 @needs_vllm

@@ -4,9 +4,10 @@ weights to it over the `grpo_gloo` weight-transfer engine.
 
 The real model (SmolLM2-135M-Instruct, fp32, lr 1e-4): after each push the server's log-probs of a fixed sequence
 are the trained policy's within 1e-4, and they moved by more than 1e-3. One trainer, two trainer ranks sharing the
-server, and LoRA (its weights merged out of place). Then the faults: no server, a server of another model, and a
-server killed mid-run (the checkpoint stays whole and --resume goes on once a server is back). Under CI
-(GRPO_REQUIRE_VLLM=1) a missing vLLM fails these tests instead of skipping them.
+server, and LoRA (its weights merged out of place); --max-staleness 0 logs the synchronous run's numbers; and
+examples/server_multiturn.py, a multi-turn environment on the server's OpenAI endpoint. Then the faults: no
+server, a server of another model, and a server killed mid-run (the checkpoint stays whole and --resume goes on once
+a server is back). Under CI (GRPO_REQUIRE_VLLM=1) a missing vLLM fails these tests instead of skipping them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from tests.conftest import gsm8k_dir
+from tests.distributed_worker import FIXED_SEQUENCE
 from tests.test_distributed import ROOT, launch
 from tests.test_vllm import REQUIRED, VLLM_ERROR
 
@@ -83,7 +85,7 @@ def server_run(model: str, url: str, **overrides) -> dict:
                     vllm_group_port=_free_port(), learning_rate=1e-4, max_steps=3, max_completion_length=16,
                     prompts_per_step=2, num_generations=4, micro_batch_size=4, max_prompt_length=256,
                     dataset=str(gsm8k_dir() or "synthetic:64"),
-                    reward=["tests.distributed_worker:completion_length"],
+                    reward=["tests.distributed_worker:completion_length"], beta=0.0,  # trl's: no reference copy
                     record_each_push=True)
     return {**settings, **overrides}
 
@@ -100,6 +102,78 @@ def check_pushes(record, what: str) -> None:
         assert moved > MOVED, (what, index, moved)
 
 
+def load_example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("server_multiturn", ROOT / "examples" / "server_multiturn.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def segments(mask: list[int]) -> list[tuple[int, int, int]]:
+    """The runs of equal values in `mask`: (value, start, end)."""
+    runs, start = [], 0
+    for index in range(1, len(mask) + 1):
+        if index == len(mask) or mask[index] != mask[start]:
+            runs.append((mask[start], start, index))
+            start = index
+    return runs
+
+
+@torch.no_grad()
+def check_example_episodes(example, model: str, url: str) -> None:
+    """examples/server_multiturn.py's episodes on the server as it started (the model's own weights): the token
+    sequence is the chat as our tokenizer renders it, the environment's tokens masked, and the log-probs of the
+    model's tokens the policy's within MISMATCH."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    served = example.post(url, "v1/models")["data"][0]["id"]
+    episodes = [example.play(url, served, prompt, 96, 1.0, seed)
+                for seed, prompt in enumerate(example.games(8)["prompt"])]
+    assert sum(episode["turns"] > 1 for episode in episodes) >= 2, [episode["turns"] for episode in episodes]
+    for episode in episodes:
+        prompt, completion, mask = episode["prompt_ids"], episode["completion_ids"], episode["env_mask"]
+        assert len(completion) == len(mask) == len(episode["logprobs"]) <= 96
+        runs = segments(mask)
+        assert [value for value, _, _ in runs] == [1, 0] * (episode["turns"] - 1) + [1], runs  # model, environment
+        last = runs[-1][1]
+        chat = tokenizer.apply_chat_template(episode["messages"][:-1], add_generation_prompt=True, tokenize=False)
+        assert prompt + completion[:last] == tokenizer(chat, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(completion[last:], skip_special_tokens=True) == episode["messages"][-1]["content"]
+        for value, start, end in runs:
+            if value == 0:
+                assert any(word in tokenizer.decode(completion[start:end]) for word in ("Higher.", "Lower.", "Reply"))
+        ids = torch.tensor([prompt + completion])
+        logps = torch.log_softmax(policy(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+        logps = logps.gather(-1, ids[0, len(prompt):, None])[:, 0]  # (T,) the policy's, each completion token
+        model_tokens = torch.tensor(mask, dtype=torch.bool)
+        gap = (logps[model_tokens] - torch.tensor(episode["logprobs"])[model_tokens]).abs().max().item()
+        assert gap < MISMATCH, gap
+
+
+def served_logps(url: str, token_ids: list[int]) -> torch.Tensor:
+    """The server's log-probs of `token_ids` (each token after the first), as it holds its weights now."""
+    request = urllib.request.Request(f"{url}/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+                                                      "prompt_logprobs": 0}).encode())
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        choice = json.loads(answer.read())["choices"][0]
+    return torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(choice["prompt_logprobs"][1:],
+                                                                                token_ids[1:])])
+
+
+@torch.no_grad()
+def model_logps(path, token_ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([token_ids])
+    logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(input_ids=ids).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
 def _train(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -112,18 +186,43 @@ def _errors(done) -> list[str]:
 @pytest.mark.usefixtures("memory_heavy")  # a server and two trainers on the real model: not beside another such test
 def test_the_server_mode_end_to_end(tmp_path):
     """One server for every scenario (a server takes a minute to start on two cores), in order:
-    1. one trainer: the server follows each update; 2. two trainer ranks (DDP, gloo) share it; 3. LoRA, merged out of
-    place; 4. a seeded server run samples what a seeded colocated run samples, token for token, at every step;
-    5. a trainer of another model is one error line; 6. the server killed before step 2: the run stops naming
+    1. examples/server_multiturn.py: its episodes on the fresh server, then two steps of its training;
+    2. one trainer: the server follows each update; 3. --max-staleness 0 (a background thread samples on the
+    server) logs the synchronous run's numbers; 4. two trainer ranks (DDP, gloo) share it; 5. LoRA, merged out of
+    place; 6. a seeded server run samples what a seeded colocated run samples, token for token, at every step;
+    7. a trainer of another model is one error line; 8. the server killed before step 2: the run stops naming
     --resume, its checkpoint of step 1 whole; a new server, and --resume goes on to the end."""
     if VLLM_ERROR is not None and not REQUIRED:
         pytest.skip(f"vLLM unavailable: {VLLM_ERROR}")
     model = real_model()
     process, url = start_server(model, tmp_path / "server-1.log")
     try:
+        example = load_example()
+        check_example_episodes(example, model, url)
+        run = tmp_path / "multiturn"
+        done = subprocess.run([sys.executable, str(ROOT / "examples" / "server_multiturn.py"), "--model", model,
+                               "--url", url, "--group-port", str(_free_port()), "--output-dir", str(run),
+                               "--max-steps", "2", "--save-steps", "1", "--learning-rate", "1e-4", "--cpu"],
+                              capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-4000:]
+        # the server holds what was pushed before step 2 sampled: checkpoint-1's weights, moved from the model's
+        served, pushed = served_logps(url, FIXED_SEQUENCE), model_logps(run / "checkpoint-1", FIXED_SEQUENCE)
+        assert (served - pushed).abs().max().item() < MISMATCH
+        assert (served - model_logps(model, FIXED_SEQUENCE)).abs().max().item() > MOVED
+
         _, (single,) = launch(tmp_path / "single", 1, timeout=900, **server_run(model, url))
         assert single["result"]["status"] == "finished"
         check_pushes(single, "one trainer")
+
+        # --max-staleness 0: a background thread pushes its copy's weights and samples each step ahead, which the
+        # schedule makes the synchronous run's rollout, so every logged number is the synchronous run's
+        _, (ahead,) = launch(tmp_path / "ahead", 1, timeout=900, **server_run(model, url, max_staleness=0,
+                                                                               record_each_push=False))
+        assert ahead["result"]["status"] == "finished"
+        for step, (ours, theirs) in enumerate(zip(single["steps"], ahead["steps"], strict=True)):
+            for key, value in ours["metrics"].items():
+                if not key.endswith(("time", "_s", "tokens_per_second")):
+                    assert theirs["metrics"][key] == value, (step, key)
 
         _, ranks = launch(tmp_path / "two", 2, timeout=900, **server_run(model, url, distributed="ddp"))
         check_pushes(ranks[0], "two trainer ranks")
@@ -191,3 +290,89 @@ def test_the_serve_command_is_printed_with_what_the_trainer_needs():
     assert json.loads(line.split("--weight-transfer-config ")[1].split(" --")[0].strip("'")) == {"backend": "grpo_gloo"}
     assert torch.cuda.is_available() or "--no-enable-chunked-prefill" in line  # seeded requests on a CPU engine
 
+
+
+class FakeServer:
+    """Just enough of a vLLM server's routes, in this process, for the faults a real server is slow to show: its
+    weight-transfer backend is `transfer` (None: none configured); it serves `info` (grpo_model_info's answer); it
+    joins the trainer's weight-transfer group, then never finishes /update_weights."""
+
+    def __init__(self, transfer, info: dict):
+        import http.server
+        import threading
+
+        from grpo.generation.vllm_transfer import open_group
+
+        fake = self
+        self.groups = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.do_POST()
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                path = self.path.lstrip("/").split("?")[0]
+                if path == "update_weights":
+                    time.sleep(3600)  # a server stuck in the push
+                if path == "init_weight_transfer_engine":
+                    info = body["init_info"]
+                    fake.groups.append(open_group(info["master_address"], info["master_port"], 1, 2, 30))
+                answer = {"v1/models": {"data": [{"id": "fake"}]},
+                          "server_info": {"vllm_config": {"weight_transfer_config": None if transfer is None
+                                                          else {"backend": transfer}}},
+                          "collective_rpc": {"results": [info_answer]}, "get_world_size": {"world_size": 1},
+                          }.get(path, {})
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        info_answer = info
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_a_server_without_the_weight_transfer_and_a_push_that_times_out_are_one_error_each():
+    """The faults a real server is slow to show, against FakeServer: no weight-transfer config (or another
+    backend) names the flag and the command; a push the server never finishes ends within --vllm-server-timeout,
+    naming it."""
+    from grpo.generation.vllm_server import ServerError, ServerSettings, VLLMServerGenerate
+    from grpo.tiny_model import build_tiny_model
+
+    model, tokenizer = build_tiny_model("tiny-vllm", seed=0)
+    text = model.config.get_text_config()
+    info = {"vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
+            "num_hidden_layers": text.num_hidden_layers, "architectures": ["Qwen2ForCausalLM"]}
+    for transfer, expected in ((None, "has no weight transfer"), ("nccl", "has the weight transfer 'nccl'")):
+        fake = FakeServer(transfer, info)
+        try:
+            with pytest.raises(ServerError, match=expected) as raised:
+                VLLMServerGenerate(model, tokenizer.pad_token_id, ServerSettings(fake.url, 5.0, _free_port(),
+                                                                                 "tiny:tiny-vllm"), sender=True)
+            assert "--weight-transfer-config" in str(raised.value) and "python -m grpo.generation.vllm_server" in str(
+                raised.value)
+        finally:
+            fake.close()
+    fake = FakeServer("grpo_gloo", info)
+    try:
+        backend = VLLMServerGenerate(model, tokenizer.pad_token_id, ServerSettings(fake.url, 3.0, _free_port(),
+                                                                                   "tiny:tiny-vllm"), sender=True)
+        started = time.monotonic()
+        with pytest.raises(ServerError, match=r"--vllm-server-timeout") as raised:
+            backend.sync_weights()
+        assert time.monotonic() - started < 30, time.monotonic() - started
+        assert "update_weights" in str(raised.value) or "weight transfer" in str(raised.value), raised.value
+    finally:
+        fake.close()

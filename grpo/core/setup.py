@@ -186,15 +186,18 @@ def run_folder(config: GRPOConfig, reward_specs: list[RewardSpec]) -> RunFolder:
 
 
 def run_data(config: GRPOConfig, folder: RunFolder, reward_specs: list[RewardSpec], environments: Environments | None,
-             tokenizer=None, train_rows=None, eval_rows=None, tools=None) -> RunData:
+             tokenizer=None, train_rows=None, eval_rows=None, tools=None, sampled_columns: bool = False) -> RunData:
     """The tokenizer (the checkpoint's on resume), the tools, the training and evaluation rows checked for their
-    task and the rewards' columns, and each training prompt tokenized: all before any model loads."""
+    task and the rewards' columns, and each training prompt tokenized: all before any model loads.
+    `sampled_columns`: the sampling hands the rewards more arguments (trl's rollout_func), so a column the rows lack
+    is not refused here; a reward still missing one fails at the first step, naming it."""
     source, setting = (str(folder.resume_from), "--resume") if folder.resume_from else (config.model, "--model")
     tokenizer = tokenizer or load_tokenizer(source, config.trust_remote_code, config.chat_template, setting)
     tools, template_kwargs, played = tool_set(config, tokenizer, tools, environments)
     rows, task = task_rows(config, train_rows, config.train_split, "train")
     supplied = ("environments",) if environments is not None else ()
-    check_reward_columns(reward_specs, rows, f"{config.dataset}[{config.train_split}]", supplied)
+    if not sampled_columns:
+        check_reward_columns(reward_specs, rows, f"{config.dataset}[{config.train_split}]", supplied)
     prompt_ids, rows, _ = encode_prompts(tokenizer, rows, config.max_prompt_length, config.long_prompts,
                                          where=f"{config.dataset}[{config.train_split}]",
                                          chat_template_kwargs=template_kwargs)
@@ -202,7 +205,7 @@ def run_data(config: GRPOConfig, folder: RunFolder, reward_specs: list[RewardSpe
     if config.eval_steps:
         held_out, eval_task = task_rows(config, eval_rows, config.eval_split, "eval")
         held_out = held_out[: config.eval_limit or None]  # 0: every row of the split
-        if scorer_kind(config.eval_scorer, eval_task) == "rewards":  # not at the first evaluation
+        if scorer_kind(config.eval_scorer, eval_task) == "rewards" and not sampled_columns:  # not at the first eval
             check_reward_columns(reward_specs, held_out, f"{config.dataset}[{config.eval_split}]", supplied)
         scorer = make_scorer(config.eval_scorer, eval_task, reward_specs, config.sandbox_isolation)
     by_prompt = {prompt_key(row["prompt"]): row for row in rows}
@@ -662,8 +665,9 @@ def use_cpu_huge_pages() -> None:
 def vllm_engine(config, processes: Processes, policy, tokenizer=None) -> tuple[str, object]:
     """(the backend this process samples with, what builds vLLM's backend given the model, or None), placing the
     engine (docs/vllm.md): colocate, in every training process; with generation processes, in those only (the
-    training processes then evaluate with our sampler). Called before the policy is wrapped (FSDP2). `tokenizer`: the
-    run's, which guided decoding needs the engine to read."""
+    training processes then evaluate with our sampler); a server with --max-staleness, in the background thread
+    that samples ahead (this process evaluates with our sampler). Called before the policy is wrapped (FSDP2).
+    `tokenizer`: the run's, which guided decoding needs the engine to read."""
     generators, generating, world = processes.generators, processes.generating, processes.world
     if config.generation_backend != "vllm":
         return config.generation_backend, None
@@ -672,7 +676,14 @@ def vllm_engine(config, processes: Processes, policy, tokenizer=None) -> tuple[s
 
         settings = ServerSettings(base_url(config), config.vllm_server_timeout, config.vllm_group_port,
                                   config.model, config.vllm_structured_outputs_regex)
-        return "vllm", functools.partial(VLLMServerGenerate, settings=settings, sender=world.rank == 0, world=world)
+        server = functools.partial(VLLMServerGenerate, settings=settings, sender=world.rank == 0, world=world)
+        if config.max_staleness is None:
+            return "vllm", server
+        if generators or generating:
+            raise ValueError("--vllm-mode server with --max-staleness under torchrun: the server is the generator, so "
+                             "no rank needs to be one; run the training ranks without --max-staleness, or one "
+                             "process with it")
+        return "sampler", server  # the background thread samples on the server; this process evaluates with ours
     if config.max_staleness is not None and not generators and not generating:
         raise ValueError("--max-staleness with --generation-backend vllm needs generation processes: launch with "
                          "torchrun and --generation-processes, so that the engine has ranks of its own (a background "

@@ -283,8 +283,8 @@ class Trainer:
             def make_backend(model):
                 sampler = self.kernels.sampler(loop.max_prompt_length) if self.kernels is not None else sample_groups
                 return make_generation_backend(loop.generation_backend, model, self.data.tokenizer.pad_token_id,
-                                               sampler, self.data.tool_set,
-                                               cache_implementation=loop.cache_implementation)
+                                               sampler, self.data.tool_set, self.engine_builder,
+                                               loop.cache_implementation)
 
             rollouts = BackgroundRollouts(lambda step, backend: self.collect_rollout(step, backend), make_backend,
                                           self.policy, self.step, stop_at, lag)
@@ -390,7 +390,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up (grpo.core.setup)
     def __init__(self, config: GRPOConfig, policy=None, tokenizer=None, reward_functions=None, train_rows=None,
-                 eval_rows=None, tools=None, environment_factory=None, reward_processing_classes=None):
+                 eval_rows=None, tools=None, environment_factory=None, reward_processing_classes=None,
+                 sampled_columns: bool = False):
         """Set a run up, step by step (grpo.core.setup), the cheap checks first: the settings, the processes, the
         rewards, the run folder, the data (all before any model loads), the models, the step's functions, the
         optimizer. An old run in the output folder is replaced only once every step has passed."""
@@ -401,8 +402,9 @@ class Trainer:
                                                         reward_processing_classes)
         self.run = setup.run_folder(cfg, self.rewards)
         self.data = setup.run_data(cfg, self.run, self.rewards, self.environments, tokenizer, train_rows, eval_rows,
-                                   tools)
+                                   tools, sampled_columns)
         self.models, backend, engine = setup.models(cfg, self.processes, self.run, self.data, self.rewards, policy)
+        self.engine_builder = engine  # what builds vLLM's backend on a model: a background thread's, with a server
         self.functions, self.generation, self.kernels, self.decode_weights = setup.step_functions(
             cfg, self.models, self.data, backend, engine)
         steps = setup.total_steps(cfg, self.data)

@@ -127,6 +127,8 @@ class BackgroundRollouts:
             self.condition.notify_all()
         if self.thread.is_alive():
             self.thread.join()
+        if hasattr(self.backend, "close"):  # a vLLM server's backend leaves its weight-transfer group
+            self.backend.close()
 
     def _run(self) -> None:
         try:
@@ -143,6 +145,7 @@ class BackgroundRollouts:
                     for old in [d for d in self.weights if d < done]:  # no later step samples from these
                         del self.weights[old]
                 self.model.load_state_dict(weights)
+                self.backend.after_update()  # a backend with weights of its own (a vLLM server) loads them first
                 collected = self.collect(step, self.backend)
                 with self.condition:
                     self.ready[step] = (collected, version)

@@ -358,16 +358,22 @@ class VLLMGenerate:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False,
-                 tools=None) -> GroupSample:
-        """G completions per prompt, grouped [prompt 0 x G, ...], with vLLM's log-probs when asked. `tools`: this
-        call's own (an environment batch's), instead of the run's."""
+    def prepare(self) -> None:
+        """Ready to sample the current policy: awake, and its weights loaded if an update made them stale. Called by
+        `generate`, and before a trl `rollout_func` samples from the engine its own way (as trl moves the model to
+        vLLM before calling it)."""
         with engine_errors():
             if self.sleeping:
                 self._watched(self.llm.wake_up)
                 self.sleeping = False
             if self.stale:
                 self.sync_weights()
+
+    def generate(self, prompt_ids, num_generations, params, generator=None, return_logprobs=False,
+                 tools=None) -> GroupSample:
+        """G completions per prompt, grouped [prompt 0 x G, ...], with vLLM's log-probs when asked. `tools`: this
+        call's own (an environment batch's), instead of the run's."""
+        self.prepare()
         device = next(self.model.parameters()).device
         prompt, prompt_mask = left_pad(prompt_ids, self.pad_token_id, device)  # (B, P)
         rows = [ids for ids in prompt_ids for _ in range(num_generations)]  # N = B * G token lists

@@ -94,8 +94,13 @@ class RolloutFunction:
 
     def sample_rollout(self, generation, tokenizer, reward_specs, rows: list[dict], prompt_ids, group: int, params,
                        noise, return_logprobs: bool = False) -> tuple[Rollout, list, list]:
-        """grpo.generation.rollout.sample_rollout's arguments and result; `generation`, `prompt_ids` and `noise` are
-        the loop's and unused: the function tokenizes and samples."""
+        """grpo.generation.rollout.sample_rollout's arguments and result; `prompt_ids` and `noise` are the loop's and
+        unused: the function tokenizes and samples. A vLLM engine or server (`generation.prepare`) first gets the
+        current policy's weights, as trl moves the model to vLLM before calling the function, so a function that
+        samples from it (examples/server_multiturn.py) samples the policy being trained."""
+        prepare = getattr(generation, "prepare", None)
+        if prepare is not None:
+            prepare()
         prompts = [copy.deepcopy(row["prompt"]) for row in rows for _ in range(group)]  # (N,) trl's prompt list
         output = self.call(prompts)
         missing = [key for key in ROLLOUT_KEYS if not isinstance(output, dict) or key not in output]

@@ -292,7 +292,8 @@ class GRPOTrainer:
         self.engine = Trainer(config, policy=self.policy, tokenizer=self.processing_class,
                               reward_functions=self.rewards, train_rows=self.train_rows, eval_rows=self.eval_rows,
                               tools=self.tools, environment_factory=self.environment_factory,
-                              reward_processing_classes=self.reward_processing_classes)
+                              reward_processing_classes=self.reward_processing_classes,
+                              sampled_columns=self.rollout_func is not None)  # its keys reach the rewards
         self.processing_class = self.engine.data.tokenizer
         # trl's order of prompts and of micro-batch rows, and its rollout_func where our sampler would run
         order = TrlOrder(len(self.train_rows), self.engine.loop.prompts_per_generation, self.args.seed,
