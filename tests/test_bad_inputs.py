@@ -111,7 +111,7 @@ grpo.multiturn.environments:Environments.reward_functions
 grpo.multiturn.environments:Environments.reward_functions.<locals>.owned_by grpo.multiturn.environments:load_environments
 grpo.evaluation.evaluate:make_scorer grpo.lora:_peft grpo.lora:add_lora grpo.generation.prompts:encode_prompts
 grpo.core.setup:find_resume_checkpoint grpo.core.setup:load_policy grpo.core.setup:models grpo.core.setup:old_run_files
-grpo.core.setup:processes grpo.core.setup:reward_specs
+grpo.core.setup:reward_specs
 grpo.core.setup:task_rows grpo.core.setup:vllm_engine grpo.models:eos_token_ids
 grpo.models:load_model grpo.models:load_tokenizer grpo.models:make_optimizer grpo.models:resolve_device
 grpo.errors:guarded grpo.errors:guarded.<locals>.call
