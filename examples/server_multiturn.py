@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from datasets import Dataset
 
+from grpo.generation.vllm_server import base_url
 from grpo.trl_api import GRPOConfig, GRPOTrainer
 
 MAX_TURNS = 3
@@ -106,14 +107,9 @@ def play(url: str, model: str, prompt: list[dict], budget: int, temperature: flo
             "messages": messages}  # the chat played, ending with the model's last reply
 
 
-def server_url(args) -> str:
-    """trl's rule: vllm_server_base_url, else http://host:port."""
-    return (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
-
-
 def rollout_func(prompts: list, trainer) -> dict:
     """trl's rollout_func: every episode at once (the server batches the requests), seeded by step and position."""
-    url, args = server_url(trainer.args), trainer.args
+    url, args = base_url(trainer.args), trainer.args
     model = post(url, "v1/models")["data"][0]["id"]
     base = args.seed * 1_000_003 + trainer.state.global_step * 10_007
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
