@@ -17,9 +17,11 @@
 #   5. memory and step time of the full fine-tune, 8-bit AdamW and LoRA r=16 at the 0.5B shape (bench/memory.py;
 #      peft and bitsandbytes travel as wheels in .whl/ too);
 #   6. vLLM against our compiled sampler (bench/vllm_bench.py): the qwen2.5-0.5b shape, bf16, 16 prompts x G=8 x 256 tokens,
-#      tokens/s; then a vLLM server of that model (--vllm-mode server): one weight push's seconds (grpo_gloo, through
-#      the CPU) and tokens/s over HTTP against the colocated engine; needs vLLM for CUDA on the machine (its wheel is
-#      too large to travel in .whl/): skipped, saying so, where `import vllm` fails.
+#      tokens/s; then a vLLM server of that model on the trainer's GPU (--vllm-mode server): one weight push's seconds
+#      through vLLM's CUDA IPC engine (NCCL cannot put the trainer and the server on one GPU), tokens/s over HTTP
+#      against the colocated engine, and a push of moved weights that the server's log-probs must then follow
+#      (PASS/FAIL); with a second GPU, the same with NCCL (trl's) and the server on GPU 1; needs vLLM for CUDA on the
+#      machine (its wheel is too large to travel in .whl/): skipped, saying so, where `import vllm` fails.
 # trl, datasets and their missing dependencies travel as wheels in .whl/ when the machine lacks them (see the
 # device README; transformers travels too, so both sides run the version the CPU tests use): `bash
 # bench/gpu_wheels.sh` here writes them, and the device call carries `.whl`.
@@ -56,7 +58,12 @@ timeout "$(left 150)" python3 bench/memory.py --device cuda --shape qwen2.5-0.5b
   --prompts 16 --group 8 --micro-batch 32 --new-tokens 256 2>&1 | tee "$OUT/memory.txt"
 if python3 -c "import vllm" >/dev/null 2>&1; then
   timeout "$(left 240)" python3 bench/vllm_bench.py --device cuda --shape qwen2.5-0.5b --precision bf16 --parts sampler,server \
-    --prompts 16 --group 8 --new-tokens 256 --out "$OUT/vllm" 2>&1 | tee "$OUT/vllm.txt"
+    --weight-transfer ipc --prompts 16 --group 8 --new-tokens 256 --out "$OUT/vllm" 2>&1 | tee "$OUT/vllm.txt"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    timeout "$(left 120)" python3 bench/vllm_bench.py --device cuda --shape qwen2.5-0.5b --precision bf16 --parts server \
+      --weight-transfer nccl --server-devices 1 --prompts 16 --group 8 --new-tokens 256 --out "$OUT/vllm-nccl" 2>&1 \
+      | tee -a "$OUT/vllm.txt"
+  fi
 else
   echo "vLLM is not installed on this machine: the vLLM comparison is skipped" | tee "$OUT/vllm.txt"
 fi

