@@ -57,6 +57,18 @@ def memory_heavy():
         yield
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every memory_heavy test, and the rest of the real model's module (whose module fixtures take the lock too),
+    first, in their order. Under `--dist worksteal` (pyproject's addopts) the first worker starts with them and runs
+    them one after the other while the other worker takes the rest; a worker steals from the end of the other's
+    queue, so neither waits on the lock while the other holds it (with these tests spread over both, one waited
+    for up to the server test's length)."""
+    heavy = [item for item in items if item.path.name == "test_real_model.py"
+             or "memory_heavy" in getattr(item, "fixturenames", ())]
+    chosen = set(map(id, heavy))
+    items[:] = heavy + [item for item in items if id(item) not in chosen]
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from grpo.tiny_model import build_tokenizer
