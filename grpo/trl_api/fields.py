@@ -208,8 +208,9 @@ FIELDS: dict[str, Field] = {
                                                                "generate with that cache, as trl (refused with "
                                                                "use_vllm); None: our sampler"),
     "use_vllm": same(False, "use_vllm"),
-    "vllm_mode": same("colocate", "vllm_mode", "server: vLLM's own server, its weights pushed over the grpo_gloo "
-                                               "transfer engine (docs/vllm.md; trl's NCCL engine is not used yet)"),
+    "vllm_mode": same("colocate", "vllm_mode", "server: vLLM's own server, its weights pushed over the engine it "
+                                               "was started with: NCCL (trl's) or CUDA IPC on GPUs, grpo_gloo on a "
+                                               "CPU (docs/vllm.md)"),
     "vllm_model_impl": same("vllm", "vllm_model_impl"),
     "vllm_enable_sleep_mode": same(False, "vllm_enable_sleep_mode", "sleep level 1 (weights to CPU); trl level 2"),
     "vllm_structured_outputs_regex": same(None, "vllm_structured_outputs_regex", "vLLM's guided decoding of the "
