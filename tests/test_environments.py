@@ -102,6 +102,15 @@ class Dice:
         return self.roll / 6
 
 
+@pytest.fixture
+def new_children():
+    """The test's own children still running: this process's live children now, less those it had when the test
+    began. A test worker that ran other tests first may keep helpers of its own for its whole life (seen in a full
+    run: one pid, alive before these tests started), which are not what these tests check."""
+    before = set(live_children())
+    return lambda: sorted(set(live_children()) - before)
+
+
 def live_children() -> list[int]:
     """This process's children that are still running (not zombies), from /proc."""
     found = []
@@ -155,7 +164,7 @@ def play(model, tokenizer, environments, batch, group, plans, budget=200, reward
 # ----------------------------------------------------------------------------- instances and isolation
 
 
-def test_every_rollout_gets_a_fresh_environment_in_its_own_process(tokenizer):
+def test_every_rollout_gets_a_fresh_environment_in_its_own_process(tokenizer, new_children):
     environments = Environments.from_factory(Tally, TIMEOUT)
     assert [tool.__name__ for tool in environments.tools[None]] == ["add", "boom", "die", "nap", "number"]
     assert list(environments.reward_classes) == ["Tally"]
@@ -174,7 +183,7 @@ def test_every_rollout_gets_a_fresh_environment_in_its_own_process(tokenizer):
     finally:
         episodes.close()
     assert Tally.instances == before  # nothing was made in the trainer's process
-    assert not live_children()
+    assert not new_children()
 
 
 def test_seeds_make_resets_repeat_and_differ_between_rollouts():
@@ -232,7 +241,7 @@ def test_dict_form_routes_each_row_to_its_environment(tokenizer):
         rollouts.begin(rows(1), 2, seeds=[1, 2])
 
 
-def test_a_reset_that_fails_stops_the_step_naming_the_row_and_leaves_no_process():
+def test_a_reset_that_fails_stops_the_step_naming_the_row_and_leaves_no_process(new_children):
     class BadReset(Quiet):
         def reset(self, **row):
             if row["level"] == 1:
@@ -246,7 +255,7 @@ def test_a_reset_that_fails_stops_the_step_naming_the_row_and_leaves_no_process(
         Environments.from_factory(BadReset, TIMEOUT).start(rows(2), 2, seeds=[1, 2, 3, 4])
     with pytest.raises(EnvironmentStartError, match="reset returned int, not None or a string"):
         Environments.from_factory(WrongType, TIMEOUT).start(rows(1), 1, seeds=[1])
-    assert not live_children()
+    assert not new_children()
 
 
 def test_factories_are_checked_when_the_run_starts():
@@ -269,7 +278,7 @@ def test_factories_are_checked_when_the_run_starts():
 # ----------------------------------------------------------------------------- the rollout: faults, rewards, tokens
 
 
-def test_every_fault_becomes_a_failed_call_the_model_reads_and_the_run_goes_on(tiny_model_and_tokenizer):
+def test_every_fault_becomes_a_failed_call_the_model_reads_and_the_run_goes_on(tiny_model_and_tokenizer, new_children):
     """Row 0 calls add then boom; row 1 number; row 2 nap (past the timeout) then add (its environment is gone);
     row 3 die then add. Each failure's message is what the next tokens hold, every failure is counted, and each
     row still writes its final turn."""
@@ -307,7 +316,7 @@ def test_every_fault_becomes_a_failed_call_the_model_reads_and_the_run_goes_on(t
     # get_reward: the tally of rows whose environment still runs; None (NaN) where it is gone
     assert rollout.rewards_per_func[:2, 0].tolist() == [2.0, 0.0]
     assert torch.isnan(rollout.rewards_per_func[2:, 0]).all()
-    assert not live_children()
+    assert not new_children()
 
 
 def test_get_reward_is_a_reward_named_after_the_class_and_reward_functions_see_the_environments(
@@ -508,7 +517,7 @@ def test_textarena_guess_the_number_in_its_own_process():
         episodes.close()
 
 
-def test_stopping_an_environment_stops_the_programs_it_started_and_a_hung_reset_fails(tmp_path):
+def test_stopping_an_environment_stops_the_programs_it_started_and_a_hung_reset_fails(tmp_path, new_children):
     marker = tmp_path / "alive"
 
     class Spawner(Quiet):
@@ -529,7 +538,7 @@ def test_stopping_an_environment_stops_the_programs_it_started_and_a_hung_reset_
     assert not marker.exists()
     with pytest.raises(EnvironmentStartError, match="reset: no answer within 1 s"):
         Environments.from_factory(Stuck, 1.0).start(rows(1), 1, seeds=[1])
-    assert not live_children()
+    assert not new_children()
 
 
 def test_get_reward_may_return_a_bool_or_a_numpy_scalar_as_trl_takes_them():
@@ -633,7 +642,7 @@ def test_a_forked_copy_never_answers_so_replies_stay_in_order():
         episodes.close()
 
 
-def test_a_reply_that_starts_and_stalls_times_out_and_an_escaped_process_is_still_killed():
+def test_a_reply_that_starts_and_stalls_times_out_and_an_escaped_process_is_still_killed(new_children):
     episodes = Environments.from_factory(Tricky, 1.0).start(rows(1), 2, seeds=[1, 2])
     try:
         started = time.monotonic()
@@ -642,7 +651,7 @@ def test_a_reply_that_starts_and_stalls_times_out_and_an_escaped_process_is_stil
         with pytest.raises(Exception, match="escape: no answer within 1 s"):
             episodes.handles[1]._call("escape")
         assert time.monotonic() - started < 30
-        assert not live_children()  # the escaped one too: killed by its pid, not only its group
+        assert not new_children()  # the escaped one too: killed by its pid, not only its group
     finally:
         episodes.close()
 
