@@ -61,10 +61,9 @@ def pytest_collection_modifyitems(config, items):
     """The memory_heavy tests first, then the real model's module (whose module fixtures take the lock too), then
     the rest, each in its order. Under `--dist worksteal` (pyproject's addopts) the first worker starts with them
     and runs them one after the other while the other worker takes the rest; a worker steals from the end of the
-    other's queue, so neither waits on the lock while the other holds it (with these tests spread over both, one
-    waited for up to the server test's length). The server test goes before the real model's: its memory is in
-    the processes it starts, and a worker that ran the real model's tests keeps GiBs of its own (9.4 GiB resident
-    when the kernel killed it, the server test running, in a full run that had it second)."""
+    other's queue, so neither waits on the lock while the other holds it. The server test goes before the real
+    model's: its memory is in the processes it starts, and a worker that ran the real model's tests keeps GiBs of
+    its own (docs/log.md has the figures)."""
     def rank(item) -> int:
         if item.path.name == "test_real_model.py":
             return 1

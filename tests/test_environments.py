@@ -105,8 +105,8 @@ class Dice:
 @pytest.fixture
 def new_children():
     """The test's own children still running: this process's live children now, less those it had when the test
-    began. A test worker that ran other tests first may keep helpers of its own for its whole life (seen in a full
-    run: one pid, alive before these tests started), which are not what these tests check."""
+    began. A test worker that ran other tests first may keep helpers of its own for its whole life, which are not
+    what these tests check."""
     before = set(live_children())
     return lambda: sorted(set(live_children()) - before)
 

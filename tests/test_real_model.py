@@ -202,8 +202,7 @@ REAL_LR = 1e-6  # a real model's GRPO rate: the suite's 1e-4 moves this model so
 REAL_PARAM_RTOL = 2.0**-23
 GSPO = dict(level="sequence", iterations=2, epsilon=3e-4, epsilon_high=4e-4)  # GSPO's ranges, an off-policy update
 # (settings on top of the parity suite's BASE, kernels): each kernel path on a real model, and three losses. grpo with
-# the kernels is left to the tiny model's suite, which pins every loss to both paths at 1e-6 (a fourth real-model
-# comparison cost ~90 s of CI for no path the others miss)
+# the kernels is left to the tiny model's suite, which pins every loss to both paths at 1e-6
 REAL_CONFIGURATIONS = [
     (dict(), "plain"),  # grpo, beta 0.04
     (dict(loss_type="dapo", beta=0.0, epsilon_high=0.28, mask_truncated=True), "auto"),  # DAPO, trl's default loss

@@ -83,7 +83,7 @@ def server_run(model: str, url: str, **overrides) -> dict:
     settings = dict(model=model, generation_backend="vllm", vllm_mode="server", vllm_server_base_url=url,
                     vllm_group_port=_free_port(), learning_rate=1e-4, max_steps=3, max_completion_length=16,
                     prompts_per_step=2, num_generations=4, micro_batch_size=4, max_prompt_length=256,
-                    dataset="synthetic:64",  # GSM8K-shaped, with prompts of ~65 tokens (GSM8K's: ~95; the step's cost)
+                    dataset="synthetic:64",  # GSM8K-shaped, with shorter prompts than GSM8K's: the step's cost
                     reward=["tests.distributed_worker:completion_length"], beta=0.0,  # trl's: no reference copy
                     record_each_push=True)
     return {**settings, **overrides}
