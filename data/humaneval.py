@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import gzip
 import json
 import random
@@ -24,6 +25,7 @@ from data.strategies import passes, strategy_family
 SYSTEM_PROMPT = ("Complete the Python function. Reply with the whole function, its signature included, in one "
                  "```python code block.")
 NUM_TEST, SEED = 40, 0
+MIN_CASES = 5  # a problem with fewer cases (its check's and the generated groups) is left out
 
 
 def _problems() -> list[dict]:
@@ -96,7 +98,16 @@ def humaneval_row(problem: dict) -> dict:
     return {"task_id": problem["task_id"], "question": problem["prompt"],
             "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem["prompt"]}],
             "prompt_code": problem["prompt"], "entry_point": problem["entry_point"], "setup": setup, "tests": tests,
+            "generated_cases": generated_cases().get(problem["task_id"], []),
             "canonical_solution": problem["canonical_solution"]}
+
+
+@functools.cache
+def generated_cases() -> dict[str, list[str]]:
+    """data/humaneval_cases.jsonl: task_id -> its generated groups (data.humaneval_cases)."""
+    from data.humaneval_cases import load_cases
+
+    return load_cases()
 
 
 def load_humaneval(split: str) -> list[dict]:
@@ -109,4 +120,4 @@ def load_humaneval(split: str) -> list[dict]:
     if split not in chosen:
         raise ValueError(f"humaneval has the splits train and test, not {split!r}")
     rows = [humaneval_row(problems[index]) for index in sorted(chosen[split])]
-    return [row for row in rows if row["tests"]]
+    return [row for row in rows if row["tests"] and len(row["tests"]) + len(row["generated_cases"]) >= MIN_CASES]

@@ -16,8 +16,9 @@ The family of a problem (`strategy_family(prompt, test)`), all listed by name:
     call count from 0 / 1  0, 1, 2, ... (or 1, 2, 3, ...): the number of the call
     alternate True, False  True, False, True, ... (and False, True, ...)
     docstring outputs      the docstring examples' outputs in order, cycling (where there are two or more)
-    first argument back    the first argument (None without one): the one strategy that reads its input, kept because
-                           an identity answer is no solution either
+    argument i back        the i-th argument (None where the call has fewer), for every argument the function takes:
+                           the one strategy that reads its input, kept because an identity answer is no solution
+                           either (`return b` is as much a guess as `return a`)
 
 The call number counts from the program's start. With fresh state per case (the sandbox imports the program anew
 for each case) it restarts at every case; with per-program state (one process for the whole problem) it runs on
@@ -44,12 +45,14 @@ class Strategy(NamedTuple):
 
     name: str  # what a reader sees in a report: "constant 0.456", "alternate True, False"
     kind: str  # "cycle": values[n % len(values)] (a constant is a cycle of one); "count": values[0] + n;
-    #            "first_argument": the call's first argument (values empty)
+    #            "argument": the call's argument numbered values[0] (from 0)
     values: tuple
 
 
-def strategy_family(prompt: str, test: str) -> list[Strategy]:
-    """Every strategy of the module docstring for a problem with this prompt and this test file (its source)."""
+def strategy_family(prompt: str, test: str, arguments: int | None = None) -> list[Strategy]:
+    """Every strategy of the module docstring for a problem with this prompt and this test file (its source).
+    `arguments`: how many the function takes (at least one); by default the most that a function the prompt
+    defines takes."""
     outputs = docstring_outputs(prompt)
     constants = distinct([*DEFAULT_CONSTANTS, *code_constants(test), *prompt_constants(prompt), *outputs])
     family = [Strategy(f"constant {_short(value)}", "cycle", (value,)) for value in constants]
@@ -58,7 +61,8 @@ def strategy_family(prompt: str, test: str) -> list[Strategy]:
                Strategy("alternate False, True", "cycle", (False, True))]
     if len(outputs) > 1:
         family.append(Strategy("docstring outputs in order", "cycle", tuple(outputs)))
-    family.append(Strategy("first argument back", "first_argument", ()))
+    count = max(1, arguments if arguments is not None else prompt_arity(prompt))
+    family += [Strategy(f"argument {index + 1} back", "argument", (index,)) for index in range(count)]
     return family
 
 
@@ -71,8 +75,9 @@ def answer(strategy: Strategy, call: int, args: tuple):
         return copy.deepcopy(strategy.values[call % len(strategy.values)])  # a fresh object: tests may change it
     if strategy.kind == "count":
         return strategy.values[0] + call
-    if strategy.kind == "first_argument":
-        return copy.deepcopy(args[0]) if args else None  # as the sandbox's plain-data link hands it back
+    if strategy.kind == "argument":
+        index = strategy.values[0]
+        return copy.deepcopy(args[index]) if index < len(args) else None  # as the sandbox's link hands it back
     raise ValueError(f"unknown strategy kind {strategy.kind!r}")
 
 
@@ -95,8 +100,8 @@ def strategy_program(entry_point: str, strategy: Strategy) -> str:
         body = "return copy.deepcopy(VALUES[call % len(VALUES)])"
     elif strategy.kind == "count":
         body = "return VALUES[0] + call"
-    elif strategy.kind == "first_argument":
-        body = "return copy.deepcopy(args[0]) if args else None"
+    elif strategy.kind == "argument":
+        body = "return copy.deepcopy(args[VALUES[0]]) if VALUES[0] < len(args) else None"
     else:
         raise ValueError(f"unknown strategy kind {strategy.kind!r}")
     return ("import copy\n\n"
@@ -149,6 +154,16 @@ def passes(context: dict, code, strategy: Strategy) -> bool:
     """Whether the statements `code` pass, in a copy of `context`, with `candidate` the strategy, fresh (the cut's
     test: one case as a program imported for it alone would meet it)."""
     return _runs(code, {**context, "candidate": candidate_for(strategy)})
+
+
+def prompt_arity(prompt: str) -> int:
+    """The most positional parameters a function defined in `prompt` takes (0 where none parses)."""
+    try:
+        tree = ast.parse(prompt)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return 0
+    return max((len(node.args.posonlyargs) + len(node.args.args) for node in ast.walk(tree)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))), default=0)
 
 
 # --- where the constants come from ---

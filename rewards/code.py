@@ -7,9 +7,13 @@ has these columns (data/humaneval.py builds them for HumanEval; docs/code-tasks.
     entry_point   the function the tests call; optional
     setup         code run after the program, before the cases (imports, `candidate = entry_point`)
     tests         the test cases: code snippets, each passed when it runs without an exception
+    generated_cases  more cases: groups of calls of the entry point with their expected outputs, each group a JSON
+                  text (data/humaneval_cases.py makes HumanEval's); optional
 
     syntax       1.0 when the program parses (`ast.parse`), else 0.0
-    execution    the share of test cases passed, each case run after the program in a confined process
+    execution    the share of test cases passed; for a row with generated cases, 1.0 when the program passes every
+                 case (tests and generated groups), else PARTIAL_CREDIT times the share (`case_reward`). Each test
+                 case runs after the program in a confined process of its own, the generated groups in one more
                  (rewards.sandbox: time, memory, network, user, files); 0.0 for a program that does not parse
     pep8         1 - (style problems pycodestyle finds per line), at least 0; 0.0 when it does not parse
     safety       -1.0 when the code uses a word of UNSAFE_PATTERNS (process, network, file-system or
@@ -19,6 +23,7 @@ has these columns (data/humaneval.py builds them for HumanEval; docs/code-tasks.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +36,7 @@ UNSAFE_PATTERNS = (r"\bos\.system\b", r"\bsubprocess\b", r"\bsocket\b", r"\bshut
                    r"\bopen\s*\(\s*['\"]/", r"\bsys\.exit\b", r"\burllib\b", r"\brequests\b", r"\bglobals\s*\(")
 LIMITS = Limits()
 WORKERS = 2  # programs run at once
+PARTIAL_CREDIT = 0.1  # what passing every case but one is worth, at most: see `case_reward`
 
 
 def extract_code(completion) -> str:
@@ -82,19 +88,45 @@ def syntax(prompts, completions, **kwargs) -> list[float]:
     return [float(parses(extract_code(c))) for c in completions]
 
 
-def execution(prompts, completions, tests, setup=None, prompt_code=None, entry_point=None, **kwargs) -> list[float]:
-    """The share of each row's test cases the completion's program passes (rewards.sandbox)."""
+def case_reward(passed: list[float], generated: bool = True) -> float:
+    """The execution reward of a program's per-case scores: the share passed for a row with its own tests only;
+    with `generated` cases, 1.0 when every case passed, else PARTIAL_CREDIT * (the share passed).
+
+    Many generated cases (data/humaneval_cases.py) find most of the ways a program can be wrong, and a program that
+    fails one is wrong somewhere: a one-liner right on 95% of the inputs (`max(words, key=len)` without the
+    tie-break) is still wrong. So there the share is a tie-break among wrong programs, never near the worth of a
+    right one: no program that fails a case earns more than PARTIAL_CREDIT on any problem, whatever it does. Under
+    GRPO's group-scaled advantages (scale_rewards "group") the scale of the tie-break does not matter within a group
+    of wrong programs: their advantages are divided by the group's spread, so partial credit still orders them as
+    the share does. A few hand-written tests tell a near-solution from a forgery no better than the share does, so a
+    row without generated cases keeps the share."""
+    if not passed:
+        return 0.0
+    share = sum(passed) / len(passed)
+    return share if not generated or share == 1.0 else PARTIAL_CREDIT * share
+
+
+def case_scores(completion, tests, setup=None, prompt_code=None, entry_point=None, generated_cases=None) -> list:
+    """One completion's score per case of a row: its tests, then its generated groups ([] where its program does
+    not parse or the row has no case)."""
+    program = program_of(extract_code(completion), prompt_code, entry_point)
+    groups = [[[call["args"], call["kwargs"], call["expected"]] for call in json.loads(group)]
+              for group in generated_cases or []]
+    if not parses(program) or not (tests or groups):
+        return []
+    return run_tests(program, list(tests or []), setup or "", LIMITS, helpers=problem_helpers(prompt_code, entry_point),
+                     entry_point=entry_point, groups=groups)
+
+
+def execution(prompts, completions, tests, setup=None, prompt_code=None, entry_point=None, generated_cases=None,
+              **kwargs) -> list[float]:
+    """Each completion's `case_reward` over its row's test cases and generated groups (rewards.sandbox)."""
     count = len(completions)
-    setup, prompt_code, entry_point = (column or [None] * count for column in (setup, prompt_code, entry_point))
+    columns = [column or [None] * count for column in (setup, prompt_code, entry_point, generated_cases)]
 
     def score(row: int) -> float:
-        code = extract_code(completions[row])
-        program = program_of(code, prompt_code[row], entry_point[row])
-        if not parses(program) or not tests[row]:
-            return 0.0
-        scores = run_tests(program, list(tests[row]), setup[row] or "", LIMITS,
-                           helpers=problem_helpers(prompt_code[row], entry_point[row]), entry_point=entry_point[row])
-        return sum(scores) / len(scores)
+        scores = case_scores(completions[row], tests[row], *(column[row] for column in columns))
+        return case_reward(scores, generated=bool(columns[3][row]))
 
     with ThreadPoolExecutor(WORKERS) as pool:
         return list(pool.map(score, range(count)))
@@ -128,11 +160,16 @@ def safety(prompts, completions, **kwargs) -> list[float]:
 
 
 def passed_all(completion, row) -> dict:
-    """Evaluation scorer (--eval-scorer rewards.code:passed_all): pass@1 of a greedy completion (every test case
-    passed) and the share of cases passed."""
-    share = execution(None, [completion], [row["tests"]], [row.get("setup")], [row.get("prompt_code")],
-                      [row.get("entry_point")])[0]
-    return {"pass@1": float(share == 1.0), "tests_passed": share}
+    """Evaluation scorer (--eval-scorer rewards.code:passed_all): pass@1 of a greedy completion (every case passed,
+    the generated ones too, as HumanEval+ counts), pass@1_humaneval (every case of the task's own check: the figure
+    papers report for HumanEval), and the share of all cases passed."""
+    tests = list(row["tests"] or [])
+    scores = case_scores(completion, tests, row.get("setup"), row.get("prompt_code"), row.get("entry_point"),
+                         row.get("generated_cases"))
+    share = sum(scores) / len(scores) if scores else 0.0
+    checked = scores[:len(tests)]
+    return {"pass@1": float(bool(scores) and share == 1.0),
+            "pass@1_humaneval": float(bool(checked) and sum(checked) == len(checked)), "tests_passed": share}
 
 
 passed_all.runs_untrusted_code = True

@@ -429,7 +429,8 @@ def _guard(event, args, blocked=("os.system", "os.fork", "os.forkpty", "os.exec"
 # ---------------------------------------------------------------- the judge process
 def judge_main() -> None:
     """Read the job (JSON on stdin), run the trusted code with proxies into each case's process, and write one
-    verdict line `<token> case <i> <0|1>` per case to stdout as each finishes."""
+    verdict line `<token> case <i> <0|1>` per case to stdout as each finishes: the cases (a process each), then the
+    groups of calls (`run_groups`), numbered after them."""
     import resource
 
     job = json.loads(sys.stdin.read())
@@ -462,9 +463,75 @@ def judge_main() -> None:
             passed = False
         verdicts.write(f"{job['token']} case {index} {int(passed)}\n")
         verdicts.flush()
+    if job["groups"] and not link.dead:
+        run_groups(link, job["entry_point"], job["groups"], job["call_seconds"], len(job["cases"]), job["token"],
+                   verdicts)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # without waiting for threads the task's code may have started
+
+
+def run_groups(link: Link, entry_point: str, groups: list, call_seconds: float, first: int, token: str,
+               verdicts) -> None:
+    """Each group of calls [args, kwargs, expected] (plain data, data/humaneval_cases.py) is a case: it passes when
+    the entry point answers each call with its expected output (`same_output`). The groups share one process,
+    started anew only after one stops answering (an exit, a crash, a call past `call_seconds`): the process keeps
+    its state from group to group, and sees only the inputs, never an expected output."""
+    function = link.proxy(entry_point)
+    for number, group in enumerate(groups):
+        passed = True
+        try:
+            for args, kwargs, expected in group:
+                link.call_deadline = time.monotonic() + call_seconds
+                if not same_output(function(*from_plain(args), **from_plain(kwargs)), from_plain(expected)):
+                    passed = False
+                    break
+        except Broken as error:
+            print(f"group {number}: {error}", file=sys.stderr)
+            passed = False
+            try:
+                link.end_case()  # the next group gets a new process
+            except Broken:
+                pass
+        except BaseException as error:  # noqa: BLE001 -- the program raised: a wrong answer
+            print(f"group {number}: {type(error).__name__}: {error}", file=sys.stderr)
+            passed = False
+        finally:
+            link.call_deadline = None
+        verdicts.write(f"{token} case {first + number} {int(passed)}\n")
+        verdicts.flush()
+        if link.dead:
+            break
+    try:
+        link.end_case()
+    except Broken:
+        pass
+
+
+def same_output(actual, expected) -> bool:
+    """The generated cases' equality: an expected float within 1e-6 (relative or absolute), NaN equal to NaN; an
+    int equal (an equal float too, as HumanEval's `==`); containers of the same type item by item; a bool only for a
+    bool; otherwise the same type and ==. (data.humaneval_cases.same is this function.)"""
+    if type(expected) is bool or type(actual) is bool:
+        return type(actual) is type(expected) and actual == expected
+    if type(expected) is float:
+        if type(actual) not in (int, float):
+            return False
+        if math.isnan(expected):
+            return type(actual) is float and math.isnan(actual)
+        try:
+            return math.isclose(actual, expected, rel_tol=1e-6, abs_tol=1e-6)
+        except OverflowError:  # an int too large for a float
+            return False
+    if type(expected) is int:
+        return type(actual) in (int, float) and actual == expected
+    if type(expected) in (list, tuple):
+        return (type(actual) is type(expected) and len(actual) == len(expected)
+                and all(same_output(a, e) for a, e in zip(actual, expected, strict=True)))
+    if type(expected) is dict:
+        return (type(actual) is dict and actual.keys() == expected.keys()
+                and all(same_output(actual[key], expected[key]) for key in expected))
+    return type(actual) is type(expected) and actual == expected
 
 
 class Link:
@@ -476,6 +543,7 @@ class Link:
         self.control = socket.socket(fileno=control)
         self.program, self.limit, self.deadline = program, limit, deadline
         self.pipes = None  # (requests, answers) of the open case, or None
+        self.call_deadline = None  # a deadline of one call, sooner than the run's (`run_groups`)
         self.broken = ""  # why the open case's process can no longer answer
         self.dead = ""  # why no case process can be started any more (the zygote is gone)
 
@@ -535,8 +603,9 @@ class Link:
 
     def receive(self, expected: str) -> dict:
         """The next answer: a dict with the key `expected` ("ready" or "value") or "error"; Broken otherwise."""
+        deadline = self.deadline if self.call_deadline is None else min(self.deadline, self.call_deadline)
         try:
-            answer = read_frame(self.pipes[1], self.limit, self.deadline)
+            answer = read_frame(self.pipes[1], self.limit, deadline)
             if type(answer) is not dict or not ({expected, "error"} & set(answer)):
                 raise Broken("an answer that is not one")
             if "error" in answer and not (type(answer["error"]) is list and len(answer["error"]) == 2

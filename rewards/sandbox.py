@@ -84,6 +84,7 @@ class Limits:
     processes: int = 16  # its whole process tree (cgroup pids.max), and RLIMIT_NPROC of its uid
     output_bytes: int = 1 << 16  # of stdout and of stderr; a program that prints more is stopped
     result_bytes: int = 1 << 20  # the largest answer to one call the judge accepts
+    call_seconds: float = 2.0  # a generated group's call answers within this, or its process is started anew
     audit_hook: bool = True  # an extra guard inside the confined process; the OS sandbox is the boundary
     require_full_isolation: bool = False  # refuse to run programs where a layer of `isolation()` is missing
 
@@ -134,17 +135,21 @@ def check_isolation(functions, required: str = "available") -> Isolation | None:
 
 
 def run_tests(program: str, cases: list[str], setup: str = "", limits: Limits = Limits(), *, helpers: str = "",
-              entry_point: str | None = None) -> list[float]:
+              entry_point: str | None = None, groups: list | None = None) -> list[float]:
     """1.0 for each case (trusted code such as `assert add(2, 3) == 5`) that runs without an exception in the
     judge, after `helpers` and `setup`, with the program's functions called in the confined process; 0.0
-    otherwise. Never raises for anything the program does."""
-    return run_program(program, cases, setup, limits, helpers=helpers, entry_point=entry_point).scores
+    otherwise. Then 1.0 for each group of `groups` whose calls [args, kwargs, expected] (plain data as
+    rewards.judge.to_plain encodes it) of `entry_point` all answer the expected output; the groups share one case
+    process (rewards.judge.run_groups). Never raises for anything the program does."""
+    return run_program(program, cases, setup, limits, helpers=helpers, entry_point=entry_point, groups=groups).scores
 
 
 def run_program(program: str, cases: list[str], setup: str = "", limits: Limits = Limits(), *, helpers: str = "",
-                entry_point: str | None = None) -> RunResult:
+                entry_point: str | None = None, groups: list | None = None) -> RunResult:
     """`run_tests` with the details: the program's output, the judge's log, the timeout. The wall limit counts from
     the start of the two processes (a program may first wait for a free uid slot)."""
+    if groups and not entry_point:
+        raise ValueError("groups of calls need the entry point they call")
     obtained = isolation()
     if obtained.refusal:
         raise SandboxUnavailable(obtained.refusal)
@@ -153,17 +158,18 @@ def run_program(program: str, cases: list[str], setup: str = "", limits: Limits 
     token = secrets.token_hex(8)  # verdict lines carry it: where no pid namespace hides the judge, a program
     job = {"program": program, "helpers": helpers or "", "setup": setup or "", "cases": list(cases), "token": token,
            "names": proxied_names(program, helpers, entry_point), "wall_seconds": limits.wall_seconds,
-           "memory_bytes": limits.memory_bytes, "result_bytes": limits.result_bytes}
+           "memory_bytes": limits.memory_bytes, "result_bytes": limits.result_bytes, "groups": list(groups or []),
+           "entry_point": entry_point, "call_seconds": limits.call_seconds}
     with (_uid_slot() as uid, _Cgroup.make(limits) as cgroup,
           tempfile.TemporaryDirectory(prefix="grpo-sandbox-", ignore_cleanup_errors=True) as folder):
         if uid is not None:  # the working folder without bubblewrap (with it, a private tmpfs): the program's alone
             os.chown(folder, uid, uid)
         streams, timed_out = _run(job, limits, obtained.layers["bubblewrap"], uid, cgroup, folder,
                                   require_namespaces=obtained.layers["fresh_case_state"])
-    scores = [None] * len(cases)
+    scores = [None] * (len(cases) + len(job["groups"]))
     for line in streams["verdicts"].decode(errors="replace").splitlines():
         parts = line.split()  # `<token> case <index> <0|1>`; the first line for a case counts
-        if len(parts) == 4 and parts[:2] == [token, "case"] and parts[2].isdigit() and int(parts[2]) < len(cases):
+        if len(parts) == 4 and parts[:2] == [token, "case"] and parts[2].isdigit() and int(parts[2]) < len(scores):
             case = int(parts[2])
             scores[case] = scores[case] if scores[case] is not None else float(parts[3] == "1")
     text = {name: data.decode(errors="replace") for name, data in streams.items()}
@@ -197,7 +203,7 @@ def _run(job: dict, limits: Limits, bubblewrap: bool, uid: int | None, cgroup: _
             end.close()
         confined, judge = processes
         return _collect(judge, confined, payload, time.monotonic() + limits.wall_seconds + 0.5,
-                        limits.output_bytes, verdict_bytes=64 * len(job["cases"]) + 256)
+                        limits.output_bytes, verdict_bytes=64 * (len(job["cases"]) + len(job["groups"])) + 256)
     finally:
         deadline = time.monotonic() + CLEANUP_SECONDS
         for end in control:
@@ -787,7 +793,8 @@ def _probe(bubblewrap: bool, root: bool) -> tuple[list[dict], str]:
     project, site_packages = str(Path(__file__).resolve().parent), _site_packages()
     case = f"print('probe:' + probe({project!r}, {site_packages!r}))"
     job = {"program": PROBE, "helpers": "", "setup": "", "cases": [case, case], "token": "probe", "names": ["probe"],
-           "wall_seconds": 20.0, "memory_bytes": Limits().memory_bytes, "result_bytes": Limits().result_bytes}
+           "wall_seconds": 20.0, "memory_bytes": Limits().memory_bytes, "result_bytes": Limits().result_bytes,
+           "groups": [], "entry_point": None, "call_seconds": Limits().call_seconds}
     with (_uid_slot() as uid, tempfile.TemporaryDirectory(prefix="grpo-sandbox-probe-") as folder):
         if uid is not None:
             os.chown(folder, uid, uid)

