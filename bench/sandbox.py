@@ -2,8 +2,9 @@
 
     python bench/sandbox.py [--repeats 3]
 
-Runs the canonical solutions of the problems with a case (161 of the 164) through rewards.code.execution (bubblewrap
-sandbox, a case process per test case, trusted judge; two programs at once, as the reward runs them) and prints the
+Runs the canonical solutions of the problems kept (159 of the 164) through rewards.code.execution (bubblewrap
+sandbox, a case process per test case and one for all the generated groups, trusted judge; two programs at once, as
+the reward runs them; --check-only: the checks' cases alone) and prints the
 total (median over --repeats runs) and the median cost of one problem run alone; then a stub returning None and a
 function returning an object equal to everything, which must pass no case; then, replayed through the trusted test
 code alone (no program runs), the share of cases that functions returning a constant (or their first argument) pass.

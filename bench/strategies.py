@@ -6,7 +6,7 @@
 
 Cuts the 164 problems into cases with the `humaneval_row` of the file --cut names (a copy of data/humaneval.py; the
 current one by default), and times that. Then every strategy of each problem's family (data.strategies.
-strategy_family: constants, call counts, alternating booleans, the docstring's outputs in order, the first argument)
+strategy_family: constants, call counts, alternating booleans, the docstring's outputs in order, every argument)
 answers the problem's cases, replayed through the trusted test code in this process (data.strategies.replay; no
 program runs, no sandbox), under
   (a) per-program state: one call count runs on across the problem's cases (one process for the whole problem)
@@ -111,9 +111,10 @@ def sandboxed(rows: list[dict], families: list) -> None:
 
 
 SEQUENCES = ("call count from 0", "call count from 1", "alternate True, False", "alternate False, True",
-             "docstring outputs in order", "first argument back")
+             "docstring outputs in order")
 GROUPS = {**{name: name.__eq__ for name in SEQUENCES},
           "alternate, the better start": lambda name: name.startswith("alternate "),
+          "an argument back, the best": lambda name: name.startswith("argument ") and name.endswith(" back"),
           "the best constant": lambda name: name.startswith("constant ")}
 
 

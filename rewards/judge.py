@@ -475,32 +475,35 @@ def run_groups(link: Link, entry_point: str, groups: list, call_seconds: float, 
                verdicts) -> None:
     """Each group of calls [args, kwargs, expected] (plain data, data/humaneval_cases.py) is a case: it passes when
     the entry point answers each call with its expected output (`same_output`). The groups share one process,
-    started anew only after one stops answering (an exit, a crash, a call past `call_seconds`): the process keeps
-    its state from group to group, and sees only the inputs, never an expected output."""
+    started anew only after it stops answering (an exit, a crash, a call past `call_seconds`): the process keeps its
+    state from group to group, and sees only the inputs, never an expected output. Every call of a group is made,
+    right or wrong, so the inputs a program sees do not depend on its answers (they would tell it which it got
+    wrong)."""
     function = link.proxy(entry_point)
     for number, group in enumerate(groups):
-        passed = True
-        try:
-            for args, kwargs, expected in group:
-                link.call_deadline = time.monotonic() + call_seconds
-                if not same_output(function(*from_plain(args), **from_plain(kwargs)), from_plain(expected)):
-                    passed = False
-                    break
-        except Broken as error:
-            print(f"group {number}: {error}", file=sys.stderr)
-            passed = False
+        right = []
+        for args, kwargs, expected in group:
+            link.call_deadline = time.monotonic() + call_seconds
             try:
-                link.end_case()  # the next group gets a new process
-            except Broken:
-                pass
-        except BaseException as error:  # noqa: BLE001 -- the program raised: a wrong answer
-            print(f"group {number}: {type(error).__name__}: {error}", file=sys.stderr)
-            passed = False
-        finally:
-            link.call_deadline = None
-        verdicts.write(f"{token} case {first + number} {int(passed)}\n")
+                right.append(same_output(function(*from_plain(args), **from_plain(kwargs)), from_plain(expected)))
+            except Broken as error:  # the process is gone or late: the next group gets a new one
+                print(f"group {number}: {error}", file=sys.stderr)
+                right.append(False)
+                try:
+                    link.end_case()
+                except Broken:
+                    pass
+                break
+            except BaseException as error:  # noqa: BLE001 -- the program raised: a wrong answer
+                print(f"group {number}: {type(error).__name__}: {error}", file=sys.stderr)
+                right.append(False)
+                if link.broken:  # importing it failed
+                    break
+            finally:
+                link.call_deadline = None
+        verdicts.write(f"{token} case {first + number} {int(all(right))}\n")
         verdicts.flush()
-        if link.dead:
+        if link.dead or link.broken.startswith(IMPORT_FAILED):  # no process can answer: the rest fail unrun
             break
     try:
         link.end_case()
@@ -534,6 +537,9 @@ def same_output(actual, expected) -> bool:
     return type(actual) is type(expected) and actual == expected
 
 
+IMPORT_FAILED = "the program raised"  # Link.broken's start where importing the program failed
+
+
 class Link:
     """The judge's end of the confined side: the control socket to the zygote, and the two pipes of the current
     case's process, which the first call of a case opens (`start_case`) and `end_case` closes. Every write and read
@@ -563,7 +569,7 @@ class Link:
         answer = self.receive("ready")
         if "error" in answer:
             name, message = answer["error"]
-            self.broken = f"the program raised {name}: {message}"
+            self.broken = f"{IMPORT_FAILED} {name}: {message}"
             raise RuntimeError(self.broken)
 
     def end_case(self) -> None:
