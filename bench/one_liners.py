@@ -143,8 +143,14 @@ def main(argv=None) -> int:
     parser.add_argument("--show", type=int, default=15, help="forgeries to list")
     parser.add_argument("--check-only", action="store_true", help="score the checks' cases alone, as the share")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGALRM, _late)
-    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))
+    previous = signal.signal(signal.SIGALRM, _late)
+    try:
+        return _report(args)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _report(args) -> int:
     rows = [humaneval_row(problem) for problem in _problems()[:args.problems]]
     print(f"{len(BODIES)} bodies ({len(BODIES_1)} on one argument, {len(BODIES_2)} on two, {len(BODIES_3)} on "
           f"three); {len(rows)} problems")
@@ -183,4 +189,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))  # a body that builds a huge value
     sys.exit(main())

