@@ -17,14 +17,17 @@ order of the interpreter's hash):
 4. **Keep a case only when it is valid:** it fits the shapes and the problem's contract (`CONTRACTS`: the
    docstrings' preconditions that shapes cannot infer, as EvalPlus writes per problem); the canonical solution
    returns plain data without error within STEP_BUDGET traced steps (a count, not a time: the same on every
-   machine), twice alike; the output is not an argument of another kept call (a program that keeps the inputs it
-   was given cannot answer a later call with one).
-5. **Choose** CALLS of the valid inputs, new outputs first (so that a problem whose answer is mostly `False` still
-   gets its `True` cases), and **group** them in GROUP_SIZE calls or more, so that no input-ignoring strategy of
-   data.strategies (constants, call counts and alternations at any phase, every argument back) passes a group. A
-   group is one case of the reward: it passes when every call in it returns the expected output
-   (rewards.judge.same_output: floats within 1e-6; bools are not ints). A problem with fewer than MIN_GROUPS groups
-   has none, and its reason is written in the file's header.
+   machine), twice alike.
+5. **Choose** CALLS of the valid inputs: first those that tell apart the canonical solution's mutants (`mutants`:
+   `<` for `<=`, a constant off by one, `and` for `or`, `max` for `min`, `startswith` for `endswith`, ...: the
+   near-solutions a policy writes), each mutant KILLS times where valid inputs can; then new outputs first (so that a
+   problem whose answer is mostly `False` still gets its `True` cases).
+6. **Group** them, GROUP_SIZE calls or more (`group_size`), so that no input-ignoring strategy passes a group: those
+   of data.strategies (constants, call counts and alternations at any phase, every argument back) and the stash
+   strategies (an earlier call's argument: the groups share one process, `stash_family`). A group is one case of the
+   reward: it passes when every call in it returns the expected output (rewards.judge.same_output: floats within
+   1e-6; bools are not ints). A problem with fewer than MIN_GROUPS groups has none, and its reason is written in the
+   file's header.
 
 The file: a header line (generator, seed, settings, the problems left out and why), then one line per problem:
 {"task_id", "groups"}, each group a list of calls {"args", "kwargs", "expected"} in rewards.judge's plain-data
@@ -82,6 +85,7 @@ CONTRACTS = {
     and all(value in (0, 1) for row in grid for value in row),  # "all wells have the same length", 0 | 1
     "HumanEval/120": lambda values, k: 0 <= k <= len(values),  # "0 <= k <= len(arr)"
     "HumanEval/122": lambda values, k: 1 <= k <= len(values),  # "1 <= k <= len(arr)"
+    "HumanEval/127": lambda first, second: all(start <= end for start, end in (first, second)),  # "start <= end"
     "HumanEval/129": lambda grid, k: len(grid) >= 2 and all(len(row) == len(grid) for row in grid)
     and all(1 <= value <= len(grid) ** 2 for row in grid for value in row) and k >= 1,
     # "N >= 2", values in [1, N * N] ("exactly once" is broken by the check's own [[1, 3], [3, 2]]), a positive k
@@ -174,6 +178,7 @@ class Shape(NamedTuple):
     empty: bool  # an empty string or container was seen
     items: Shape | None  # of the items of lists, tuples and sets (and of dicts' values)
     keys: Shape | None  # of dicts' keys
+    width: int | None  # the length every tuple seen has (a record: an interval, a pair), if they all have one
 
 
 def infer(values: list) -> Shape:
@@ -183,10 +188,12 @@ def infer(values: list) -> Shape:
     sized = texts + containers
     items = [item for c in containers for item in (c.values() if type(c) is dict else c)]
     keys = [key for c in containers if type(c) is dict for key in c]
+    widths = {len(v) for v in values if type(v) is tuple}
     return Shape(tuple(sorted({type(v).__name__ for v in values})), min(numbers, default=None),
                  max(numbers, default=None), "".join(sorted(set("".join(texts)))),
                  max((len(v) for v in sized), default=0), any(len(v) == 0 for v in sized),
-                 infer(items) if items else None, infer(keys) if keys else None)
+                 infer(items) if items else None, infer(keys) if keys else None,
+                 widths.pop() if len(widths) == 1 else None)
 
 
 def fits(value, shape: Shape | None) -> bool:
@@ -207,6 +214,8 @@ def fits(value, shape: Shape | None) -> bool:
         return set(value) <= set(shape.alphabet) and (bool(value) or shape.empty) and len(value) <= 2 * shape.longest
     if kind in (list, tuple, set, frozenset, dict):
         if (not value and not shape.empty) or len(value) > 2 * shape.longest + 2:
+            return False
+        if kind is tuple and shape.width is not None and len(value) != shape.width:
             return False
         if kind is dict:
             return all(fits(k, shape.keys) and fits(v, shape.items) for k, v in value.items())
@@ -329,13 +338,13 @@ class OverBudget(Exception):
     pass
 
 
-def run_within_budget(function, args: tuple, kwargs: dict):
-    """function(*args, **kwargs) on deep copies, stopped (OverBudget) past STEP_BUDGET traced line events."""
+def run_within_budget(function, args: tuple, kwargs: dict, budget: int = STEP_BUDGET):
+    """function(*args, **kwargs) on deep copies, stopped (OverBudget) past `budget` traced line events."""
     steps = [0]
 
     def tracer(frame, event, arg):
         steps[0] += 1
-        if steps[0] > STEP_BUDGET:
+        if steps[0] > budget:
             raise OverBudget
         return tracer
 
@@ -363,7 +372,98 @@ def expected_output(function, args: tuple, kwargs: dict):
         random.setstate(state)
 
 
-# ---------------------------------------------------------------- 5. comparison and groups
+# ---------------------------------------------------------------- 5. mutants of the canonical solution
+# A near-solution differs from the canonical solution in one small place: `<` for `<=`, a bound off by one, `and` for
+# `or`, the wrong end of a string. Mutants of the canonical solution are such programs, and the cases are chosen so
+# that each mutant that some valid input tells apart fails one of them, where one can (mutation analysis, as EvalPlus
+# uses to reduce its test suites).
+
+SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
+         ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Add,
+         ast.FloorDiv: ast.Div, ast.Div: ast.FloorDiv, ast.Mod: ast.FloorDiv, ast.And: ast.Or, ast.Or: ast.And}
+RENAMES = {"max": "min", "min": "max", "startswith": "endswith", "endswith": "startswith", "upper": "lower",
+           "lower": "upper", "isupper": "islower", "islower": "isupper", "any": "all", "all": "any"}
+MUTANT_CALLS = 160  # candidate calls each mutant runs on, at most
+MUTANT_BUDGET = 20_000  # traced steps a mutant may take for one call (past it, it is told apart)
+KILLS = 2  # chosen calls that should tell each mutant apart
+
+
+class _Mutate(ast.NodeTransformer):
+    """Applies the mutation numbered `target` (counting every site in walk order) or, with target None, counts
+    the sites."""
+
+    def __init__(self, target: int | None):
+        self.target, self.site = target, 0
+
+    def _here(self) -> bool:
+        hit = self.site == self.target
+        self.site += 1
+        return hit
+
+    def generic_visit(self, node):
+        node = super().generic_visit(node)
+        if isinstance(node, ast.Compare):
+            node.ops = [SWAPS[type(op)]() if type(op) in SWAPS and self._here() else op for op in node.ops]
+        elif isinstance(node, (ast.BinOp, ast.BoolOp)) and type(node.op) in SWAPS and self._here():
+            node.op = SWAPS[type(node.op)]()
+        elif isinstance(node, ast.Constant) and type(node.value) is int:
+            for delta in (1, -1):
+                if self._here():
+                    return ast.Constant(node.value + delta)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and self._here():
+            return node.operand
+        elif isinstance(node, ast.Name) and node.id in RENAMES and self._here():
+            return ast.Name(RENAMES[node.id], node.ctx)
+        elif isinstance(node, ast.Attribute) and node.attr in RENAMES and self._here():
+            return ast.Attribute(node.value, RENAMES[node.attr], node.ctx)
+        return node
+
+
+def mutants(problem: dict) -> list:
+    """The canonical solution's mutants (`_Mutate`, one change each, in the entry point's own function) as
+    functions; those that do not compile or define are left out."""
+    source = problem["prompt"] + problem["canonical_solution"]
+    tree = ast.parse(source)
+    function = next(node for node in tree.body if isinstance(node, ast.FunctionDef)
+                    and node.name == problem["entry_point"])
+    counter = _Mutate(None)
+    counter.visit(copy.deepcopy(function))
+    found = []
+    for site in range(counter.site):
+        changed = copy.deepcopy(tree)
+        target = next(node for node in changed.body if isinstance(node, ast.FunctionDef)
+                      and node.name == problem["entry_point"])
+        _Mutate(site).visit(target)
+        namespace = {"__name__": "mutant"}
+        try:
+            exec(compile(ast.fix_missing_locations(changed), "mutant.py", "exec"), namespace)
+        except Exception:  # noqa: BLE001 -- a mutant that does not compile or run
+            continue
+        found.append(namespace[problem["entry_point"]])
+    return found
+
+
+def killed(candidates: list[tuple], functions: list, budget: int) -> list[set[int]]:
+    """For each candidate call, the mutants (by index) that answer it otherwise than expected: another output, an
+    error, or more than `budget` traced steps."""
+    state = random.getstate()
+    try:
+        kills = []
+        for args, kwargs, expected in candidates:
+            found = set()
+            for index, function in enumerate(functions):
+                try:
+                    if not same(run_within_budget(function, args, kwargs, budget), expected):
+                        found.add(index)
+                except Exception:  # noqa: BLE001 -- an error or OverBudget tells the mutant apart too
+                    found.add(index)
+            kills.append(found)
+        return kills
+    finally:
+        random.setstate(state)
+
+
+# ---------------------------------------------------------------- 6. comparison and groups
 
 
 same = same_output  # the judge's comparison: a case generated here passes where the judge says so
@@ -483,7 +583,7 @@ def problem_cases(problem: dict) -> tuple[list[list[tuple]], str]:
             candidates.append((args, {}, output))
     recorded_valid = [(args, kwargs, expected_output(reference, args, kwargs)) for args, kwargs in recorded]
     candidates += [call for call in recorded_valid if call[2] is not None]
-    chosen = choose(candidates, rng)
+    chosen = choose(candidates, rng, mutants(problem))
     family = strategy_family(problem["prompt"], problem["test"], arity) + stash_family(arity)
     groups = make_groups(chosen, family, group_size(len(chosen)))
     if len(groups) < MIN_GROUPS:
@@ -493,15 +593,32 @@ def problem_cases(problem: dict) -> tuple[list[list[tuple]], str]:
     return groups, ""
 
 
-def choose(candidates: list[tuple], rng: random.Random) -> list[tuple]:
-    """CALLS of the candidates, taken in turn from each output's calls (in a seeded order): a problem whose answer
-    is mostly False gets as many True cases as it has, up to half; then shuffled."""
+def choose(candidates: list[tuple], rng: random.Random, functions: list = ()) -> list[tuple]:
+    """CALLS of the candidates, shuffled: first, among MUTANT_CALLS of them (in a seeded order), calls that tell the
+    mutants apart (`functions`), each time the one that tells the most not yet told apart KILLS times, for at most
+    half of CALLS; then the rest taken in turn from each output's calls (a problem whose answer is mostly False gets
+    as many True cases as it has)."""
     order = list(candidates)
     rng.shuffle(order)
+    sample = order[:MUTANT_CALLS]
+    kills = killed(sample, list(functions), MUTANT_BUDGET) if functions else [set() for _ in sample]
+    counts = dict.fromkeys(set().union(*kills), 0)  # the mutants some call tells apart: how often chosen ones do
+    chosen, taken = [], set()
+    while len(chosen) < CALLS // 2:
+        gains = [len({m for m in found if counts[m] < KILLS}) if index not in taken else 0
+                 for index, found in enumerate(kills)]
+        best = max(range(len(gains)), key=gains.__getitem__, default=None)
+        if best is None or gains[best] == 0:
+            break
+        taken.add(best)
+        chosen.append(sample[best])
+        for m in kills[best]:
+            counts[m] += 1
     by_output: dict[str, list] = {}
-    for call in order:
-        by_output.setdefault(encode(call[2]), []).append(call)
-    queues, chosen = list(by_output.values()), []
+    for index, call in enumerate(order):
+        if index not in taken:
+            by_output.setdefault(encode(call[2]), []).append(call)
+    queues = list(by_output.values())
     while queues and len(chosen) < CALLS:
         for queue in queues:
             chosen.append(queue.pop(0))
