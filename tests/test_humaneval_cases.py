@@ -204,3 +204,50 @@ def test_the_execution_reward_pays_partial_credit_only_below_every_case_for_gene
     scores = execution(None, programs, [["assert f(0) == 1"]] * 2, entry_point=["f"] * 2,
                        generated_cases=[generated] * 2)
     assert scores == [1.0, pytest.approx(PARTIAL_CREDIT * 1 / 5)]  # the second fails its check case and 3 groups
+
+
+# Programs an attack found paid 1.0 by an earlier version of the cases, each wrong on a valid input; and a right
+# /127 that mutated intervals of 3 to 5 items scored 0.012.
+NEAR_SOLUTIONS = {
+    "HumanEval/99": "def closest_integer(value):\n    num = float(value)\n    if value.endswith('.5'):\n"
+                    "        return int(num + 0.5) if num > 0 else int(num - 0.5)\n    return int(round(num))\n",
+    "HumanEval/126": "def is_sorted(lst):\n    for x in lst:\n        if lst.count(x) > 2:\n            return False\n"
+                     "    return all(lst[i] <= lst[i + 1] for i in range(1, len(lst) - 1))\n",
+    "HumanEval/71": "def triangle_area(a, b, c):\n    if a + b <= c or b + c <= a or a + c < b:\n        return -1\n"
+                    "    s = (a + b + c) / 2\n    return round((s * (s - a) * (s - b) * (s - c)) ** 0.5, 2)\n",
+    "HumanEval/118": "def get_closest_vowel(word):\n    if len(word) < 3:\n        return ''\n    vowels = set('aeiouAEIOU')\n"
+                     "    for i in range(len(word) - 2, -1, -1):\n"
+                     "        if word[i] in vowels and word[i + 1] not in vowels and word[i - 1] not in vowels:\n"
+                     "            return word[i]\n    return ''\n",
+}
+RIGHT_127 = ("def intersection(interval1, interval2):\n    (a, b), (c, d) = interval1, interval2\n"
+             "    length = min(b, d) - max(a, c)\n    if length < 2:\n        return 'NO'\n"
+             "    return 'NO' if any(length % k == 0 for k in range(2, int(length ** 0.5) + 1)) else 'YES'\n")
+
+
+def _generated_groups_passed(task: str, program: str) -> list[bool]:
+    from data.humaneval import _problems, humaneval_row
+    from data.humaneval_cases import decode_group
+
+    problem = next(p for p in _problems() if p["task_id"] == task)
+    namespace = {}
+    exec(program, namespace)
+    function = namespace[problem["entry_point"]]
+    passed = []
+    for group in humaneval_row(problem)["generated_cases"]:
+        try:
+            passed.append(all(same_output(function(*args, **kwargs), expected)
+                              for args, kwargs, expected in decode_group(group)))
+        except Exception:  # noqa: BLE001 -- an error is a wrong answer
+            passed.append(False)
+    return passed
+
+
+@pytest.mark.parametrize("task", list(NEAR_SOLUTIONS))
+def test_near_solutions_an_attack_found_fail_a_generated_group(task):
+    passed = _generated_groups_passed(task, NEAR_SOLUTIONS[task])
+    assert passed and not all(passed)
+
+
+def test_a_right_solution_with_its_own_unpacking_passes_every_generated_group():
+    assert all(_generated_groups_passed("HumanEval/127", RIGHT_127))
