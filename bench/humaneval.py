@@ -4,7 +4,7 @@
     python bench/humaneval.py [--steps 12] [--model smollm2-135m-instruct]
 
 1. eval.py, greedy, on humaneval's test split (data/humaneval.py: 39 problems), scored by rewards.code:passed_all
-   (pass@1: every case passed, the generated ones too; pass@1_humaneval: every case of the check; tests_passed:
+   (pass@1: every case passed, the generated ones too; pass@1_base: every case of the check; tests_passed:
    the share of cases);
 2. train.py on the 120 train problems with rewards execution (rewards.code.case_reward), syntax:0.25
    and safety:0.5 (a -1 penalty for process, network or file-system calls);
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         print(f"{m['step']:>4}  {m['reward']:.3f}  {m['rewards/execution/mean']:.3f}  {m['rewards/syntax/mean']:.3f}"
               f"  {m['rewards/safety/mean']:.3f}  {m['completions/mean_length']:.1f}  {m['step_time']:.1f}")
     print(f"\nheld-out (humaneval's test split)  pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f}   "
-          f"pass@1_humaneval {before['pass@1_humaneval']:.3f} -> {after['pass@1_humaneval']:.3f}   "
+          f"pass@1_base {before['pass@1_base']:.3f} -> {after['pass@1_base']:.3f}   "
           f"tests_passed {before['tests_passed']:.3f} -> {after['tests_passed']:.3f}")
     return 0
 

@@ -161,15 +161,15 @@ def safety(prompts, completions, **kwargs) -> list[float]:
 
 def passed_all(completion, row) -> dict:
     """Evaluation scorer (--eval-scorer rewards.code:passed_all): pass@1 of a greedy completion (every case passed,
-    the generated ones too, as HumanEval+ counts), pass@1_humaneval (every case of the task's own check: the figure
-    papers report for HumanEval), and the share of all cases passed."""
+    the generated ones too, as HumanEval+ counts), pass@1_base (every case of the row's own tests, EvalPlus's "base":
+    for HumanEval the figure papers report), and the share of all cases passed."""
     tests = list(row["tests"] or [])
     scores = case_scores(completion, tests, row.get("setup"), row.get("prompt_code"), row.get("entry_point"),
                          row.get("generated_cases"))
     share = sum(scores) / len(scores) if scores else 0.0
     checked = scores[:len(tests)]
     return {"pass@1": float(bool(scores) and share == 1.0),
-            "pass@1_humaneval": float(bool(checked) and sum(checked) == len(checked)), "tests_passed": share}
+            "pass@1_base": float(bool(checked) and sum(checked) == len(checked)), "tests_passed": share}
 
 
 passed_all.runs_untrusted_code = True

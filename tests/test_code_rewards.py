@@ -230,7 +230,7 @@ def test_every_canonical_humaneval_solution_passes_every_case_and_no_stub_passes
     equal_to_all = [fenced("class E:\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\n"
                            f"def {r['entry_point']}(*args, **kwargs):\n    return E()\n") for r in rows]
     assert execution(None, equal_to_all, **columns) == [0.0] * len(rows)
-    assert passed_all(solutions[0], rows[0]) == {"pass@1": 1.0, "pass@1_humaneval": 1.0, "tests_passed": 1.0}
+    assert passed_all(solutions[0], rows[0]) == {"pass@1": 1.0, "pass@1_base": 1.0, "tests_passed": 1.0}
     # a near-solution: /158 without its tie-break passes the check's cases but not every generated one
     row = next(r for r in rows if r["task_id"] == "HumanEval/158")
     scores = passed_all(fenced("def find_max(words):\n    return max(words, key=lambda w: len(set(w)))\n"), row)
