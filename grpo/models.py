@@ -217,6 +217,16 @@ def four_bit_config(quant_type: str, nested: bool, compute_dtype: torch.dtype):
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
+def keep_4bit_layout_trainable(model) -> None:
+    """bitsandbytes 0.50, on a CPU with AVX512-BF16, repacks a 4-bit layer's weights into an inference-only layout
+    at its first forward in eval mode without gradients (our sampling); a training forward after that fails inside
+    bitsandbytes (`result += bias` on a tensor autograd needs). A model that trains keeps the trainable layout: that
+    repacking is turned off on each of its 4-bit layers (older versions have no such switch)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def is_quantized(model) -> bool:
     """Whether from_pretrained stored the model's weights in 4 or 8 bits (they cannot be moved or cast)."""
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))

@@ -48,7 +48,8 @@ from grpo.generation.async_rollouts import split_world
 from grpo.generation.prompts import encode_prompts
 from grpo.generation.rollout import make_generation_backend
 from grpo.lora import AdaptersOff, LoraSettings, add_lora, adopt_peft_model
-from grpo.models import (cast_head_to_fp32, disable_dropout, eos_token_ids, four_bit_config, is_quantized, load_model,
+from grpo.models import (cast_head_to_fp32, disable_dropout, eos_token_ids, four_bit_config, is_quantized,
+                         keep_4bit_layout_trainable, load_model,
                          load_tokenizer, make_optimizer, resolve_device, resolve_precision)
 from grpo.multiturn.environments import EnvironmentRollouts, Environments, load_environments
 from grpo.multiturn.tools import ToolSet, check_template_renders_tools, load_tools
@@ -582,6 +583,8 @@ def load_policy(config, device, dtype, tokenizer, policy=None, resume_from=None,
     if is_quantized(policy) and not config.use_peft:
         raise ValueError("the model given is quantized (4 or 8 bits): its weights cannot train; set use_peft "
                          "(LoRA adapters over the quantized base, QLoRA)")
+    if is_quantized(policy):
+        keep_4bit_layout_trainable(policy)
     if config.disable_dropout:  # before LoRA: the adapters' dropout is --lora-dropout's
         dropped = disable_dropout(policy)
         if dropped:
