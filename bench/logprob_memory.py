@@ -1,7 +1,7 @@
 """Peak memory of completion log-probs + backward: chunked (grpo.algorithm.logprobs) vs the naive full-logits reference.
 
 Each method runs in a fresh subprocess so its peak is its own: on CPU the peak resident set size
-(ru_maxrss) minus the resident size just before the forward; on CUDA torch.cuda.max_memory_allocated.
+(VmHWM) minus the resident size just before the forward; on CUDA torch.cuda.max_memory_allocated.
 
     python bench/logprob_memory.py --shape small --rows 16 --completion-length 256
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
@@ -21,6 +20,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def _rss_mib() -> float:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    """This process's own peak resident set (VmHWM). Not getrusage's ru_maxrss: a child started by fork (or vfork)
+    and exec keeps its parent's peak in it, so a child of a process holding gigabytes reports gigabytes."""
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("VmHWM:")) / 1024  # kB
 
 
 def measure(method: str, shape: str, rows: int, prompt_length: int, completion_length: int, device: str) -> dict:
@@ -49,7 +55,7 @@ def measure(method: str, shape: str, rows: int, prompt_length: int, completion_l
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        peak = _peak_rss_mib()
     return {"method": method, "peak_mib_above_model": round(peak - base, 1)}
 
 
