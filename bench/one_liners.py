@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import resource
 import signal
 import statistics
@@ -33,8 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.humaneval import _problems, humaneval_row  # noqa: E402
-from data.humaneval_cases import decode_group, same  # noqa: E402
+from data.humaneval_cases import decode_group  # noqa: E402
+from data.strategies import prompt_arity, replay_program  # noqa: E402
 from rewards.code import case_reward  # noqa: E402
+from rewards.judge import same_output  # noqa: E402
 
 BODIES_1 = [
     "a", "sorted(a)", "sorted(a, reverse=True)", "len(a)", "a[::-1]", "sum(a)", "min(a)", "max(a)", "a[0]", "a[-1]",
@@ -93,25 +94,13 @@ def _late(signum, frame):
 
 def check_cases_passed(row: dict, function) -> list[bool]:
     """Which of the row's check cases `function` passes as the candidate, replayed through the trusted test code."""
-    namespace, passed = {"__name__": "tests"}, []
-    state = random.getstate()
-    try:
-        exec(row.get("prompt_code") or "", namespace)
-        namespace[row["entry_point"]] = function
-        exec(row["setup"], namespace)
-        namespace["candidate"] = function
-    except Exception:  # noqa: BLE001
-        return [False] * len(row["tests"])
-    for case in row["tests"]:
-        passed.append(_guarded(lambda: exec(case, namespace)))
-    random.setstate(state)
-    return passed
+    return replay_program(row, lambda: function, runs=lambda code, namespace: _guarded(lambda: exec(code, namespace)))
 
 
 def group_passed(group: str, function) -> bool:
     def run():
         for args, kwargs, expected in decode_group(group):
-            if not same(function(*args, **kwargs), expected):
+            if not same_output(function(*args, **kwargs), expected):
                 raise AssertionError
     return _guarded(run)
 
@@ -126,15 +115,6 @@ def _guarded(run) -> bool:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except (Exception, Late):  # noqa: BLE001 -- a wrong answer, an error, or too slow (the timer may fire late)
         return False
-
-
-def arity(row: dict) -> int:
-    import ast
-
-    tree = ast.parse(row["prompt_code"])
-    functions = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
-                 and node.name == row["entry_point"]]
-    return len(functions[-1].args.args) if functions else 1
 
 
 def main(argv=None) -> int:
@@ -159,7 +139,7 @@ def _report(args) -> int:
         cases = len(row["tests"]) + (0 if args.check_only else len(row["generated_cases"]))
         best = {name: [0.0, 0.0, ""] for name in measures}  # agrees, forgery, its body
         for needed, body in BODIES if row["tests"] else ():  # a problem left out of the split pays nothing
-            if needed > arity(row):
+            if needed > prompt_arity(row["prompt_code"], row["entry_point"]):
                 continue
             function = body_function(body)
             groups = [group_passed(group, function) for group in row["generated_cases"]]

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.humaneval import load_humaneval  # noqa: E402
+from data.strategies import replay_program  # noqa: E402
 from rewards.code import execution  # noqa: E402
 from rewards.sandbox import isolation  # noqa: E402
 
@@ -86,24 +87,8 @@ CONSTANT_ANSWERS.append(lambda *a, **k: a[0] if a else None)  # the first argume
 def constant_share(row: dict, answer) -> float:
     """The share of a row's cases that `answer` passes as the candidate, replayed through the row's trusted test
     code in this process (nothing the model wrote runs here)."""
-    import random
-
-    state, namespace, passed = random.getstate(), {"__name__": "tests"}, 0
-    try:
-        exec(row["prompt_code"], namespace)
-        namespace[row["entry_point"]] = answer
-        exec(row["setup"], namespace)
-        namespace["candidate"] = answer
-    except Exception:  # noqa: BLE001
-        return 0.0
-    for case in row["tests"]:
-        try:
-            exec(case, namespace)
-            passed += 1
-        except Exception:  # noqa: BLE001 -- the case fails
-            pass
-    random.setstate(state)
-    return passed / len(row["tests"])
+    passed = replay_program(row, lambda: answer)
+    return sum(passed) / len(passed)
 
 
 if __name__ == "__main__":

