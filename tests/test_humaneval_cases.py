@@ -206,8 +206,8 @@ def test_the_execution_reward_pays_partial_credit_only_below_every_case_for_gene
     assert scores == [1.0, pytest.approx(PARTIAL_CREDIT * 1 / 5)]  # the second fails its check case and 3 groups
 
 
-# Programs an attack found paid 1.0 by an earlier version of the cases, each wrong on a valid input; and a right
-# /127 that mutated intervals of 3 to 5 items scored 0.012.
+# Near-solutions, each wrong on a valid input (/99 '14.50', /126 [3, 1, 2, 5], /71 (1, 3, 2), /118 'alieAsy'); and a
+# right /127 that unpacks each interval as a pair, which mutated intervals of other lengths would fail.
 NEAR_SOLUTIONS = {
     "HumanEval/99": "def closest_integer(value):\n    num = float(value)\n    if value.endswith('.5'):\n"
                     "        return int(num + 0.5) if num > 0 else int(num - 0.5)\n    return int(round(num))\n",
